@@ -1,0 +1,110 @@
+"""The paged attention custom ops (``torch.ops.pagedattn.*``) and their fake kernels.
+
+Schemas and shape rules live here; device kernels come from the backends, which call
+:func:`register_kernels` on import. A call on a device whose backend is not loaded yet
+loads it through the registry first.
+
+Conventions shared by every backend:
+
+- ``key``/``value``/``query`` are flattened over tokens: ``[T, heads, head_size]``.
+- ``write_kv_cache`` must run before ``paged_attention`` reads the same step's tokens.
+- ``sliding_window <= 0`` means no window; ``softcap <= 0`` means no soft-cap.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from pagedattn.backends.base import AttentionBackend, get_backend
+
+__all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "register_kernels"]
+
+
+def _backend_for(t: Tensor) -> AttentionBackend:
+    return get_backend(t.device)
+
+
+@torch.library.custom_op("pagedattn::write_kv_cache", mutates_args=("kv_cache",))
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
+    _backend_for(kv_cache).write(key, value, kv_cache, slot_mapping)
+
+
+@write_kv_cache.register_fake
+def _(key, value, kv_cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op("pagedattn::write_kv_cache_functional", mutates_args=())
+def write_kv_cache_functional(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> Tensor:
+    """Like :func:`write_kv_cache` but returns the updated cache and leaves the input untouched."""
+    out = kv_cache.clone()
+    _backend_for(kv_cache).write(key, value, out, slot_mapping)
+    return out
+
+
+@write_kv_cache_functional.register_fake
+def _(key, value, kv_cache, slot_mapping):
+    return torch.empty_like(kv_cache)
+
+
+@torch.library.custom_op("pagedattn::paged_attention", mutates_args=())
+def paged_attention(
+    query: Tensor,
+    key: Optional[Tensor],
+    value: Optional[Tensor],
+    kv_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    num_kv_heads: int,
+    head_size_v: int,
+) -> Tensor:
+    """Attention of every new token over its sequence's cached keys, in one call.
+
+    ``query`` is ``[T, Hq, D]``; sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``
+    and has ``seq_lens[i]`` keys in total (its new tokens included, causal aligned bottom-right).
+    ``key``/``value`` are the new tokens' K/V (``None`` when the step has none, e.g. cross-attention
+    over a cache filled once); backends may read them directly instead of the cache.
+    Returns ``[T, Hq, head_size_v]``; rows past ``query_start_loc[-1]`` (padding) are zero.
+    """
+    return _backend_for(kv_cache).attend(
+        query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
+        scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads,
+    )
+
+
+@paged_attention.register_fake
+def _(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal,
+      sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v):
+    return query.new_empty((query.shape[0], query.shape[1], head_size_v))
+
+
+def register_kernels(backend: AttentionBackend) -> None:
+    """Register ``backend``'s methods as the ops' kernels for its device type."""
+    dev = backend.device_type
+
+    def _write(key, value, kv_cache, slot_mapping):
+        backend.write(key, value, kv_cache, slot_mapping)
+
+    def _write_functional(key, value, kv_cache, slot_mapping):
+        out = kv_cache.clone()
+        backend.write(key, value, out, slot_mapping)
+        return out
+
+    def _attend(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal,
+                sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v):
+        return backend.attend(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
+                              scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads)
+
+    write_kv_cache.register_kernel(dev)(_write)
+    write_kv_cache_functional.register_kernel(dev)(_write_functional)
+    paged_attention.register_kernel(dev)(_attend)

@@ -1,0 +1,1 @@
+"""FX passes that find attention and replace it with paged attention."""

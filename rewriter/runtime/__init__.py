@@ -1,0 +1,1 @@
+"""Serving side: caches, block manager, scheduler, engine, runtime context."""

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from .paged_batch import make_batch
+
+
+def _attn_args(b, window=0, softcap=0.0, alibi=None):
+    return (b.query, b.key, b.value, b.kv_cache, b.meta.block_tables, b.meta.seq_lens,
+            b.meta.query_start_loc, 0.125, True, window, softcap, alibi, b.key.shape[1], b.value.shape[2])
+
+
+@pytest.mark.parametrize("feature", [{}, {"window": 6}, {"softcap": 4.0}, {"alibi": torch.tensor([0.5, 0.25, 0.125, 0.0625])}],
+                         ids=["plain", "window", "softcap", "alibi"])
+def test_opcheck_paged_attention(feature):
+    b = make_batch([(0, 6), (9, 1), (20, 4)], num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    torch.library.opcheck(torch.ops.pagedattn.paged_attention.default, _attn_args(b, **feature))
+
+
+def test_opcheck_writes():
+    b = make_batch([(0, 6), (9, 1)], head_size=16, block_size=4, pad_tokens=2)
+    args = (b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    torch.library.opcheck(torch.ops.pagedattn.write_kv_cache.default, args)
+    torch.library.opcheck(torch.ops.pagedattn.write_kv_cache_functional.default, args)
+
+
+def _step(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+    torch.ops.pagedattn.write_kv_cache(key, value, kv_cache, slot_mapping)
+    return torch.ops.pagedattn.paged_attention(query, key, value, kv_cache, block_tables, seq_lens,
+                                               query_start_loc, 0.125, True, 0, 0.0, None, key.shape[1], value.shape[2])
+
+
+def test_fake_kernels_under_symbolic_shapes():
+    # compiled with dynamic shapes, fed batches of different token and sequence counts
+    fn = torch.compile(_step, backend="aot_eager", dynamic=True, fullgraph=True)
+    for seqs in ([(0, 5), (3, 1)], [(0, 9), (7, 1), (2, 3)], [(11, 1)] * 4):
+        b = make_batch(seqs, head_size=16, block_size=4)
+        ref_cache = b.kv_cache.clone()
+        args = (b.query, b.key, b.value)
+        meta = (b.meta.slot_mapping, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc)
+        out = fn(*args, b.kv_cache, *meta)
+        ref = _step(*args, ref_cache, *meta)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(b.kv_cache, ref_cache)
+
+
+def test_export_with_dynamic_tokens():
+    class Step(torch.nn.Module):
+        def forward(self, query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+            return _step(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc)
+
+    b = make_batch([(0, 5), (3, 2)], head_size=16, block_size=4)
+    args = (b.query, b.key, b.value, b.kv_cache, b.meta.slot_mapping, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc)
+    T = torch.export.Dim("tokens", min=2)
+    S = torch.export.Dim("seqs")
+    shapes = ({0: T}, {0: T}, {0: T}, {1: torch.export.Dim("blocks")}, {0: T},
+              {0: S, 1: torch.export.Dim("max_blocks")}, {0: S}, {0: S + 1})
+    ep = torch.export.export(Step(), args, dynamic_shapes=shapes)
+    b2 = make_batch([(0, 9), (7, 1), (2, 3)], head_size=16, block_size=4)
+    args2 = (b2.query, b2.key, b2.value, b2.kv_cache.clone(), b2.meta.slot_mapping, b2.meta.block_tables, b2.meta.seq_lens, b2.meta.query_start_loc)
+    torch.testing.assert_close(ep.module()(*args2), _step(*args2[:3], b2.kv_cache, *args2[4:]))

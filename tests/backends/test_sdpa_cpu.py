@@ -1,0 +1,150 @@
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedattn.backends import get_backend
+from pagedattn.backends.base import AttentionConfig
+
+from .paged_batch import make_batch, reference_step, run_step
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+SHAPES = {
+    "all_prefill": [(0, 7), (0, 19), (0, 1), (0, 33)],
+    "all_decode": [(5, 1), (40, 1), (16, 1), (1, 1), (63, 1)],
+    "mixed": [(0, 12), (30, 1), (17, 5), (0, 1), (64, 1), (3, 9)],
+    "chunked": [(32, 16), (47, 3), (15, 17)],
+    "cached_prefix": [(16, 20), (32, 1), (48, 7)],
+    "many_blocks": [(300, 1), (257, 40), (0, 130)],
+}
+
+
+def _check(batch, dtype, **kw):
+    scale = kw.pop("scale", 1 / math.sqrt(batch.query.shape[-1]))
+    out = run_step(batch, scale, pass_kv=kw.pop("pass_kv", True), **kw)
+    ref = reference_step(batch, scale, **kw)
+    n = ref.shape[0]
+    torch.testing.assert_close(out[:n].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batch_shapes(shape, dtype):
+    _check(make_batch(SHAPES[shape], dtype=dtype, pad_tokens=3), dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 4), (16, 2), (8, 1)], ids=["mha", "gqa2", "gqa8", "mqa"])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_layouts(block_size, heads, head_size):
+    nh, nkv = heads
+    b = make_batch(SHAPES["mixed"], num_heads=nh, num_kv_heads=nkv, head_size=head_size, block_size=block_size)
+    _check(b, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"window": 8},
+        {"window": 1},
+        {"softcap": 5.0},
+        {"softcap": 3.0, "window": 13},
+        {"alibi": True},
+        {"alibi": True, "window": 10},
+        {"causal": False},
+        {"scale": 0.3},
+    ],
+    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_features(feature, dtype):
+    feature = dict(feature)
+    b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype)
+    if feature.pop("alibi", False):
+        feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
+    _check(b, dtype, **feature)
+
+
+def test_cross_attention_over_filled_cache():
+    # decoder tokens attend, non-causally, to an encoder cache written once; no new K/V
+    b = make_batch([(20, 3), (9, 1), (33, 6)], num_heads=4, num_kv_heads=4)
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    enc_lens = torch.tensor([c + n for c, n in zip(b.contexts, b.q_lens)], dtype=torch.int32)
+    out = torch.ops.pagedattn.paged_attention(
+        b.query, None, None, b.kv_cache, b.meta.block_tables, enc_lens, b.meta.query_start_loc,
+        0.125, False, 0, 0.0, None, 4, 64,
+    )
+    ref = reference_step(b, 0.125, causal=False)
+    torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_reads_cache_when_no_new_kv_given():
+    b = make_batch(SHAPES["mixed"])
+    _check(b, torch.float32, pass_kv=False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(0, 70), st.integers(1, 24)).map(lambda t: (t[0], t[1] if t[0] else max(t[1], 1))),
+        min_size=1, max_size=6,
+    ),
+    block_size=st.sampled_from([1, 4, 16, 32]),
+    group=st.sampled_from([1, 2, 4]),
+    window=st.sampled_from([0, 0, 5, 33]),
+    softcap=st.sampled_from([0.0, 0.0, 4.0]),
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_batches(seqs, block_size, group, window, softcap, pad, seed):
+    b = make_batch(seqs, num_heads=2 * group, num_kv_heads=2, head_size=32, block_size=block_size,
+                   pad_tokens=pad, generator=torch.Generator().manual_seed(seed))
+    _check(b, torch.float32, window=window, softcap=softcap)
+
+
+def test_padding_slots_are_skipped():
+    b = make_batch([(0, 4)], pad_tokens=2)
+    before = b.kv_cache.clone()
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    changed = (b.kv_cache != before).flatten(3).any(-1)  # [2, blocks, block_size]
+    assert int(changed[0].sum()) == 4
+
+
+def test_functional_write_leaves_input_alone():
+    b = make_batch([(0, 5), (3, 1)])
+    before = b.kv_cache.clone()
+    new = torch.ops.pagedattn.write_kv_cache_functional(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    assert torch.equal(b.kv_cache, before)
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    assert torch.equal(new, b.kv_cache)
+
+
+def test_copy_and_swap_blocks():
+    backend = get_backend("cpu")
+    cache = backend.allocate_kv_cache(6, 4, 2, 8)
+    cache.normal_()
+    orig = cache.clone()
+    backend.copy_blocks(cache, torch.tensor([[0, 3], [2, 5]]))
+    assert torch.equal(cache[:, 3], orig[:, 0]) and torch.equal(cache[:, 5], orig[:, 2])
+    assert torch.equal(cache[:, 1], orig[:, 1])
+    host = torch.zeros_like(cache)
+    backend.swap_blocks(cache, host, torch.tensor([[1, 0], [4, 2]]))
+    assert torch.equal(host[:, 0], cache[:, 1]) and torch.equal(host[:, 2], cache[:, 4])
+    assert torch.all(host[:, 1] == 0)
+
+
+def test_supports_gives_reasons():
+    backend = get_backend("cpu")
+    ok = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1)
+    assert backend.supports(ok) == []
+    bad = AttentionConfig(num_heads=6, num_kv_heads=4, head_size=64, scale=0.1, dtype=torch.float64)
+    reasons = backend.supports(bad)
+    assert any("float64" in r for r in reasons) and any("multiple" in r for r in reasons)
+
+
+def test_cache_shape():
+    assert get_backend("cpu").kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
