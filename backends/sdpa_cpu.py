@@ -208,8 +208,9 @@ class SdpaCpuBackend(AttentionBackend):
         return k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
 
     def _one(self, out, query, s: _Seq, k, v, scale, causal, window, softcap, alibi_slopes, num_kv_heads):
-        q = query[s.start:s.start + s.q_len].transpose(0, 1)  # [Hq, Q, D]
-        num_heads = q.shape[0]
+        q = query[s.start:s.start + s.q_len].transpose(0, 1)[None]  # [1, Hq, Q, D]
+        k, v = k[None], v[None]
+        num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         plain = alibi_slopes is None and softcap <= 0 and window <= 0
         if plain and (not causal or s.context_len == 0):
@@ -224,38 +225,112 @@ class SdpaCpuBackend(AttentionBackend):
             alibi = _alibi_bias(alibi_slopes, q_pos, k_pos) if alibi_slopes is not None else None
             mask = _scores_bias(allowed, alibi, num_kv_heads, group)
             o = _unfold_gqa(_attend_folded(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap), num_heads)
-        out[s.start:s.start + s.q_len] = o.transpose(0, 1)
+        out[s.start:s.start + s.q_len] = o[0].transpose(0, 1)
 
     def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], scale, causal, window,
                 softcap, alibi_slopes, num_kv_heads):
-        # every single-token query in one padded SDPA call; G query heads fold into the query dim
-        bs = kv_cache.shape[2]
+        # Flash-decoding on CPU: each sequence's keys are cut into chunks that, gathered, stay in the
+        # last-level cache; chunks are batched into padded groups, and partial results merged by
+        # their log-sum-exp. Per-chunk tensors are built once; groups only slice them.
+        bs, d = kv_cache.shape[2], kv_cache.shape[-1]
         dev = query.device
-        lens = torch.tensor([s.kv_len for s in seqs], device=dev)
-        rows = torch.tensor([s.start for s in seqs], device=dev)
-        max_len = max(s.kv_len for s in seqs)
-        n = -(-max_len // bs)
-        tables = block_tables.index_select(0, torch.tensor([s.index for s in seqs], device=dev))[:, :n]
-        flat = tables.reshape(-1).long()
-        b = len(seqs)
-        k = kv_cache[0].index_select(0, flat).view(b, n * bs, num_kv_heads, -1).transpose(1, 2)  # [B, Hkv, Lp, D]
-        v = kv_cache[1].index_select(0, flat).view(b, n * bs, num_kv_heads, -1).transpose(1, 2)
+        kv_token_bytes = 2 * num_kv_heads * d * kv_cache.element_size()
+        chunk = max(bs, (_GATHER_BUDGET_BYTES // kv_token_bytes) // bs * bs)
+        items: list[_Chunk] = []
+        for s in seqs:
+            lo = max(0, s.kv_len - window) if causal and window > 0 else 0
+            for a in range(lo - lo % bs, s.kv_len, chunk):
+                items.append(_Chunk(s, max(a, lo), min(a + chunk, s.kv_len)))
+        bounds, start, longest = [], 0, 0  # groups are runs of consecutive chunks
+        for i, it in enumerate(items):
+            longest_with = max(longest, it.num_blocks(bs))
+            if i > start and (i - start + 1) * longest_with * bs * kv_token_bytes > _GATHER_BUDGET_BYTES:
+                bounds.append((start, i, longest))
+                start, longest_with = i, it.num_blocks(bs)
+            longest = longest_with
+        bounds.append((start, len(items), longest))
+
+        n_max = max(n for _, _, n in bounds)
+        first = torch.tensor([it.lo // bs for it in items], device=dev)
+        cols = (first[:, None] + torch.arange(n_max, device=dev)[None, :]).clamp_(max=block_tables.shape[1] - 1)
+        seq_rows = torch.tensor([it.seq.index for it in items], device=dev)
+        blocks = block_tables[seq_rows[:, None], cols].long()  # [I, n_max]
+        rows = torch.tensor([it.seq.start for it in items], device=dev)
         num_heads = query.shape[1]
         group = num_heads // num_kv_heads
-        q = query.index_select(0, rows).view(b, num_kv_heads, group, -1)  # [B, Hkv, G, D]
-        k_pos = torch.arange(n * bs, device=dev)  # [Lp]
-        q_pos = (lens - 1)[:, None]  # [B, 1]
-        ok = k_pos[None, :] < lens[:, None]  # [B, Lp] key padding
-        if causal and window > 0:
-            ok = ok & (q_pos - k_pos[None, :] < window)
+        q_all = query.index_select(0, rows).view(len(items), num_kv_heads, group, -1)  # [I, Hkv, G, D]
+        k_pos = first[:, None] * bs + torch.arange(n_max * bs, device=dev)[None, :]  # [I, Lp] absolute
+        lo = torch.tensor([it.lo for it in items], device=dev)[:, None]
+        hi = torch.tensor([it.hi for it in items], device=dev)[:, None]
+        ok = ((k_pos >= lo) & (k_pos < hi))[:, None, None, :]  # [I, 1, 1, Lp]
         if alibi_slopes is not None:
-            rel = (k_pos[None, :] - q_pos).float()  # [B, Lp]
+            rel = (k_pos - torch.tensor([it.seq.kv_len - 1 for it in items], device=dev)[:, None]).float()
             bias = alibi_slopes.float().view(1, num_kv_heads, group, 1) * rel[:, None, None, :]
-            mask = bias.masked_fill(~ok[:, None, None, :], float("-inf"))  # [B, Hkv, G, Lp]
         else:
-            mask = ok[:, None, None, :]  # [B, 1, 1, Lp]
-        o = _attend_folded(q, k, v, mask, scale, softcap)  # [B, Hkv, G, Dv]
-        out.index_copy_(0, rows, o.reshape(b, num_heads, -1))
+            bias = torch.zeros(ok.shape, device=dev)
+        bias = bias.masked_fill(~ok, float("-inf"))
+        if softcap <= 0:
+            bias = bias.to(query.dtype)
+
+        outs, lses = [], []
+        for a, b, n in bounds:
+            k_ws, v_ws = _workspace(kv_cache, (b - a) * n)
+            flat = blocks[a:b, :n].reshape(-1)
+            torch.index_select(kv_cache[0], 0, flat, out=k_ws)
+            torch.index_select(kv_cache[1], 0, flat, out=v_ws)
+            k = k_ws.view(b - a, n * bs, num_kv_heads, -1).transpose(1, 2)  # [g, Hkv, Lp, D]
+            v = v_ws.view(b - a, n * bs, num_kv_heads, -1).transpose(1, 2)
+            o, lse = _partial_attention(q_all[a:b], k, v, bias[a:b, ..., : n * bs], scale, softcap)
+            outs.append(o.reshape(b - a, num_heads, -1))
+            lses.append(lse.reshape(b - a, num_heads))
+        o = torch.cat(outs)  # [I, Hq, Dv]
+        if len(items) == len(seqs):
+            out.index_copy_(0, rows, o.to(out.dtype))
+            return
+        lse = torch.cat(lses)  # [I, Hq]
+        m = torch.full((out.shape[0], num_heads), float("-inf"), device=dev).scatter_reduce_(
+            0, rows[:, None].expand_as(lse), lse, "amax")
+        w = torch.exp(lse - m[rows])  # [I, Hq]
+        num = torch.zeros(out.shape, dtype=torch.float32, device=dev).index_add_(0, rows, o.float() * w[..., None])
+        den = torch.zeros(m.shape, device=dev).index_add_(0, rows, w)
+        uniq = torch.tensor([s.start for s in seqs], device=dev)
+        out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None]).to(out.dtype))
+
+
+def _partial_attention(q, k, v, bias, scale, softcap) -> tuple[Tensor, Tensor]:
+    """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks)."""
+    if softcap > 0:
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * softcap + bias
+        return torch.matmul(torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    seq: _Seq
+    lo: int  # first key position
+    hi: int  # one past the last key position
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-self.hi // block_size) - self.lo // block_size
+
+
+# Gathered K+V per decode group; sized to stay resident in a typical last-level cache.
+_GATHER_BUDGET_BYTES = 8 << 20
+_WORKSPACES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _workspace(kv_cache: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
+    """Reused gather buffers: fresh large allocations cost page faults on every call."""
+    block_shape = tuple(kv_cache.shape[2:])
+    key = (kv_cache.dtype, kv_cache.device, block_shape)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].shape[0] < num_blocks:
+        size = max(num_blocks, 2 * ws[0].shape[0] if ws is not None else 0)
+        ws = tuple(torch.empty((size, *block_shape), dtype=kv_cache.dtype, device=kv_cache.device) for _ in range(2))
+        _WORKSPACES[key] = ws
+    return ws[0][:num_blocks], ws[1][:num_blocks]
 
 
 BACKEND = register_backend(SdpaCpuBackend())

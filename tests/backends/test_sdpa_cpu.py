@@ -148,3 +148,16 @@ def test_supports_gives_reasons():
 
 def test_cache_shape():
     assert get_backend("cpu").kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
+
+
+@pytest.mark.parametrize("feature", [{}, {"window": 21}, {"softcap": 4.0}, {"alibi": True}], ids=["plain", "window", "softcap", "alibi"])
+def test_split_decode_merges_chunks(monkeypatch, feature):
+    # a tiny gather budget forces long decodes into several key chunks merged by log-sum-exp
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 4 * 2 * 2 * 64 * 4 * 3)
+    feature = dict(feature)
+    if feature.pop("alibi", False):
+        feature["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    b = make_batch([(100, 1), (3, 1), (57, 1), (0, 9), (40, 1)], num_heads=4, num_kv_heads=2, block_size=4)
+    _check(b, torch.float32, **feature)
