@@ -1,0 +1,398 @@
+"""Find attention structurally: from each softmax back to Q·Kᵀ and forward to ·V; and SDPA calls.
+
+Sites are recorded in ``gm.meta["pagedattn_sites"]``; nothing in the graph changes here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from pagedattn.passes.site import (
+    CAST_OPS,
+    CONTRACTION_OPS,
+    SDPA_OPS,
+    SOFTMAX_OPS,
+    VIEW_OPS,
+    AttentionSite,
+    PassResult,
+    aten,
+    is_full_slice,
+    same_size,
+    scalar,
+    shape,
+    skip_identity,
+)
+
+log = logging.getLogger("pagedattn.passes")
+
+_NEG_LIMIT = -1e4  # a fill value at or below this is a mask, not data
+
+
+class NoMatch(Exception):
+    """This softmax is not an attention the tool can express; the message says why."""
+
+
+def match_attention(gm: GraphModule) -> PassResult:
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in SOFTMAX_OPS:
+            site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
+            try:
+                _match_softmax(site)
+            except NoMatch as e:
+                site.skip(str(e))
+            sites.append(site)
+        elif node.target in SDPA_OPS:
+            site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
+            try:
+                _match_sdpa(site)
+            except NoMatch as e:
+                site.skip(str(e))
+            sites.append(site)
+    gm.meta["pagedattn_sites"] = sites
+    for s in sites:
+        log.info("site %s: %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
+    return PassResult("match_attention", False, f"{sum(s.status == 'matched' for s in sites)} of {len(sites)} matched")
+
+
+# ----------------------------------------------------------------------- score path
+
+
+def _leads_to_contraction(node, depth: int = 12) -> bool:
+    while isinstance(node, Node) and depth > 0:
+        if node.target in CONTRACTION_OPS:
+            return True
+        if node.op != "call_function" or not node.args:
+            return False
+        nxt = [a for a in node.args if isinstance(a, Node)]
+        if not nxt:
+            return False
+        if len(nxt) > 1:
+            return any(_leads_to_contraction(a, depth - 1) for a in nxt)
+        node = nxt[0]
+        depth -= 1
+    return False
+
+
+def _is_neg_fill(x) -> bool:
+    v = scalar(x)
+    if v is not None:
+        return v <= _NEG_LIMIT
+    return False
+
+
+def _match_softmax(site: AttentionSite) -> None:
+    sm = site.anchor
+    if sm.args[1] not in (-1, len(shape(sm) or ()) - 1):
+        raise NoMatch("softmax is not over the last dimension")
+    scale, softcap = 1.0, None
+    x = sm.args[0]
+    while True:
+        x = skip_identity(x)
+        if not isinstance(x, Node) or x.op != "call_function":
+            raise NoMatch("no Q·Kᵀ product feeds the softmax")
+        t = x.target
+        if t in CONTRACTION_OPS:
+            break
+        if t in (aten.mul.Tensor, aten.mul.Scalar) and _scalar_arg(x) is not None:
+            c, other = _scalar_arg(x)
+            cap = _softcap_of(x)
+            if cap is not None:
+                if scale != 1.0 or site.biases or site.conds:
+                    raise NoMatch("scaling or a mask applied inside the soft-cap")
+                softcap, x = cap[0], cap[1]
+                continue
+            scale *= c
+            x = other
+        elif t in (aten.div.Tensor, aten.div.Scalar) and scalar(x.args[1]) is not None:
+            scale /= scalar(x.args[1])
+            x = x.args[0]
+        elif t is aten.add.Tensor and all(isinstance(a, Node) for a in x.args[:2]):
+            a, b = x.args[:2]
+            path, bias = (a, b) if _leads_to_contraction(a) else (b, a)
+            if softcap is not None:
+                raise NoMatch("an additive bias applied before the soft-cap")
+            site.biases.append((bias, scale * (x.kwargs.get("alpha", 1) if path is a else 1)))
+            x = path
+        elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            if not _is_neg_fill(x.args[2]):
+                raise NoMatch(f"masked_fill with {x.args[2]} is not a mask")
+            site.conds.append((x.args[1], False))
+            x = x.args[0]
+        elif t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+            cond, a, b = x.args[:3]
+            if _is_neg_fill(b) and _leads_to_contraction(a):
+                site.conds.append((cond, True))
+                x = a
+            elif _is_neg_fill(a) and _leads_to_contraction(b):
+                site.conds.append((cond, False))
+                x = b
+            else:
+                raise NoMatch("torch.where on the scores is not a mask")
+        else:
+            raise NoMatch(f"{_op_name(x)} between Q·Kᵀ and softmax")
+    qk = x
+    q, kt, extra_scale = _qk_operands(site, qk)
+    scale *= extra_scale
+    q, qs = _strip_scalar(q)
+    kt, ks = _strip_scalar(kt)
+    scale *= qs * ks
+    pv, v, layout = _find_pv(sm)
+    site.scale, site.softcap = scale, softcap
+    _set_operands(site, q, kt, v, pv, layout, key_is_transposed=True)
+
+
+def _scalar_arg(node: Node):
+    a, b = node.args[:2]
+    if scalar(b) is not None and isinstance(a, Node):
+        return scalar(b), a
+    if scalar(a) is not None and isinstance(b, Node):
+        return scalar(a), b
+    return None
+
+
+def _softcap_of(mul: Node):
+    """``tanh(y / c) * c`` -> ``(c, y)``."""
+    c, inner = _scalar_arg(mul)
+    inner = skip_identity(inner)
+    if not (isinstance(inner, Node) and inner.target is aten.tanh.default):
+        return None
+    d = skip_identity(inner.args[0])
+    if d.target in (aten.div.Tensor, aten.div.Scalar) and scalar(d.args[1]) is not None:
+        if abs(scalar(d.args[1]) - c) <= 1e-6 * abs(c):
+            return c, d.args[0]
+    if d.target in (aten.mul.Tensor, aten.mul.Scalar) and _scalar_arg(d) is not None:
+        k, y = _scalar_arg(d)
+        if abs(k * c - 1) <= 1e-6:
+            return c, y
+    return None
+
+
+def _strip_scalar(node):
+    """``x * c`` / ``x / c`` (through casts) -> (x, c)."""
+    factor = 1.0
+    while True:
+        n = skip_identity(node)
+        if isinstance(n, Node) and n.target in (aten.mul.Tensor, aten.mul.Scalar) and _scalar_arg(n):
+            c, node = _scalar_arg(n)
+            factor *= c
+        elif isinstance(n, Node) and n.target in (aten.div.Tensor, aten.div.Scalar) and scalar(n.args[1]):
+            factor /= scalar(n.args[1])
+            node = n.args[0]
+        else:
+            return node, factor
+
+
+def _op_name(node: Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _qk_operands(site: AttentionSite, qk: Node):
+    """(q-like [*, S, D], kᵀ-like [*, D, L], scale) of the score contraction."""
+    t = qk.target
+    if t in (aten.matmul.default, aten.bmm.default):
+        return qk.args[0], qk.args[1], 1.0
+    if t is aten.baddbmm.default:
+        beta = qk.kwargs.get("beta", 1)
+        alpha = qk.kwargs.get("alpha", 1)
+        if beta != 0:
+            site.biases.append((qk.args[0], float(beta)))
+        return qk.args[1], qk.args[2], float(alpha)
+    if t is aten.einsum.default:
+        return _einsum_qk(qk)
+    raise NoMatch(f"unsupported contraction {_op_name(qk)}")
+
+
+def _parse_einsum(eq: str):
+    lhs, out = eq.replace(" ", "").split("->")
+    a, b = lhs.split(",")
+    if "." in eq or len(set(a)) != len(a) or len(set(b)) != len(b):
+        raise NoMatch(f"einsum '{eq}' uses ellipsis or repeated letters")
+    return a, b, out
+
+
+def _einsum_qk(node: Node):
+    eq, ops = node.args[0], node.args[1]
+    if len(ops) != 2:
+        raise NoMatch("einsum with more than two operands")
+    a, b, out = _parse_einsum(eq)
+    contracted = [c for c in a if c in b and c not in out]
+    q_letter = [c for c in a if c in out and c not in b]
+    k_letter = [c for c in b if c in out and c not in a]
+    batch = [c for c in out if c in a and c in b]
+    if len(contracted) != 1 or len(q_letter) != 1 or len(k_letter) != 1 or out != "".join(batch) + q_letter[0] + k_letter[0]:
+        raise NoMatch(f"einsum '{eq}' is not a batched Q·Kᵀ")
+    if len(a) != len(batch) + 2 or len(b) != len(batch) + 2:
+        raise NoMatch(f"einsum '{eq}' has broadcast letters")
+    d = contracted[0]
+    q_perm = [a.index(c) for c in batch] + [a.index(q_letter[0]), a.index(d)]
+    kt_perm = [b.index(c) for c in batch] + [b.index(d), b.index(k_letter[0])]
+    return ("permute", ops[0], q_perm), ("permute", ops[1], kt_perm), 1.0
+
+
+def _find_pv(sm: Node):
+    """Forward from the softmax through casts/dropout to the ·V contraction: (pv node, v, layout)."""
+    p = sm
+    while True:
+        users = list(p.users)
+        if len(users) != 1:
+            raise NoMatch("attention probabilities are used elsewhere (e.g. returned as attention weights)")
+        u = users[0]
+        if u.target in CAST_OPS or u.target in (aten.clone.default, aten.contiguous.default) or (
+            u.target is aten.dropout.default and (u.args[1] == 0 or u.args[2] is False)
+        ):
+            p = u
+            continue
+        if u.target is aten.dropout.default:
+            raise NoMatch("dropout is active on the attention probabilities (model in training mode?)")
+        break
+    if u.target in (aten.matmul.default, aten.bmm.default) and u.args[0] is p:
+        return u, u.args[1], None
+    if u.target is aten.einsum.default and u.args[1][0] is p and len(u.args[1]) == 2:
+        a, b, out = _parse_einsum(u.args[0])
+        k = [c for c in a if c in b and c not in out]
+        q = [c for c in a if c in out and c not in b]
+        d = [c for c in b if c in out and c not in a]
+        batch = [c for c in a if c in b and c in out]
+        if len(k) != 1 or len(q) != 1 or len(d) != 1 or a != "".join(batch) + q[0] + k[0] or len(b) != len(batch) + 2:
+            raise NoMatch(f"einsum '{u.args[0]}' is not P·V")
+        v_perm = [b.index(c) for c in batch] + [b.index(k[0]), b.index(d[0])]
+        canon = "".join(batch) + q[0] + d[0]
+        out_perm = [canon.index(c) for c in out]
+        return u, ("permute", u.args[1][1], v_perm), ("permute", out_perm)
+    raise NoMatch(f"softmax output feeds {_op_name(u)}, not a ·V product")
+
+
+# ------------------------------------------------------------------------- operands
+
+
+def _materialize(gm_graph, spec, before: Node) -> Node:
+    """Operands may be ``("permute", node, perm)``: insert that permute."""
+    if isinstance(spec, tuple) and spec[0] == "permute":
+        _, node, perm = spec
+        if perm == list(range(len(perm))):
+            return node
+        with gm_graph.inserting_before(before):
+            n = gm_graph.call_function(aten.permute.default, (node, perm))
+            n.meta["val"] = node.meta["val"].permute(perm)
+        return n
+    return spec
+
+
+def _recover_4d(node: Node) -> Optional[Node]:
+    """A ``[B*H, S, D]`` operand built by reshaping ``[B, H, S, D]``: return the 4-D node."""
+    n = skip_identity(node)
+    if isinstance(n, Node) and n.target in VIEW_OPS:
+        src = skip_identity(n.args[0])
+        s_src, s_dst = shape(src), shape(n)
+        if s_src and len(s_src) == 4 and len(s_dst) == 3 and same_size(s_src[0] * s_src[1], s_dst[0]) \
+                and same_size(s_src[2], s_dst[1]) and same_size(s_src[3], s_dst[2]):
+            return src
+    return None
+
+
+def _strip_repeat_kv(node: Node, num_heads: int):
+    """``[B, Hkv, L, D]`` repeated to ``[B, Hq, L, D]`` (expand+reshape or repeat_interleave) -> (kv, Hkv)."""
+    n = skip_identity(node)
+    if n.target is aten.repeat_interleave.self_int:
+        reps = n.args[1]
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+        if dim in (1, -3) and isinstance(reps, int):
+            return n.args[0], num_heads // reps
+    if n.target in VIEW_OPS:
+        e = skip_identity(n.args[0])
+        if e.target is aten.expand.default:
+            u = skip_identity(e.args[0])
+            if u.target is aten.unsqueeze.default and u.args[1] == 2:
+                src = u.args[0]
+                s = shape(src)
+                if s and len(s) == 4 and isinstance(s[1], int) and num_heads % s[1] == 0:
+                    return src, s[1]
+    return node, None
+
+
+def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_transposed: bool) -> None:
+    graph = out.graph
+    q = _materialize(graph, q, out)
+    kt = _materialize(graph, kt, out)
+    v = _materialize(graph, v, out)
+    sq, sk, sv = shape(q), shape(kt), shape(v)
+    if sq is None or sk is None or sv is None:
+        raise NoMatch("operand shapes are unknown")
+    if key_is_transposed:
+        k = _transpose_back(graph, kt, out)
+    else:
+        k = kt
+    if len(sq) == 3:
+        q4, k4, v4 = _recover_4d(q), _recover_4d(k), _recover_4d(v)
+        if q4 is None or k4 is None or v4 is None:
+            raise NoMatch("could not recover the heads of a 3-D [batch*heads, seq, dim] attention")
+        q, k, v = q4, k4, v4
+        layout = layout or ("flatten",)
+    elif len(sq) != 4:
+        raise NoMatch(f"{len(sq)}-D attention operands")
+    sq, sk, sv = shape(q), shape(k), shape(v)
+    if len(sk) != 4 or len(sv) != 4:
+        raise NoMatch("key/value are not 4-D")
+    num_heads = sq[1]
+    if not isinstance(num_heads, int):
+        raise NoMatch("the number of heads is not static")
+    k, hk = _strip_repeat_kv(k, num_heads)
+    v, hv = _strip_repeat_kv(v, num_heads)
+    sk, sv = shape(k), shape(v)
+    if hk != hv or sk[1] != sv[1]:
+        raise NoMatch("keys and values have different head layouts")
+    if not (same_size(sk[0], sq[0]) and same_size(sv[0], sq[0])):
+        raise NoMatch("query and key batch sizes differ (broadcast over batch)")
+    hkv = sk[1]
+    if not isinstance(hkv, int) or num_heads % hkv:
+        raise NoMatch(f"{num_heads} query heads do not group over {hkv} kv heads")
+    if hkv != num_heads and hkv != 1 and hk is None:
+        raise NoMatch("key heads broadcast in a way that is not GQA")
+    site.query, site.key, site.value, site.output, site.output_layout = q, k, v, out, layout
+    site.num_heads, site.num_kv_heads, site.head_dim = num_heads, hkv, sq[3]
+    if not isinstance(sq[3], int) or not isinstance(sv[3], int):
+        raise NoMatch("head size is not static")
+
+
+def _transpose_back(graph, kt: Node, before: Node) -> Node:
+    src = skip_identity(kt, casts=False)
+    if src.target is aten.transpose.int and sorted(d % 4 if len(shape(src)) == 4 else d % 3 for d in src.args[1:3]) == (
+        [2, 3] if len(shape(src)) == 4 else [1, 2]
+    ):
+        return src.args[0]
+    nd = len(shape(kt))
+    with graph.inserting_before(before):
+        n = graph.call_function(aten.transpose.int, (kt, nd - 2, nd - 1))
+        n.meta["val"] = kt.meta["val"].transpose(nd - 2, nd - 1)
+    return n
+
+
+def _match_sdpa(site: AttentionSite) -> None:
+    n = site.anchor
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    args = dict(zip(names, n.args))
+    args.update(n.kwargs)
+    if args.get("dropout_p", 0.0):
+        raise NoMatch("SDPA with dropout_p > 0")
+    q = args["query"]
+    sq = shape(q)
+    if sq is None or len(sq) != 4:
+        raise NoMatch("SDPA on non 4-D inputs")
+    scale = args.get("scale")
+    site.scale = float(scale) if scale is not None else sq[-1] ** -0.5
+    site.sdpa_causal = bool(args.get("is_causal", False))
+    mask = args.get("attn_mask")
+    if mask is not None:
+        mv = mask.meta.get("val")
+        if mv is not None and mv.dtype == torch.bool:
+            site.conds.append((mask, True))
+        else:
+            site.biases.append((mask, 1.0))
+    _set_operands(site, q, args["key"], args["value"], n, None, key_is_transposed=False)

@@ -1,0 +1,73 @@
+"""Replace each classified site with one canonical ``pagedattn::attention`` node."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule, Node
+
+from pagedattn.passes.site import AttentionSite, PassResult, aten, val
+
+log = logging.getLogger("pagedattn.passes")
+
+
+def replace_attention(gm: GraphModule) -> PassResult:
+    sites: list[AttentionSite] = gm.meta.get("pagedattn_sites", [])
+    done = 0
+    for i, site in enumerate(sites):
+        if site.status != "matched" or site.mask_kind is None:
+            continue
+        reason = _dtype_problem(site)
+        if reason:
+            site.skip(reason)
+            continue
+        _replace(gm, site, i)
+        site.status = "rewritten"
+        done += 1
+    return PassResult("replace_attention", done > 0, f"{done} sites replaced")
+
+
+def _dtype_problem(site: AttentionSite) -> str:
+    dts = {val(n).dtype for n in (site.query, site.key, site.value)}
+    if len(dts) > 1:
+        return f"query/key/value dtypes differ ({', '.join(str(d) for d in dts)})"
+    return ""
+
+
+def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
+    g = gm.graph
+    out = site.output
+    with g.inserting_before(out):
+        alibi = None
+        if site.alibi_slopes is not None:
+            name = f"_pagedattn_alibi_{index}"
+            gm.register_buffer(name, site.alibi_slopes.clone())
+            alibi = g.get_attr(name)
+            alibi.meta["val"] = site.alibi_slopes
+        node = g.call_function(
+            torch.ops.pagedattn.attention.default,
+            (site.query, site.key, site.value, site.key_padding, float(site.scale),
+             site.mask_kind in ("causal", "sliding_window"), int(site.window or 0), float(site.softcap or 0.0),
+             alibi, int(site.num_kv_heads)),
+        )
+        qv, vv = val(site.query), val(site.value)
+        node.meta["val"] = qv.new_empty((*qv.shape[:-1], vv.shape[-1]))
+        node.meta["pagedattn_site"] = site.name
+        result = _to_layout(g, node, site.output_layout)
+        want = val(out).dtype if val(out) is not None else None
+        if want is not None and want != qv.dtype:
+            result = g.call_function(aten._to_copy.default, (result,), {"dtype": want})
+    out.replace_all_uses_with(result)
+    site.output = result
+
+
+def _to_layout(g, node: Node, layout) -> Node:
+    """Map the canonical ``[B, Hq, S, Dv]`` result onto the replaced node's layout."""
+    if layout is None:
+        return node
+    if layout[0] == "flatten":
+        return g.call_function(aten.flatten.using_ints, (node, 0, 1))
+    if layout[0] == "permute":
+        return g.call_function(aten.permute.default, (node, list(layout[1])))
+    raise ValueError(f"unknown output layout {layout}")

@@ -1,0 +1,136 @@
+"""What the passes share: the attention-site record, pass results and small graph helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+
+# ops that only re-label or copy data without changing values
+IDENTITY_OPS = {
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+    aten.lift_fresh_copy.default, aten.detach_.default,
+}
+CAST_OPS = {
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.type_as.default,
+}
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+CONTRACTION_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+SDPA_OPS = {aten.scaled_dot_product_attention.default}
+
+
+@dataclass
+class AttentionSite:
+    """One softmax or SDPA call and what the passes proved about it."""
+
+    name: str
+    anchor: Node  # the softmax (or SDPA) node
+    status: str = "matched"  # matched -> rewritten | skipped
+    reason: str = ""
+    # canonical operands, [B, H, S, D] / [B, Hkv, L, D]
+    query: Optional[Node] = None
+    key: Optional[Node] = None
+    value: Optional[Node] = None
+    output: Optional[Node] = None  # node whose value the site's result replaces
+    output_layout: Any = None  # how [B, Hq, S, Dv] maps back onto `output`
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    scale: Optional[float] = None
+    softcap: Optional[float] = None
+    # mask terms found on the score path: (node, factor) additive, (node, keep_when_true) boolean
+    biases: list = field(default_factory=list)
+    conds: list = field(default_factory=list)
+    sdpa_causal: bool = False
+    # filled by classification
+    mask_kind: Optional[str] = None  # none | causal | sliding_window
+    window: Optional[int] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    key_padding: Optional[Node] = None
+
+    def skip(self, reason: str) -> "AttentionSite":
+        self.status, self.reason = "skipped", reason
+        return self
+
+    def report(self) -> dict:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "reason": self.reason,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "scale": self.scale,
+            "mask": self.mask_kind,
+            "window": self.window,
+            "softcap": self.softcap,
+            "alibi": self.alibi_slopes is not None,
+            "key_padding": self.key_padding.name if self.key_padding is not None else None,
+        }
+
+
+@dataclass
+class PassResult:
+    """What one pass changed."""
+
+    name: str
+    changed: bool
+    detail: str = ""
+
+
+def val(node: Any) -> Any:
+    """The traced example value (a FakeTensor for tensors) of a node, or the constant itself."""
+    if isinstance(node, Node):
+        return node.meta.get("val")
+    return node
+
+
+def shape(node: Any) -> Optional[tuple]:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def is_full_slice(node: Node) -> bool:
+    if node.target is not aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2], args[3], args[4]
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= 2**62)) and step in (None, 1)
+
+
+def skip_identity(node: Any, casts: bool = True) -> Any:
+    """Walk up through ops that do not change values (copies, full slices, optionally casts)."""
+    while isinstance(node, Node) and node.op == "call_function" and (
+        node.target in IDENTITY_OPS
+        or (casts and node.target in CAST_OPS)
+        or is_full_slice(node)
+        or (node.target is aten.dropout.default and (node.args[1] == 0 or node.args[2] is False))
+    ):
+        node = node.args[0]
+    return node
+
+
+def scalar(x: Any) -> Optional[float]:
+    """A Python number, or None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None

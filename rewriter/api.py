@@ -1,0 +1,297 @@
+"""``pagedattn.rewrite()`` and the rewritten model it returns; ``pagedattn.load()``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from pagedattn.backends import build_metadata, get_backend
+from pagedattn.passes import CANONICAL_PIPELINE, PAGED_PIPELINE, METADATA_INPUTS, run_pipeline
+from pagedattn.runtime.context import current_context
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["rewrite", "load", "RewrittenModel", "rewrite_graph"]
+
+
+class RewrittenModel(nn.Module):
+    """A model whose attention runs through pagedattn.
+
+    Called like the original model it runs in *drop-in* mode (same outputs); inside
+    ``pagedattn.runtime.paged_context(caches, metadata)`` it runs in *paged* mode.
+    """
+
+    def __init__(self, dropin: Optional[GraphModule], paged: GraphModule, in_spec, out_spec, report: list[dict],
+                 cache_specs: list[dict], target: str, block_size: int, example_inputs: Optional[list] = None):
+        super().__init__()
+        self.dropin_module = dropin
+        self.graph_module = paged
+        self._in_spec, self._out_spec = in_spec, out_spec
+        self.report = report
+        self.cache_specs = cache_specs
+        self.target = target
+        self.block_size = block_size
+        self._example_inputs = example_inputs
+        self._exported: Optional[torch.export.ExportedProgram] = None
+
+    # --- running
+
+    @property
+    def num_sites(self) -> int:
+        return len(self.cache_specs)
+
+    def _flatten(self, args, kwargs) -> list:
+        flat, spec = pytree.tree_flatten((args, kwargs or {}))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise TypeError(
+                "the rewritten model was traced with a different argument structure; call it with the same "
+                f"positional and keyword arguments as the example given to rewrite() (expected {self._in_spec}, got {spec})"
+            )
+        return flat
+
+    def _unflatten(self, out):
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        return pytree.tree_unflatten(out, self._out_spec) if self._out_spec is not None else tuple(out)
+
+    def forward(self, *args, **kwargs):
+        flat = self._flatten(args, kwargs)
+        ctx = current_context()
+        if ctx is None:
+            if self.dropin_module is None:
+                raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
+                                   "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
+            return self._unflatten(self.dropin_module(*flat))
+        return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
+
+    def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
+                           dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+        """One cache per rewritten site, in the target backend's layout."""
+        backend = get_backend(device or self.target)
+        return [backend.allocate_kv_cache(num_blocks, self.block_size, s["num_kv_heads"], s["head_size"],
+                                          dtype or getattr(torch, s["dtype"]), device)
+                for s in self.cache_specs]
+
+    # --- artefacts
+
+    @property
+    def exported_program(self) -> torch.export.ExportedProgram:
+        """The paged graph as a ``torch.export`` program (inputs: model inputs, caches, metadata)."""
+        if self._exported is None:
+            self._exported = _export_paged(self)
+        return self._exported
+
+    def save(self, path: str) -> None:
+        extra = {
+            "pagedattn.json": json.dumps({
+                "report": self.report, "cache_specs": self.cache_specs, "target": self.target,
+                "block_size": self.block_size, "in_spec": _dump_spec(self._in_spec), "out_spec": _dump_spec(self._out_spec),
+            })
+        }
+        torch.export.save(self.exported_program, path, extra_files=extra)
+
+    def print_report(self) -> str:
+        from pagedattn.report import site_table
+
+        return site_table(self.report)
+
+
+def _dump_spec(spec) -> Optional[str]:
+    if spec is None:
+        return None
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # e.g. an output class pytree cannot serialise: loaded models return flat tuples
+        return None
+
+
+def _load_spec(s: Optional[str]):
+    return pytree.treespec_loads(s) if s else None
+
+
+def load(path: str) -> RewrittenModel:
+    """Load a program saved by :meth:`RewrittenModel.save` (in any process: the ops register on import)."""
+    extra = {"pagedattn.json": ""}
+    ep = torch.export.load(path, extra_files=extra)
+    info = json.loads(extra["pagedattn.json"] or "{}")
+    if not info:
+        raise ValueError(f"{path} is not a pagedattn program (no pagedattn.json inside); save it with RewrittenModel.save")
+    gm = ep.module()
+    model = RewrittenModel(None, _LoadedGraph(gm), _load_spec(info.get("in_spec")), _load_spec(info.get("out_spec")),
+                           info["report"], info["cache_specs"], info["target"], info["block_size"])
+    model._exported = ep
+    return model
+
+
+class _LoadedGraph(nn.Module):
+    """Calls an unlifted exported module with flat inputs."""
+
+    def __init__(self, gm: nn.Module):
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *flat):
+        out = self.gm(*flat)
+        return pytree.tree_flatten(out)[0]
+
+
+# ------------------------------------------------------------------------ rewriting
+
+
+def _dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
+    """Every tensor dimension dynamic (``Dim.AUTO``), keyed the way export binds ``forward``'s parameters."""
+    import inspect
+
+    def spec(x):
+        if isinstance(x, torch.Tensor):
+            return {i: torch.export.Dim.AUTO for i in range(x.dim())}
+        return None
+
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: pytree.tree_map(spec, v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(pytree.tree_map(spec, v) for v in value)
+        else:
+            out[name] = pytree.tree_map(spec, value)
+    return out
+
+
+def _flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, Any, Any]:
+    gm = ep.module()
+    info = gm.graph._codegen.pytree_info
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()
+    gm.recompile()
+    return gm, info.in_spec, info.out_spec
+
+
+def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu") -> tuple[GraphModule, GraphModule, list]:
+    """Run the passes on a flat ATen graph: (drop-in graph, paged graph, sites)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.meta["pagedattn_example_inputs"] = {p.name: x for p, x in zip(placeholders, example_inputs)}
+    t0 = time.perf_counter()
+    results = run_pipeline(gm, CANONICAL_PIPELINE)
+    sites = gm.meta["pagedattn_sites"]
+    backend = get_backend(target)
+    for s in sites:
+        if s.status == "rewritten":
+            from pagedattn.backends.base import AttentionConfig
+
+            reasons = backend.supports(AttentionConfig(
+                num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_dim, scale=s.scale,
+                causal=s.mask_kind != "none", sliding_window=s.window, softcap=s.softcap,
+                alibi=s.alibi_slopes is not None, dtype=s.query.meta["val"].dtype,
+                head_size_v=s.value.meta["val"].shape[-1]))
+            if reasons:
+                raise ValueError(f"backend {backend.name} cannot run site {s.name}: {'; '.join(reasons)}")
+    paged = _copy_graph_module(gm)
+    results += run_pipeline(paged, PAGED_PIPELINE)
+    for r in results:
+        log.debug("pass %s: %s", r.name, r.detail)
+    log.info("passes took %.3fs", time.perf_counter() - t0)
+    _log_sites(sites)
+    return gm, paged, sites
+
+
+def _copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A second module over the same parameters with its own copy of the graph."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return GraphModule(gm, g)
+
+
+def _log_sites(sites) -> None:
+    for s in sites:
+        if s.status == "rewritten":
+            log.info("site %s rewritten: %s heads / %s kv heads, head %s, scale %.4g, mask %s%s%s%s", s.name,
+                     s.num_heads, s.num_kv_heads, s.head_dim, s.scale, s.mask_kind,
+                     f", window {s.window}" if s.window else "", f", softcap {s.softcap}" if s.softcap else "",
+                     ", alibi" if s.alibi_slopes is not None else "")
+        else:
+            log.info("site %s skipped: %s", s.name, s.reason)
+    if sites and not any(s.status == "rewritten" for s in sites):
+        log.warning("pagedattn found %d softmax/SDPA sites but rewrote none: %s", len(sites),
+                    "; ".join(f"{s.name}: {s.reason}" for s in sites))
+
+
+def _cache_specs(sites) -> list[dict]:
+    return [{"site": s.name, "num_kv_heads": s.num_kv_heads, "head_size": s.head_dim,
+             "dtype": str(s.key.meta["val"].dtype).replace("torch.", "")}
+            for s in sites if s.status == "rewritten"]
+
+
+def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, target: str = "auto",
+            block_size: int = 16) -> RewrittenModel:
+    """Export ``model`` on an example input, find its attention and replace it with paged attention.
+
+    The example's batch and sequence sizes are not baked in: the rewritten model accepts any.
+    Use a sequence length of at least 2 (export specialises sizes of 1).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    kwargs = dict(kwargs or {})
+    backend = get_backend(target)
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False)
+    except Exception as e:
+        raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    log.info("export took %.3fs", time.perf_counter() - t0)
+    gm, in_spec, out_spec = _flat_graph_module(ep)
+    flat = pytree.tree_flatten((args, kwargs))[0]
+    dropin, paged, sites = rewrite_graph(gm, flat, backend.device_type)
+    report = [s.report() for s in sites]
+    return RewrittenModel(dropin, paged, in_spec, out_spec, report, _cache_specs(sites), backend.device_type,
+                          block_size, example_inputs=flat)
+
+
+# ------------------------------------------------------------------------- export
+
+
+def _hint(x) -> int:
+    from torch.fx.experimental.symbolic_shapes import hint_int
+
+    return hint_int(x) if isinstance(x, torch.SymInt) else int(x)
+
+
+def example_paged_inputs(model: RewrittenModel, num_tokens_hint: Optional[tuple[int, int]] = None):
+    """Caches and metadata matching the example inputs: each batch row one fresh sequence."""
+    q = next(n for n in model.graph_module.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.pagedattn.paged_attention.default)
+    qt = q.args[0].args[0].args[0]  # reshape <- transpose <- q [B, H, S, D]
+    v = qt.meta.get("val")
+    B, S = (num_tokens_hint or (_hint(v.shape[0]), _hint(v.shape[2])))
+    per = math.ceil(S / model.block_size)
+    meta = build_metadata([(0, S, list(range(i * per, (i + 1) * per))) for i in range(B)], model.block_size)
+    caches = model.allocate_kv_caches(B * per + 1, device="cpu")
+    return caches, meta
+
+
+def _export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
+    if model._example_inputs is None:
+        raise RuntimeError("no example inputs to export with")
+    caches, meta = example_paged_inputs(model)
+    inputs = [*model._example_inputs, *caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+    dyn = []
+    for x in inputs:
+        dyn.append({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None)
+    with torch.no_grad():
+        return torch.export.export(model.graph_module, tuple(inputs), dynamic_shapes=tuple(dyn), strict=False)

@@ -1,0 +1,49 @@
+"""The runtime context that binds KV caches and attention metadata to rewritten graphs.
+
+Inside ``with paged_context(caches, metadata):`` every rewritten model runs in paged mode: its
+attention writes the new tokens' K/V into ``caches`` and reads through ``metadata``. Outside,
+rewritten models run in drop-in mode, exactly like the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from pagedattn.backends.base import AttentionMetadata
+
+_CURRENT: contextvars.ContextVar[Optional["PagedContext"]] = contextvars.ContextVar("pagedattn_context", default=None)
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    kv_caches: tuple[torch.Tensor, ...]
+    metadata: AttentionMetadata
+
+    def graph_inputs(self, num_caches: int) -> list[torch.Tensor]:
+        if len(self.kv_caches) != num_caches:
+            raise ValueError(
+                f"the rewritten model has {num_caches} attention sites but the context holds "
+                f"{len(self.kv_caches)} KV caches; allocate one cache per site (RewrittenModel.allocate_kv_caches)"
+            )
+        m = self.metadata
+        return [*self.kv_caches, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc]
+
+
+def current_context() -> Optional[PagedContext]:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata) -> Iterator[PagedContext]:
+    """Run rewritten models in paged mode with these caches and this step's metadata."""
+    ctx = PagedContext(tuple(kv_caches), metadata)
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
