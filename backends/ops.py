@@ -108,3 +108,65 @@ def register_kernels(backend: AttentionBackend) -> None:
     write_kv_cache.register_kernel(dev)(_write)
     write_kv_cache_functional.register_kernel(dev)(_write_functional)
     paged_attention.register_kernel(dev)(_attend)
+
+
+# ---------------------------------------------------------------- canonical attention
+
+
+@torch.library.custom_op("pagedattn::attention", mutates_args=())
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding: Optional[Tensor],
+    scale: float,
+    causal: bool,
+    sliding_window: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    num_kv_heads: int,
+) -> Tensor:
+    """Dense attention as the rewriter proved a site computes: the drop-in form of a site.
+
+    ``query [B, Hq, S, D]``, ``key/value [B, Hkv, L, D]``; causal masks align bottom-right (the
+    ``S`` queries are the last ``S`` of ``L`` positions); ``key_padding [B, L]`` is nonzero for keys
+    that may be seen. Returns ``[B, Hq, S, Dv]``.
+    """
+    import torch.nn.functional as F
+
+    S, L = query.shape[-2], key.shape[-2]
+    group = query.shape[1] // num_kv_heads
+    q_pos = torch.arange(L - S, L, device=query.device)[:, None]
+    k_pos = torch.arange(L, device=query.device)[None, :]
+    allowed = None
+    if causal:
+        allowed = k_pos <= q_pos
+        if sliding_window > 0:
+            allowed = allowed & (q_pos - k_pos < sliding_window)
+        allowed = allowed[None, None]  # [1, 1, S, L]
+    if key_padding is not None:
+        pad = (key_padding != 0)[:, None, None, :]  # [B, 1, 1, L]
+        allowed = pad if allowed is None else allowed & pad
+    if softcap <= 0 and alibi_slopes is None:
+        if allowed is not None and allowed.shape[0] > 1:
+            # rows with no visible key (fully padded queries) would give NaN; let them see key 0
+            allowed = allowed.clone()
+            allowed[..., 0] |= ~allowed.any(-1)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+                                              enable_gqa=group > 1)
+    k = key.repeat_interleave(group, 1) if group > 1 else key
+    v = value.repeat_interleave(group, 1) if group > 1 else value
+    s = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale  # [B, Hq, S, L]
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        s = s + alibi_slopes.float()[None, :, None, None] * (k_pos - q_pos).float()
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+        s = s.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    return torch.matmul(torch.softmax(s, -1), v.float()).to(query.dtype)
+
+
+@attention.register_fake
+def _(query, key, value, key_padding, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -22,7 +22,8 @@ log = logging.getLogger("pagedattn.passes")
 
 PROBE_SIZES = (13, 64, 257, 4100)  # beyond common sliding windows (4096)
 _PAD = 3  # left padding of the second row in the padding probe
-_MASKED = -9999.0  # additive values at or below this are masks (HF uses finfo.min, old code -1e4)
+_MASKED = -9999.0
+_ALIBI_FIT_MAX = 300  # bias values are fitted on probes up to this length  # additive values at or below this are masks (HF uses finfo.min, old code -1e4)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass
         raise Unsupported(f"mask could not be evaluated at any probe size ({'; '.join(errors)})")
     kind, window, alibi = None, None, None
     for P, total in sorted(results.items()):
-        k, w, a = _kind_of(total, site.num_heads)
+        k, w, a = _kind_of(total, site.num_heads, fit_alibi=P <= _ALIBI_FIT_MAX)
         if kind is None:
             kind, window, alibi = k, w, a
         elif (k, w) != (kind, window):
@@ -193,9 +194,9 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass
     probed = max(results)
     key_padding = None
     pad_candidates = [p for p in by_value if _looks_like_padding(p, examples, seq_syms)]
-    other = [p for p in by_value if p not in pad_candidates and _is_float_input(p)]
+    other = [p for p in by_value if p not in pad_candidates and not _looks_like_positions(p, examples)]
     if other:
-        raise Unsupported(f"the mask depends on the floating-point input '{other[0].name}' (a caller-provided mask or bias)")
+        raise Unsupported(f"the mask depends on the values of input '{other[0].name}' (a caller-provided mask or bias)")
     if pad_candidates:
         P = min(results)
         padded = run(P, 2, _PAD)
@@ -210,9 +211,10 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass
     return MaskClass(kind, window, alibi, key_padding, probed)
 
 
-def _is_float_input(p: Node) -> bool:
-    v = p.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+def _looks_like_positions(p: Node, examples: dict) -> bool:
+    ex = examples.get(p.name)
+    return (isinstance(ex, torch.Tensor) and not ex.dtype.is_floating_point and ex.dtype != torch.bool
+            and ex.dim() >= 1 and ex.shape[-1] > 1 and _is_arange(ex))
 
 
 def _looks_like_padding(p: Node, examples: dict, seq_syms: set) -> bool:
@@ -223,40 +225,47 @@ def _looks_like_padding(p: Node, examples: dict, seq_syms: set) -> bool:
 
 
 def _combine(outs, site: AttentionSite, P: int, batch: int) -> torch.Tensor:
-    """All terms as one additive float64 bias ``[batch, H, P, P]`` (-inf where masked)."""
+    """All terms as one additive float64 bias ``[batch, H, P, P]`` (-inf where masked).
+
+    Each term is brought to ``[batch, H, P, P]`` on its own: terms can live at different
+    layouts (ALiBi on ``[B*H, 1, L]`` scores, the causal mask on ``[B, 1, S, L]``).
+    """
     nb = len(site.biases)
-    total = torch.zeros(())
+    dt = torch.float64 if P <= _ALIBI_FIT_MAX else torch.float32  # long probes only need the mask's extent
+    total = torch.zeros(batch, site.num_heads, P, P, dtype=dt)
+    neg_inf = torch.tensor(float("-inf"), dtype=dt)
     for (node, factor), t in zip(site.biases, outs[:nb]):
         if t.dtype == torch.bool:
             raise Unsupported("boolean tensor added to the scores")
-        t = t.double()
-        total = total + torch.where(t <= _MASKED, torch.tensor(float("-inf"), dtype=torch.float64), t * factor)
+        t = t.to(dt)
+        total = total + _to_heads(torch.where(t <= _MASKED, neg_inf, t * factor), site.num_heads, P, batch)
     for (node, keep_when_true), c in zip(site.conds, outs[nb:]):
-        c = c.bool()
-        masked = ~c if keep_when_true else c
-        total = total + torch.zeros(masked.shape, dtype=torch.float64).masked_fill(masked, float("-inf"))
-    total = total.double()
-    total = torch.broadcast_to(total, (*total.shape[:-2], P, P)) if total.dim() >= 2 else total.expand(P, P)
-    lead = total.shape[:-2]
+        masked = ~c.bool() if keep_when_true else c.bool()
+        term = torch.zeros(masked.shape, dtype=dt).masked_fill(masked, float("-inf"))
+        total = total + _to_heads(term, site.num_heads, P, batch)
+    return total
+
+
+def _to_heads(t: torch.Tensor, H: int, P: int, batch: int) -> torch.Tensor:
+    t = t.reshape(1, 1) if t.dim() < 2 else t
+    t = torch.broadcast_to(t, (*t.shape[:-2], P, P))
+    lead = tuple(t.shape[:-2])
     n = 1
     for d in lead:
         n *= d
-    H = site.num_heads
-    flat = total.reshape(n, P, P)
+    flat = t.reshape(n, P, P)
     if n == 1:
-        return flat.expand(batch, H, P, P)
-    if n == H and batch == 1:
-        return flat.reshape(1, H, P, P)
-    if n == batch:
-        return flat.reshape(batch, 1, P, P).expand(batch, H, P, P)
+        return flat.reshape(1, 1, P, P)
     if n == batch * H:
         return flat.reshape(batch, H, P, P)
-    if n == H:
-        return flat.reshape(1, H, P, P).expand(batch, H, P, P)
-    raise Unsupported(f"mask has a leading shape {tuple(lead)} that fits neither batch nor heads")
+    if n == H and len(lead) >= 1 and lead[-1] == H:
+        return flat.reshape(1, H, P, P)
+    if n == batch:
+        return flat.reshape(batch, 1, P, P)
+    raise Unsupported(f"mask has a leading shape {lead} that fits neither batch ({batch}) nor heads ({H})")
 
 
-def _kind_of(total: torch.Tensor, H: int):
+def _kind_of(total: torch.Tensor, H: int, fit_alibi: bool = True):
     """(kind, window, alibi slopes) of a ``[1, H, P, P]`` bias."""
     t = total[0]
     allowed = torch.isfinite(t)
@@ -276,6 +285,8 @@ def _kind_of(total: torch.Tensor, H: int):
             kind, window = "sliding_window", w
         else:
             raise Unsupported("the mask is neither causal, sliding-window nor absent (an arbitrary mask)")
+    if not fit_alibi:  # long probes only settle the mask's extent
+        return kind, window, None
     finite = torch.where(allowed, t, torch.zeros((), dtype=t.dtype))
     if bool((finite == 0).all()):
         return kind, window, None

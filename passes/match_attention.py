@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from pagedattn.passes.site import (
     CAST_OPS,
     CONTRACTION_OPS,
+    INPLACE_ALIASES,
     SDPA_OPS,
     SOFTMAX_OPS,
     VIEW_OPS,
@@ -29,7 +30,15 @@ from pagedattn.passes.site import (
 
 log = logging.getLogger("pagedattn.passes")
 
-_NEG_LIMIT = -1e4  # a fill value at or below this is a mask, not data
+_NEG_LIMIT = -1e4
+_CHECK_OPS = {aten._assert_tensor_metadata.default}
+_SCORE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _keeps_last_two(node: Node) -> bool:
+    """A view that only splits or merges leading dims, e.g. [B*H, S, L] <-> [B, H, S, L]."""
+    a, b = shape(node.args[0]), shape(node)
+    return bool(a and b and len(a) >= 2 and len(b) >= 2 and same_size(a[-1], b[-1]) and same_size(a[-2], b[-2]))  # a fill value at or below this is a mask, not data
 
 
 class NoMatch(Exception):
@@ -97,15 +106,18 @@ def _match_softmax(site: AttentionSite) -> None:
         x = skip_identity(x)
         if not isinstance(x, Node) or x.op != "call_function":
             raise NoMatch("no Q·Kᵀ product feeds the softmax")
-        t = x.target
+        t = INPLACE_ALIASES.get(x.target, x.target)
         if t in CONTRACTION_OPS:
             break
+        if t in _SCORE_VIEWS and _keeps_last_two(x):
+            x = x.args[0]
+            continue
         if t in (aten.mul.Tensor, aten.mul.Scalar) and _scalar_arg(x) is not None:
             c, other = _scalar_arg(x)
             cap = _softcap_of(x)
             if cap is not None:
-                if scale != 1.0 or site.biases or site.conds:
-                    raise NoMatch("scaling or a mask applied inside the soft-cap")
+                if scale != 1.0:
+                    raise NoMatch("the scores are scaled after the soft-cap")
                 softcap, x = cap[0], cap[1]
                 continue
             scale *= c
@@ -240,11 +252,12 @@ def _find_pv(sm: Node):
     """Forward from the softmax through casts/dropout to the ·V contraction: (pv node, v, layout)."""
     p = sm
     while True:
-        users = list(p.users)
+        users = [u for u in p.users if u.target not in _CHECK_OPS]
         if len(users) != 1:
             raise NoMatch("attention probabilities are used elsewhere (e.g. returned as attention weights)")
         u = users[0]
         if u.target in CAST_OPS or u.target in (aten.clone.default, aten.contiguous.default) or (
+            u.target in _SCORE_VIEWS and _keeps_last_two(u)) or (
             u.target is aten.dropout.default and (u.args[1] == 0 or u.args[2] is False)
         ):
             p = u

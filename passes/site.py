@@ -19,6 +19,11 @@ CAST_OPS = {
     aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.type_as.default,
 }
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# in-place arithmetic seen in exported models, read as its functional form on the score path
+INPLACE_ALIASES = {
+    aten.mul_.Tensor: aten.mul.Tensor, aten.div_.Tensor: aten.div.Tensor, aten.add_.Tensor: aten.add.Tensor,
+    aten.mul_.Scalar: aten.mul.Scalar, aten.div_.Scalar: aten.div.Scalar, aten.masked_fill_.Scalar: aten.masked_fill.Scalar,
+}
 SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 CONTRACTION_OPS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 SDPA_OPS = {aten.scaled_dot_product_attention.default}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def site_table(report: list[dict]) -> str:
-    cols = ["name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi", "reason"]
+    cols = ["name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi", "key_padding", "reason"]
     rows = [[_fmt(r.get(c)) for c in cols] for r in report]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
