@@ -152,8 +152,9 @@ def attention(
             # rows with no visible key (fully padded queries) would give NaN; let them see key 0
             allowed = allowed.clone()
             allowed[..., 0] |= ~allowed.any(-1)
+        # contiguous, as the fake kernel promises (SDPA follows the query's strides)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
-                                              enable_gqa=group > 1)
+                                              enable_gqa=group > 1).contiguous()
     k = key.repeat_interleave(group, 1) if group > 1 else key
     v = value.repeat_interleave(group, 1) if group > 1 else value
     s = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale  # [B, Hq, S, L]
@@ -164,7 +165,7 @@ def attention(
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
         s = s.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    return torch.matmul(torch.softmax(s, -1), v.float()).to(query.dtype)
+    return torch.matmul(torch.softmax(s, -1), v.float()).to(query.dtype).contiguous()
 
 
 @attention.register_fake

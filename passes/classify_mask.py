@@ -42,6 +42,7 @@ class Unsupported(Exception):
 def classify_mask(gm: GraphModule) -> PassResult:
     sites: list[AttentionSite] = gm.meta.get("pagedattn_sites", [])
     examples: dict[str, Any] = gm.meta.get("pagedattn_example_inputs", {})
+    constants: set[str] = gm.meta.get("pagedattn_constant_inputs", set())
     memo: dict[tuple, Any] = {}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for site in sites:
@@ -56,7 +57,8 @@ def classify_mask(gm: GraphModule) -> PassResult:
         key = (tuple((id(n), f) for n, f in site.biases), tuple((id(n), k) for n, k in site.conds), site.num_heads)
         if key not in memo:
             try:
-                memo[key] = _classify(gm, site, examples)
+                with torch.no_grad():
+                    memo[key] = _classify(gm, site, examples, constants)
             except Unsupported as e:
                 memo[key] = str(e)
             except Exception as e:  # a probe that cannot run is a reason to leave the site alone
@@ -112,6 +114,8 @@ def _concrete(dim, sub: dict) -> int:
 
 def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool) -> Any:
     v = p.meta.get("val")
+    if isinstance(v, torch.SymInt):  # a size handed in as an input
+        return _concrete(v, sub)
     if not isinstance(v, torch.Tensor):
         return example
     shp = [_concrete(d, sub) for d in v.shape]
@@ -140,18 +144,28 @@ def _is_arange(t: torch.Tensor) -> bool:
     return bool((rows - rows[:, :1] == torch.arange(t.shape[-1], dtype=t.dtype)).all())
 
 
-def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass:
+def _classify(gm: GraphModule, site: AttentionSite, examples: dict, constants: set = frozenset()) -> MaskClass:
     terms = [n for n, _ in site.biases] + [n for n, _ in site.conds]
     mod, inputs = _extract(gm, terms)
     nodes = set(mod.graph.nodes)
     inner = {n.name: n for n in mod.graph.nodes if n.op == "placeholder"}
-    by_value = [p for p in inputs if _used_by_value(inner[p.name], nodes)]
+    by_value = [p for p in inputs if _used_by_value(inner[p.name], nodes) and p.name not in constants
+                and isinstance(p.meta.get("val"), torch.Tensor)]
     sq, sk = shape(site.query), shape(site.key)
     seq_syms = _symbols(sq[2]) | _symbols(sk[2])
+    for p in inputs:  # sizes handed in as inputs are their own symbols
+        pv = p.meta.get("val")
+        if isinstance(pv, torch.SymInt) and _symbols(pv) <= seq_syms | _symbols(sq[0]):
+            pass
     batch_syms = _symbols(sq[0])
     static = not seq_syms
     if not static and (len(_symbols(sq[2])) != 1 or _symbols(sq[2]) != _symbols(sk[2]) or str(sq[2]) != str(sk[2])):
         raise Unsupported("query and key lengths differ (cross-attention or a cache) and a mask is present")
+
+    pad_candidates = [p for p in by_value if _looks_like_padding(p, examples, seq_syms)]
+    other = [p for p in by_value if p not in pad_candidates and not _looks_like_positions(p, examples)]
+    if other:
+        raise Unsupported(f"the mask depends on the values of input '{other[0].name}' (a caller-provided mask or bias)")
 
     def run(P: int, batch: int, pad: int) -> torch.Tensor:
         sub = {s: P for s in seq_syms}
@@ -159,6 +173,9 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass
         args = []
         for p in inputs:
             ex = examples.get(p.name)
+            if p.name in constants:  # model state: used as it is
+                args.append(ex)
+                continue
             if p.meta.get("val") is not None and isinstance(p.meta["val"], torch.Tensor):
                 for d in p.meta["val"].shape:
                     for s in _symbols(d) - set(sub):
@@ -193,10 +210,6 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict) -> MaskClass
             alibi = a
     probed = max(results)
     key_padding = None
-    pad_candidates = [p for p in by_value if _looks_like_padding(p, examples, seq_syms)]
-    other = [p for p in by_value if p not in pad_candidates and not _looks_like_positions(p, examples)]
-    if other:
-        raise Unsupported(f"the mask depends on the values of input '{other[0].name}' (a caller-provided mask or bias)")
     if pad_candidates:
         P = min(results)
         padded = run(P, 2, _PAD)

@@ -147,6 +147,8 @@ def _match_softmax(site: AttentionSite) -> None:
                 x = b
             else:
                 raise NoMatch("torch.where on the scores is not a mask")
+        elif not _leads_to_contraction(x):
+            raise NoMatch(f"not attention: the softmax input comes from {_op_name(x)}, not from a Q·Kᵀ product")
         else:
             raise NoMatch(f"{_op_name(x)} between Q·Kᵀ and softmax")
     qk = x
@@ -330,7 +332,8 @@ def _strip_repeat_kv(node: Node, num_heads: int):
     return node, None
 
 
-def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_transposed: bool) -> None:
+def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_transposed: bool,
+                  grouped: bool = False) -> None:
     graph = out.graph
     q = _materialize(graph, q, out)
     kt = _materialize(graph, kt, out)
@@ -366,7 +369,7 @@ def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_trans
     hkv = sk[1]
     if not isinstance(hkv, int) or num_heads % hkv:
         raise NoMatch(f"{num_heads} query heads do not group over {hkv} kv heads")
-    if hkv != num_heads and hkv != 1 and hk is None:
+    if hkv != num_heads and hkv != 1 and hk is None and not grouped:
         raise NoMatch("key heads broadcast in a way that is not GQA")
     site.query, site.key, site.value, site.output, site.output_layout = q, k, v, out, layout
     site.num_heads, site.num_kv_heads, site.head_dim = num_heads, hkv, sq[3]
@@ -408,4 +411,5 @@ def _match_sdpa(site: AttentionSite) -> None:
             site.conds.append((mask, True))
         else:
             site.biases.append((mask, 1.0))
-    _set_operands(site, q, args["key"], args["value"], n, None, key_is_transposed=False)
+    _set_operands(site, q, args["key"], args["value"], n, None, key_is_transposed=False,
+                  grouped=bool(args.get("enable_gqa", False)))

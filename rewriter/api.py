@@ -177,10 +177,15 @@ def _flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, A
     return gm, info.in_spec, info.out_spec
 
 
-def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu") -> tuple[GraphModule, GraphModule, list]:
-    """Run the passes on a flat ATen graph: (drop-in graph, paged graph, sites)."""
+def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu",
+                  constants: frozenset[int] = frozenset()) -> tuple[GraphModule, GraphModule, list]:
+    """Run the passes on a flat ATen graph: (drop-in graph, paged graph, sites).
+
+    ``constants`` are positions of inputs that hold model state (parameters, buffers).
+    """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm.meta["pagedattn_example_inputs"] = {p.name: x for p, x in zip(placeholders, example_inputs)}
+    gm.meta["pagedattn_constant_inputs"] = {placeholders[i].name for i in constants}
     t0 = time.perf_counter()
     results = run_pipeline(gm, CANONICAL_PIPELINE)
     sites = gm.meta["pagedattn_sites"]
@@ -267,9 +272,7 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
 
 
 def _hint(x) -> int:
-    from torch.fx.experimental.symbolic_shapes import hint_int
-
-    return hint_int(x) if isinstance(x, torch.SymInt) else int(x)
+    return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
 
 
 def example_paged_inputs(model: RewrittenModel, num_tokens_hint: Optional[tuple[int, int]] = None):

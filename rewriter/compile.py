@@ -1,0 +1,113 @@
+"""``torch.compile(model, backend="pagedattn")``.
+
+Dynamo hands over its graph with real example inputs. The graph is exported to ATen (dimensions
+Dynamo already treats as dynamic stay dynamic), the passes run, and the result is a callable
+that runs the drop-in graph outside a runtime context and the paged graph inside one, with
+the caches and metadata appended from the context. Each graph is compiled once by the inner
+compiler: ``"inductor"`` (default; it re-inplaces the cache write) or ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch.fx import GraphModule
+
+from pagedattn.api import rewrite_graph
+from pagedattn.backends import get_backend
+from pagedattn.runtime.context import current_context
+
+log = logging.getLogger("pagedattn")
+
+DEFAULT_OPTIONS = {"inner": "inductor", "target": "auto", "block_size": 16}
+
+
+def _options(options: Optional[dict]) -> dict:
+    opts = dict(DEFAULT_OPTIONS)
+    unknown = set(options or {}) - set(opts)
+    if unknown:
+        raise ValueError(f"unknown pagedattn options {sorted(unknown)}; known: {sorted(opts)}")
+    opts.update(options or {})
+    if opts["inner"] not in ("inductor", "eager"):
+        raise ValueError(f"options['inner'] must be 'inductor' or 'eager', got {opts['inner']!r}")
+    return opts
+
+
+def _module_state(gm: GraphModule) -> set[int]:
+    """Positions of inputs that are the model's parameters and buffers (Dynamo lifts them)."""
+    out = set()
+    for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        ga = ph.meta.get("grapharg")
+        name = ga.source.name if ga is not None and ga.source is not None else ""
+        if "._parameters[" in name or "._buffers[" in name:
+            out.add(i)
+    return out
+
+
+def _aten_graph(gm: GraphModule) -> GraphModule:
+    """Retrace Dynamo's graph to ATen with Dynamo's own fake inputs, so its symbols carry over."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
+    with fake_mode, torch.no_grad():
+        return make_fx(gm, pre_dispatch=True)(*fakes)
+
+
+def _real(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    return x
+
+
+def _inner_compile(gm: GraphModule, inner: str) -> Callable:
+    if inner == "eager":
+        return gm
+    return torch.compile(gm, backend="inductor", dynamic=True)
+
+
+class _Compiled:
+    """What the backend returns to Dynamo."""
+
+    def __init__(self, dropin: GraphModule, paged: GraphModule, num_sites: int, inner: str):
+        self.dropin, self.paged = dropin, paged
+        self.num_sites, self.inner = num_sites, inner
+        self._dropin_fn: Optional[Callable] = None
+        self._paged_fn: Optional[Callable] = None
+
+    def __call__(self, *args):
+        ctx = current_context()
+        if ctx is None or self.num_sites == 0:
+            if self._dropin_fn is None:
+                self._dropin_fn = _inner_compile(self.dropin, self.inner)
+            out = self._dropin_fn(*args)
+        else:
+            if self._paged_fn is None:
+                self._paged_fn = _inner_compile(self.paged, self.inner)
+            out = self._paged_fn(*args, *ctx.graph_inputs(self.num_sites))
+        return out
+
+
+def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[dict] = None, **_: Any):
+    """The Dynamo backend registered as ``"pagedattn"``."""
+    opts = _options(options)
+    backend = get_backend(opts["target"])
+    real = [_real(x) for x in example_inputs]
+    flat = _aten_graph(gm)
+    dropin, paged, sites = rewrite_graph(flat, real, backend.device_type, constants=_module_state(gm))
+    n = sum(s.status == "rewritten" for s in sites)
+    log.info("pagedattn backend: %d of %d attention sites rewritten", n, len(sites))
+    compiled = _Compiled(dropin, paged, n, opts["inner"])
+    compiled.report = [s.report() for s in sites]
+    _LAST_REPORTS.append(compiled.report)
+    return compiled
+
+
+# reports of the graphs compiled in this process, newest last (for inspection and tests)
+_LAST_REPORTS: list = []
+
+
+def compile_reports() -> list:
+    return list(_LAST_REPORTS)
