@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from pagedattn.passes.site import PassResult, aten
+from pagedattn.passes.site import PassResult, aten, same_size
 
 METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 
@@ -18,11 +18,19 @@ def canonical_nodes(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.pagedattn.attention.default]
 
 
+def is_self_attention(node: Node) -> bool:
+    """Queries and keys come from the same tokens (same length): the site has a KV cache to page."""
+    q, k = node.args[0].meta.get("val"), node.args[1].meta.get("val")
+    return q is not None and k is not None and same_size(q.shape[2], k.shape[2]) and same_size(q.shape[0], k.shape[0])
+
+
 def insert_paged(gm: GraphModule) -> PassResult:
     g = gm.graph
-    sites = canonical_nodes(gm)
+    # cross-attention keeps its canonical (dense) form: its keys are not this step's tokens
+    sites = [n for n in canonical_nodes(gm) if is_self_attention(n)]
     if not sites:
         gm.meta["pagedattn_cache_inputs"] = []
+        gm.meta["pagedattn_cache_sites"] = []
         return PassResult("insert_paged", False, "no canonical attention")
     last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
     caches, meta = [], {}
@@ -53,6 +61,7 @@ def insert_paged(gm: GraphModule) -> PassResult:
         node.replace_all_uses_with(o)
         g.erase_node(node)
     gm.meta["pagedattn_cache_inputs"] = [c.name for c in caches]
+    gm.meta["pagedattn_cache_sites"] = [n.meta.get("pagedattn_site") for n in sites]
     return PassResult("insert_paged", True, f"{len(sites)} sites paged")
 
 

@@ -154,9 +154,6 @@ def _match_softmax(site: AttentionSite) -> None:
     qk = x
     q, kt, extra_scale = _qk_operands(site, qk)
     scale *= extra_scale
-    q, qs = _strip_scalar(q)
-    kt, ks = _strip_scalar(kt)
-    scale *= qs * ks
     pv, v, layout = _find_pv(sm)
     site.scale, site.softcap = scale, softcap
     _set_operands(site, q, kt, v, pv, layout, key_is_transposed=True)
@@ -341,10 +338,11 @@ def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_trans
     sq, sk, sv = shape(q), shape(kt), shape(v)
     if sq is None or sk is None or sv is None:
         raise NoMatch("operand shapes are unknown")
-    if key_is_transposed:
-        k = _transpose_back(graph, kt, out)
-    else:
-        k = kt
+    k = _transpose_back(graph, kt, out) if key_is_transposed else kt
+    # scalars applied to q or k alone fold into the one scale
+    q, qs = _strip_scalar(q)
+    k, ks = _strip_scalar(k)
+    site.scale *= qs * ks
     if len(sq) == 3:
         q4, k4, v4 = _recover_4d(q), _recover_4d(k), _recover_4d(v)
         if q4 is None or k4 is None or v4 is None:

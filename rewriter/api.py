@@ -232,10 +232,15 @@ def _log_sites(sites) -> None:
                     "; ".join(f"{s.name}: {s.reason}" for s in sites))
 
 
-def _cache_specs(sites) -> list[dict]:
-    return [{"site": s.name, "num_kv_heads": s.num_kv_heads, "head_size": s.head_dim,
-             "dtype": str(s.key.meta["val"].dtype).replace("torch.", "")}
-            for s in sites if s.status == "rewritten"]
+def cache_specs(paged: GraphModule, sites) -> list[dict]:
+    """One entry per ``kv_cache_<i>`` input of the paged graph, in order."""
+    by_name = {s.name: s for s in sites}
+    out = []
+    for name in paged.meta.get("pagedattn_cache_sites", []):
+        s = by_name[name]
+        out.append({"site": s.name, "num_kv_heads": s.num_kv_heads, "head_size": s.head_dim,
+                    "dtype": str(s.key.meta["val"].dtype).replace("torch.", "")})
+    return out
 
 
 def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, target: str = "auto",
@@ -264,7 +269,7 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
     flat = pytree.tree_flatten((args, kwargs))[0]
     dropin, paged, sites = rewrite_graph(gm, flat, backend.device_type)
     report = [s.report() for s in sites]
-    return RewrittenModel(dropin, paged, in_spec, out_spec, report, _cache_specs(sites), backend.device_type,
+    return RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), backend.device_type,
                           block_size, example_inputs=flat)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import GraphModule
 
-from pagedattn.api import rewrite_graph
+from pagedattn.api import cache_specs, rewrite_graph
 from pagedattn.backends import get_backend
 from pagedattn.runtime.context import current_context
 
@@ -97,9 +97,10 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
     real = [_real(x) for x in example_inputs]
     flat = _aten_graph(gm)
     dropin, paged, sites = rewrite_graph(flat, real, backend.device_type, constants=_module_state(gm))
-    n = sum(s.status == "rewritten" for s in sites)
-    log.info("pagedattn backend: %d of %d attention sites rewritten", n, len(sites))
-    compiled = _Compiled(dropin, paged, n, opts["inner"])
+    log.info("pagedattn backend: %d of %d attention sites rewritten",
+             sum(s.status == "rewritten" for s in sites), len(sites))
+    compiled = _Compiled(dropin, paged, len(paged.meta.get("pagedattn_cache_inputs", [])), opts["inner"])
+    compiled.cache_specs = cache_specs(paged, sites)
     compiled.report = [s.report() for s in sites]
     _LAST_REPORTS.append(compiled.report)
     return compiled

@@ -1,0 +1,153 @@
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pagedattn
+from pagedattn.backends import build_metadata
+
+from . import zoo
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def rewritten():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cls, _ = {**zoo.ATTENTION, **zoo.NOT_ATTENTION}[name]
+            m = cls().eval()
+            cache[name] = (m, pagedattn.rewrite(m, zoo.example_args(name)))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(zoo.ATTENTION))
+def test_zoo_report_and_dropin_equality(name, rewritten):
+    m, rm = rewritten(name)
+    expect = zoo.ATTENTION[name][1]
+    (site,) = rm.report
+    assert site["status"] == "rewritten", site["reason"]
+    assert site["mask"] == expect["mask"]
+    assert site["num_heads"] == zoo.H and site["head_dim"] == zoo.D
+    assert site["num_kv_heads"] == expect.get("num_kv_heads", zoo.H)
+    assert site["scale"] == pytest.approx(expect.get("scale", zoo.D**-0.5), rel=1e-6)
+    assert site["window"] == expect.get("window")
+    assert site["softcap"] == expect.get("softcap")
+    assert site["alibi"] == expect.get("alibi", False)
+    # other batch sizes and lengths than the example's, longer than any window probe would guess
+    for B, T in [(3, 19), (1, 5), (2, 130) if name != "nanogpt" else (2, 120)]:
+        args = zoo.example_args(name, B, T, seed=B + T)
+        with torch.no_grad():
+            torch.testing.assert_close(rm(*args), m(*args), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(zoo.NOT_ATTENTION))
+def test_counter_examples_are_left_alone(name, rewritten):
+    m, rm = rewritten(name)
+    expect = zoo.NOT_ATTENTION[name][1]
+    for site in rm.report:
+        assert site["status"] == "skipped"
+        if expect:
+            assert expect in site["reason"]
+    assert not any(n.target is torch.ops.pagedattn.attention.default for n in rm.dropin_module.graph.nodes)
+    args = zoo.example_args(name, 3, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(*args), m(*args))
+
+
+def test_zero_matches_warns(caplog):
+    m = zoo.Router().eval()
+    with caplog.at_level(logging.WARNING, logger="pagedattn"):
+        pagedattn.rewrite(m, zoo.example_args("router"))
+    assert any("rewrote none" in r.message for r in caplog.records)
+
+
+def test_sliding_window_wider_than_example_is_found(rewritten):
+    # traced at T=8, the window of 100 looks causal there; probing beyond it must recover it
+    _, rm = rewritten("sliding_window")
+    assert rm.report[0]["mask"] == "sliding_window" and rm.report[0]["window"] == 100
+
+
+def test_alibi_slopes_recovered(rewritten):
+    _, rm = rewritten("alibi")
+    slopes = rm.dropin_module._pagedattn_alibi_0
+    torch.testing.assert_close(slopes, zoo.alibi_slopes(zoo.H))
+
+
+SELF_ATTENTION = sorted(n for n in zoo.ATTENTION if n != "cross_attention")
+
+
+@pytest.mark.parametrize("name", SELF_ATTENTION)
+def test_paged_mode_prefill_then_decode(name, rewritten):
+    """Two sequences flattened into one [1, T] step, then one decode token each."""
+    m, rm = rewritten(name)
+    g = torch.Generator().manual_seed(3)
+    xa, xb = torch.randn(1, 9, zoo.C, generator=g), torch.randn(1, 21, zoo.C, generator=g)
+    caches = rm.allocate_kv_caches(num_blocks=8)
+    meta = build_metadata([(0, 9, [5]), (0, 21, [2, 0])], block_size=16)
+    with torch.no_grad(), pagedattn.paged_context(caches, meta):
+        out = rm(torch.cat([xa, xb], 1))
+    with torch.no_grad():
+        torch.testing.assert_close(out[:, :9], m(xa), atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(out[:, 9:], m(xb), atol=ATOL, rtol=1e-4)
+    da, db = torch.randn(1, 1, zoo.C, generator=g), torch.randn(1, 1, zoo.C, generator=g)
+    meta = build_metadata([(9, 1, [5]), (21, 1, [2, 0])], block_size=16)
+    with torch.no_grad(), pagedattn.paged_context(caches, meta):
+        out = rm(torch.cat([da, db], 1))
+    with torch.no_grad():
+        torch.testing.assert_close(out[:, :1], m(torch.cat([xa, da], 1))[:, -1:], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(out[:, 1:], m(torch.cat([xb, db], 1))[:, -1:], atol=ATOL, rtol=1e-4)
+
+
+def test_paged_graph_has_cache_and_metadata_inputs(rewritten):
+    _, rm = rewritten("gqa_expand")
+    names = [n.name for n in rm.graph_module.graph.nodes if n.op == "placeholder"]
+    assert names[-5:] == ["kv_cache_0", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"]
+    targets = [n.target for n in rm.graph_module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.pagedattn.write_kv_cache.default in targets
+    assert torch.ops.pagedattn.paged_attention.default in targets
+    assert torch.ops.aten.softmax.int not in targets
+    assert rm.cache_specs == [{"site": rm.report[0]["name"], "num_kv_heads": 2, "head_size": zoo.D, "dtype": "float32"}]
+
+
+def test_wrong_argument_structure_is_a_clear_error(rewritten):
+    _, rm = rewritten("nanogpt")
+    with pytest.raises(TypeError, match="argument structure"):
+        rm(torch.randn(2, 8, zoo.C), torch.randn(1))
+
+
+def test_context_with_wrong_cache_count(rewritten):
+    _, rm = rewritten("nanogpt")
+    meta = build_metadata([(0, 4, [0])], block_size=16)
+    with pytest.raises(ValueError, match="one cache per site"), pagedattn.paged_context([], meta):
+        rm(torch.randn(1, 4, zoo.C))
+
+
+def test_save_and_load_in_a_fresh_process(rewritten, tmp_path):
+    m, rm = rewritten("gqa_expand")
+    path = tmp_path / "model.pt2"
+    rm.save(str(path))
+    x = torch.randn(1, 7, zoo.C, generator=torch.Generator().manual_seed(9))
+    torch.save({"x": x, "ref": m(x).detach()}, tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import torch, pagedattn
+        from pagedattn.backends import build_metadata
+        rm = pagedattn.load({str(path)!r})
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        caches = rm.allocate_kv_caches(4)
+        with torch.no_grad(), pagedattn.paged_context(caches, build_metadata([(0, 7, [1])], 16)):
+            out = rm(io["x"])
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        torch.testing.assert_close(out, io["ref"], atol=2e-5, rtol=1e-4)
+        assert rm.report[0]["status"] == "rewritten"
+        print("LOADED-OK")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "LOADED-OK" in r.stdout, r.stderr[-3000:]
