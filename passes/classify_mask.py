@@ -16,14 +16,14 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from pagedattn.passes.site import AttentionSite, PassResult, aten, shape
+from pagedattn.passes.site import AttentionSite, PassResult, aten, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
 
 PROBE_SIZES = (13, 64, 257, 4100)  # beyond common sliding windows (4096)
 _PAD = 3  # left padding of the second row in the padding probe
 _MASKED = -9999.0
-_ALIBI_FIT_MAX = 300  # bias values are fitted on probes up to this length  # additive values at or below this are masks (HF uses finfo.min, old code -1e4)
+_ALIBI_FIT_MAX = 300  # bias values are fitted on probes up to this key length  # additive values at or below this are masks (HF uses finfo.min, old code -1e4)
 
 
 @dataclass(frozen=True)
@@ -106,13 +106,17 @@ def _symbols(x) -> set:
     return set(x.node.expr.free_symbols) if isinstance(x, torch.SymInt) else set()
 
 
+def _hint(dim) -> int:
+    return int(dim.node.hint) if isinstance(dim, torch.SymInt) else int(dim)
+
+
 def _concrete(dim, sub: dict) -> int:
     if isinstance(dim, int):
         return dim
     return int(dim.node.expr.subs(sub))
 
 
-def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool) -> Any:
+def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool, key_len: int) -> Any:
     v = p.meta.get("val")
     if isinstance(v, torch.SymInt):  # a size handed in as an input
         return _concrete(v, sub)
@@ -124,13 +128,14 @@ def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool) -> 
     ex = example if isinstance(example, torch.Tensor) else None
     if v.dtype == torch.bool or (ex is not None and _is_01(ex)):
         t = torch.ones(shp, dtype=v.dtype)
-        if pad and len(shp) == 2 and shp[0] >= 2:
-            t[1, :pad] = 0
+        if pad and len(shp) == 2:
+            t[-1, :pad] = 0
         return t
     if not v.dtype.is_floating_point:
-        if ex is not None and ex.dim() >= 1 and ex.shape[-1] > 1 and _is_arange(ex):
-            start = int(ex.reshape(-1, ex.shape[-1])[0, 0])
-            return (torch.arange(shp[-1]) + start).to(v.dtype).expand(shp).clone()
+        if ex is not None and ex.dim() >= 1 and _is_arange(ex):
+            # positions of the newest tokens, aligned bottom-right with the keys
+            n = shp[-1]
+            return (torch.arange(n) + (key_len - n)).to(v.dtype).expand(shp).clone()
         return torch.zeros(shp, dtype=v.dtype)
     raise Unsupported(f"the mask depends on the floating-point input '{p.name}' (a caller-provided mask or bias)")
 
@@ -152,143 +157,162 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict, constants: s
     by_value = [p for p in inputs if _used_by_value(inner[p.name], nodes) and p.name not in constants
                 and isinstance(p.meta.get("val"), torch.Tensor)]
     sq, sk = shape(site.query), shape(site.key)
-    seq_syms = _symbols(sq[2]) | _symbols(sk[2])
-    for p in inputs:  # sizes handed in as inputs are their own symbols
-        pv = p.meta.get("val")
-        if isinstance(pv, torch.SymInt) and _symbols(pv) <= seq_syms | _symbols(sq[0]):
-            pass
-    batch_syms = _symbols(sq[0])
-    static = not seq_syms
-    if not static and (len(_symbols(sq[2])) != 1 or _symbols(sq[2]) != _symbols(sk[2]) or str(sq[2]) != str(sk[2])):
-        raise Unsupported("query and key lengths differ (cross-attention or a cache) and a mask is present")
+    s_len, l_len = sq[2], sk[2]
+    seq_syms = _symbols(s_len) | _symbols(l_len)
+    batch_syms = _symbols(sq[0]) - seq_syms
 
-    pad_candidates = [p for p in by_value if _looks_like_padding(p, examples, seq_syms)]
+    pad_candidates = [p for p in by_value if _looks_like_padding(p, examples, l_len)]
     other = [p for p in by_value if p not in pad_candidates and not _looks_like_positions(p, examples)]
     if other:
+        log.debug("mask input %s: shape %s, key length %s", other[0].name, shape(other[0]), l_len)
         raise Unsupported(f"the mask depends on the values of input '{other[0].name}' (a caller-provided mask or bias)")
 
+    def sizes_for(P: int) -> dict:
+        """Symbol values that make the key length P (queries: all of them, or a third when they differ)."""
+        sub: dict = {}
+        if str(s_len) == str(l_len) or not _symbols(l_len):
+            sub.update({s: P for s in _symbols(s_len)})
+        else:
+            sub.update({s: max(1, P // 3) for s in _symbols(s_len)})
+            extra = _symbols(l_len) - set(sub)
+            base = int(l_len.node.expr.subs({**sub, **{s: 0 for s in extra}}))
+            sub.update({s: max(1, P - base) for s in extra})
+        return sub
+
     def run(P: int, batch: int, pad: int) -> torch.Tensor:
-        sub = {s: P for s in seq_syms}
+        sub = sizes_for(P)
         sub.update({s: batch for s in batch_syms})
+        S, L = _concrete(s_len, sub), _concrete(l_len, sub)
         args = []
         for p in inputs:
             ex = examples.get(p.name)
             if p.name in constants:  # model state: used as it is
                 args.append(ex)
                 continue
-            if p.meta.get("val") is not None and isinstance(p.meta["val"], torch.Tensor):
-                for d in p.meta["val"].shape:
-                    for s in _symbols(d) - set(sub):
-                        sub[s] = batch
-            args.append(_probe_input(p, ex, sub, pad, p in by_value))
-        outs = mod(*args)
-        return _combine(outs, site, P, batch)
+            v = p.meta.get("val")
+            dims = v.shape if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else []
+            for d in dims:
+                free = _symbols(d) - set(sub)
+                if len(free) == 1 and len(_symbols(d)) == 1:
+                    # a size of its own: match it to the key length, query length or batch it equals in the example
+                    sub[free.pop()] = next((val for ref, val in ((l_len, L), (s_len, S), (sq[0], batch))
+                                            if _hint(d) == _hint(ref)), _hint(d))
+                for sym in free:
+                    sub[sym] = batch
+            args.append(_probe_input(p, ex, sub, pad, p in by_value, L))
+        return _combine(mod(*args), site, S, L, batch)
 
-    sizes = [int(sq[2])] if static else sorted(set(PROBE_SIZES))
+    sizes = sorted(set(PROBE_SIZES)) if seq_syms else [int(l_len)]
+    one = sq[0] if isinstance(sq[0], int) else 1  # a static batch stays what it is
     results: dict[int, torch.Tensor] = {}
     errors = []
     for P in sizes:
         try:
-            results[P] = run(P, 1, 0)
+            results[P] = run(P, one, 0)[:1]
         except Unsupported:
             raise
         except Exception as e:
             errors.append(f"{P}: {type(e).__name__}")
     if not results:
         raise Unsupported(f"mask could not be evaluated at any probe size ({'; '.join(errors)})")
-    kind, window, alibi = None, None, None
+    kind, window, alibi, seen = None, None, None, 0
     for P, total in sorted(results.items()):
-        k, w, a = _kind_of(total, site.num_heads, fit_alibi=P <= _ALIBI_FIT_MAX)
-        if kind is None:
-            kind, window, alibi = k, w, a
-        elif (k, w) != (kind, window):
-            if kind == "causal" and k == "sliding_window" and w >= max(p for p in results if p < P):
-                kind, window = k, w
-            else:
-                raise Unsupported(f"mask changes kind with length ({kind} {window} vs {k} {w} at {P})")
-        if a is not None:
-            alibi = a
-    probed = max(results)
+        k, w, a = _kind_of(total, fit_alibi=P <= _ALIBI_FIT_MAX)
+        if kind is None or (k, w) == (kind, window):
+            kind, window = k, w
+        elif kind == "causal" and k == "sliding_window" and w >= seen:
+            kind, window = k, w  # a window wider than every shorter probe
+        else:
+            raise Unsupported(f"the mask changes kind with length ({kind} {window or ''} vs {k} {w or ''} at {P})")
+        seen = total.shape[-1]
+        alibi = a if a is not None else alibi
     key_padding = None
     if pad_candidates:
         P = min(results)
-        padded = run(P, 2, _PAD)
-        base = results[P]
-        for b in range(2):
-            keep = torch.ones(P, dtype=torch.bool)
-            if b == 1:
-                keep[:_PAD] = False
-            if not _same_up_to_padding(padded[b], base[0], keep):
+        two = sq[0] if isinstance(sq[0], int) else 2
+        padded, base = run(P, two, _PAD), run(P, two, 0)
+        L = base.shape[-1]
+        for b in range(two):
+            keep = torch.ones(L, dtype=torch.bool)
+            if b == two - 1:
+                keep[:_PAD] = False  # _probe_input pads the last row
+            if not _same_up_to_padding(padded[b], base[b], keep):
                 raise Unsupported(f"the mask depends on input '{pad_candidates[0].name}' in a way that is not key padding")
         key_padding = pad_candidates[0].name
-    return MaskClass(kind, window, alibi, key_padding, probed)
+    return MaskClass(kind, window, alibi, key_padding, max(results))
 
 
 def _looks_like_positions(p: Node, examples: dict) -> bool:
     ex = examples.get(p.name)
     return (isinstance(ex, torch.Tensor) and not ex.dtype.is_floating_point and ex.dtype != torch.bool
-            and ex.dim() >= 1 and ex.shape[-1] > 1 and _is_arange(ex))
+            and ex.dim() >= 1 and ex.numel() > 0 and _is_arange(ex))
 
 
-def _looks_like_padding(p: Node, examples: dict, seq_syms: set) -> bool:
+def _looks_like_padding(p: Node, examples: dict, key_len) -> bool:
+    """A ``[batch, keys]`` 0/1 input: Hugging Face's ``attention_mask``."""
     v = p.meta.get("val")
     ex = examples.get(p.name)
-    return (isinstance(v, torch.Tensor) and v.dim() == 2 and bool(_symbols(v.shape[1]) & seq_syms)
+    return (isinstance(v, torch.Tensor) and v.dim() == 2 and (same_size(v.shape[1], key_len) or _hint(v.shape[1]) == _hint(key_len))
             and (v.dtype == torch.bool or (isinstance(ex, torch.Tensor) and _is_01(ex))))
 
 
-def _combine(outs, site: AttentionSite, P: int, batch: int) -> torch.Tensor:
-    """All terms as one additive float64 bias ``[batch, H, P, P]`` (-inf where masked).
+def _combine(outs, site: AttentionSite, S: int, L: int, batch: int) -> torch.Tensor:
+    """All terms as one additive bias ``[batch, H, S, L]`` (-inf where masked).
 
-    Each term is brought to ``[batch, H, P, P]`` on its own: terms can live at different
+    Each term is brought to ``[batch, H, S, L]`` on its own: terms can live at different
     layouts (ALiBi on ``[B*H, 1, L]`` scores, the causal mask on ``[B, 1, S, L]``).
     """
     nb = len(site.biases)
-    dt = torch.float64 if P <= _ALIBI_FIT_MAX else torch.float32  # long probes only need the mask's extent
-    total = torch.zeros(batch, site.num_heads, P, P, dtype=dt)
+    dt = torch.float64 if L <= _ALIBI_FIT_MAX else torch.float32  # long probes only need the mask's extent
+    total = torch.zeros(batch, site.num_heads, S, L, dtype=dt)
     neg_inf = torch.tensor(float("-inf"), dtype=dt)
     for (node, factor), t in zip(site.biases, outs[:nb]):
         if t.dtype == torch.bool:
             raise Unsupported("boolean tensor added to the scores")
         t = t.to(dt)
-        total = total + _to_heads(torch.where(t <= _MASKED, neg_inf, t * factor), site.num_heads, P, batch)
+        total = total + _to_heads(torch.where(t <= _MASKED, neg_inf, t * factor), site.num_heads, S, L, batch)
     for (node, keep_when_true), c in zip(site.conds, outs[nb:]):
         masked = ~c.bool() if keep_when_true else c.bool()
         term = torch.zeros(masked.shape, dtype=dt).masked_fill(masked, float("-inf"))
-        total = total + _to_heads(term, site.num_heads, P, batch)
+        total = total + _to_heads(term, site.num_heads, S, L, batch)
     return total
 
 
-def _to_heads(t: torch.Tensor, H: int, P: int, batch: int) -> torch.Tensor:
+def _to_heads(t: torch.Tensor, H: int, S: int, L: int, batch: int) -> torch.Tensor:
     t = t.reshape(1, 1) if t.dim() < 2 else t
-    t = torch.broadcast_to(t, (*t.shape[:-2], P, P))
+    t = torch.broadcast_to(t, (*t.shape[:-2], S, L))
     lead = tuple(t.shape[:-2])
     n = 1
     for d in lead:
         n *= d
-    flat = t.reshape(n, P, P)
+    flat = t.reshape(n, S, L)
     if n == 1:
-        return flat.reshape(1, 1, P, P)
+        return flat.reshape(1, 1, S, L)
     if n == batch * H:
-        return flat.reshape(batch, H, P, P)
+        return flat.reshape(batch, H, S, L)
     if n == H and len(lead) >= 1 and lead[-1] == H:
-        return flat.reshape(1, H, P, P)
+        return flat.reshape(1, H, S, L)
     if n == batch:
-        return flat.reshape(batch, 1, P, P)
+        return flat.reshape(batch, 1, S, L)
     raise Unsupported(f"mask has a leading shape {lead} that fits neither batch ({batch}) nor heads ({H})")
 
 
-def _kind_of(total: torch.Tensor, H: int, fit_alibi: bool = True):
-    """(kind, window, alibi slopes) of a ``[1, H, P, P]`` bias."""
+def _positions(S: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions (the last S of L, bottom-right) and key positions."""
+    return torch.arange(L - S, L), torch.arange(L)
+
+
+def _kind_of(total: torch.Tensor, fit_alibi: bool = True):
+    """(kind, window, alibi slopes) of a ``[1, H, S, L]`` bias."""
     t = total[0]
     allowed = torch.isfinite(t)
     if not bool((allowed == allowed[:1]).all()):
         raise Unsupported("the mask differs between heads")
     a = allowed[0]
-    P = a.shape[-1]
-    i = torch.arange(P)
-    diff = i[:, None] - i[None, :]
-    if bool(a.all()):
+    S, L = a.shape
+    qp, kp = _positions(S, L)
+    diff = qp[:, None] - kp[None, :]
+    if bool(a.all()) and S > 1:
         kind, window = "none", None
     elif bool((a == (diff >= 0)).all()):
         kind, window = "causal", None
@@ -303,20 +327,18 @@ def _kind_of(total: torch.Tensor, H: int, fit_alibi: bool = True):
     finite = torch.where(allowed, t, torch.zeros((), dtype=t.dtype))
     if bool((finite == 0).all()):
         return kind, window, None
-    return kind, window, _alibi_slopes(finite, allowed, H)
+    return kind, window, _alibi_slopes(finite, allowed)
 
 
-def _alibi_slopes(f: torch.Tensor, allowed: torch.Tensor, H: int) -> torch.Tensor:
-    P = f.shape[-1]
-    i = torch.arange(P)
-    rel = (i[None, :] - i[:, None]).double()  # j - i
-    row = torch.diagonal(f, dim1=-2, dim2=-1)[..., :, None]  # [H, P, 1] value at j = i
+def _alibi_slopes(f: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    S, L = f.shape[-2:]
+    qp, kp = _positions(S, L)
+    rel = (kp[None, :] - qp[:, None]).double()  # j - i
+    row = f[..., torch.arange(S), qp][..., None]  # [H, S, 1] value at the query's own position
     g = f - row
-    # least-squares slope per head over visible entries
     w = allowed.double()
     slopes = (g * rel * w).sum((-1, -2)) / (rel * rel * w).sum((-1, -2)).clamp_min(1e-12)
-    fit = slopes[:, None, None] * rel
-    err = ((g - fit).abs() * w).max()
+    err = ((g - slopes[:, None, None] * rel).abs() * w).max()
     if err > 1e-3 * max(1.0, float(g.abs().max())):
         raise Unsupported("the additive bias is not ALiBi (e.g. a learned relative-position bias)")
     return slopes.float()
@@ -324,15 +346,16 @@ def _alibi_slopes(f: torch.Tensor, allowed: torch.Tensor, H: int) -> torch.Tenso
 
 def _same_up_to_padding(padded: torch.Tensor, base: torch.Tensor, keep: torch.Tensor) -> bool:
     """``padded`` equals ``base`` with padded keys masked, on the rows of non-padded queries."""
-    rows = keep.nonzero().flatten()
+    S, L = base.shape[-2:]
+    rows = keep[L - S:].nonzero().flatten()
     exp_allowed = torch.isfinite(base) & keep[None, None, :]
     got_allowed = torch.isfinite(padded)
     if not bool((exp_allowed[:, rows] == got_allowed[:, rows]).all()):
         return False
-    a = torch.where(exp_allowed, base, torch.zeros(()).double())[:, rows]
-    b = torch.where(got_allowed, padded, torch.zeros(()).double())[:, rows]
+    zero = torch.zeros((), dtype=base.dtype)
+    a = torch.where(exp_allowed, base, zero)[:, rows]
+    b = torch.where(got_allowed, padded, zero)[:, rows]
     d = a - b  # may differ by a per-row constant (softmax is shift-invariant), e.g. ALiBi positions
     m = exp_allowed[:, rows]
-    first = torch.where(m, d, torch.zeros(()).double())
-    shift = first.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
+    shift = torch.where(m, d, zero).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
     return bool(((d - shift).abs() * m).max() <= 1e-3 * max(1.0, float(a.abs().max())))
