@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from pagedattn.passes import classify_mask, match_attention
+
+from ..rewriter import zoo
+from .graphs import aten_graph
+
+
+def classified(module, args):
+    gm = aten_graph(module, args)
+    match_attention(gm)
+    classify_mask(gm)
+    return gm.meta["pagedattn_sites"]
+
+
+@pytest.mark.parametrize("name, kind, window", [
+    ("nanogpt", "causal", None), ("where_mask", "causal", None), ("bmm_3d", "causal", None),
+    ("sliding_window", "sliding_window", 100), ("bidirectional", "none", None), ("sdpa_causal", "causal", None),
+])
+def test_kinds(name, kind, window):
+    (site,) = classified(zoo.ATTENTION[name][0](), zoo.example_args(name))
+    assert (site.status, site.mask_kind, site.window) == ("matched", kind, window)
+
+
+class WideWindow(zoo.SlidingWindow):
+    window = 4096  # Mistral's default: wider than the example and most probes
+
+
+def test_window_wider_than_every_short_probe():
+    (site,) = classified(WideWindow(), zoo.example_args("sliding_window"))
+    assert (site.mask_kind, site.window) == ("sliding_window", 4096)
+
+
+def test_alibi_slopes():
+    (site,) = classified(zoo.ALiBi(), zoo.example_args("alibi"))
+    torch.testing.assert_close(site.alibi_slopes, zoo.alibi_slopes(zoo.H))
+
+
+class PaddedCausal(zoo._Base):
+    """Causal plus key padding from a model input, spelled by hand."""
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        keep = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, None, :].bool()
+        s = (q @ k.transpose(-1, -2)) * zoo.D**-0.5
+        return self.merge(s.masked_fill(~keep, torch.finfo(s.dtype).min).softmax(-1) @ v)
+
+
+class NotPadding(zoo._Base):
+    """A model input used as something other than key padding (it masks queries)."""
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        keep = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, :, None].bool()
+        s = (q @ k.transpose(-1, -2)) * zoo.D**-0.5
+        return self.merge(s.masked_fill(~keep, -1e9).softmax(-1) @ v)
+
+
+def test_key_padding_from_input():
+    x, mask = torch.randn(2, 8, zoo.C), torch.ones(2, 8, dtype=torch.long)
+    (site,) = classified(PaddedCausal(), (x, mask))
+    assert site.mask_kind == "causal" and site.key_padding is not None and site.key_padding.name == "attention_mask"
+
+
+def test_input_that_is_not_key_padding():
+    x, mask = torch.randn(2, 8, zoo.C), torch.ones(2, 8, dtype=torch.long)
+    (site,) = classified(NotPadding(), (x, mask))
+    assert site.status == "skipped" and "not key padding" in site.reason
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("learned_relative_bias", "not ALiBi"), ("caller_mask", "caller-provided"), ("caller_bool_mask", "caller-provided"),
+])
+def test_left_alone(name, reason):
+    (site,) = classified(zoo.NOT_ATTENTION[name][0](), zoo.example_args(name))
+    assert site.status == "skipped" and reason in site.reason
+
+
+class Strided(zoo._Base):
+    """Keeps every other key: neither causal, windowed nor absent."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        i = torch.arange(T)
+        keep = (i[:, None] >= i[None, :]) & (i[None, :] % 2 == 0) | (i[:, None] == i[None, :])
+        s = (q @ k.transpose(-1, -2)) * zoo.D**-0.5
+        return self.merge(s.masked_fill(~keep, float("-inf")).softmax(-1) @ v)
+
+
+def test_arbitrary_mask_is_skipped():
+    (site,) = classified(Strided(), zoo.example_args("nanogpt"))
+    assert site.status == "skipped" and "arbitrary mask" in site.reason

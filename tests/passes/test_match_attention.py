@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from pagedattn.passes import match_attention
+
+from ..rewriter import zoo
+from .graphs import aten_graph
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "einsum_bshd", "bmm_3d", "baddbmm", "gqa_expand", "mqa_broadcast",
+                                  "softcap", "split_scale", "sdpa_mask", "cross_attention"])
+def test_matches_and_recovers_layout(name):
+    gm = aten_graph(zoo.ATTENTION[name][0](), zoo.example_args(name))
+    res = match_attention(gm)
+    assert not res.changed  # matching only records what it found
+    (site,) = gm.meta["pagedattn_sites"]
+    assert site.status == "matched", site.reason
+    expect = zoo.ATTENTION[name][1]
+    assert (site.num_heads, site.head_dim) == (zoo.H, zoo.D)
+    assert site.num_kv_heads == expect.get("num_kv_heads", zoo.H)
+    assert site.scale == pytest.approx(expect.get("scale", zoo.D**-0.5))
+    assert site.softcap == expect.get("softcap")
+    q, k = site.query.meta["val"], site.key.meta["val"]
+    assert q.dim() == 4 and k.dim() == 4 and k.shape[1] == site.num_kv_heads
+
+
+def test_mask_terms_collected():
+    gm = aten_graph(zoo.ALiBi(), zoo.example_args("alibi"))
+    match_attention(gm)
+    (site,) = gm.meta["pagedattn_sites"]
+    assert len(site.biases) == 1 and len(site.conds) == 1
+
+
+@pytest.mark.parametrize("module, reason", [
+    (zoo.Router(), "not attention"),
+])
+def test_not_attention(module, reason):
+    gm = aten_graph(module, zoo.example_args("router"))
+    before = gm.code
+    match_attention(gm)
+    assert all(s.status == "skipped" and reason in s.reason for s in gm.meta["pagedattn_sites"])
+    assert gm.code == before
+
+
+class ReturnsWeights(zoo._Base):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1)
+        return self.merge(p @ v), p
+
+
+class TrainingDropout(zoo._Base):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        p = torch.nn.functional.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), 0.5, training=True)
+        return self.merge(p @ v)
+
+
+class SoftmaxOverQueries(zoo._Base):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2), -2) @ v)
+
+
+@pytest.mark.parametrize("cls, reason", [
+    (ReturnsWeights, "used elsewhere"),
+    (TrainingDropout, "dropout"),
+    (SoftmaxOverQueries, "last dimension"),
+])
+def test_counter_examples(cls, reason):
+    gm = aten_graph(cls(), zoo.example_args("nanogpt"))
+    match_attention(gm)
+    (site,) = gm.meta["pagedattn_sites"]
+    assert site.status == "skipped" and reason in site.reason
