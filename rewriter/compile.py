@@ -103,6 +103,8 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
     compiled.cache_specs = cache_specs(paged, sites)
     compiled.report = [s.report() for s in sites]
     _LAST_REPORTS.append(compiled.report)
+    if compiled.cache_specs:
+        _LAST_SPECS[:] = compiled.cache_specs
     return compiled
 
 
@@ -110,5 +112,13 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
 _LAST_REPORTS: list = []
 
 
+_LAST_SPECS: list = []
+
+
 def compile_reports() -> list:
     return list(_LAST_REPORTS)
+
+
+def last_cache_specs() -> list[dict]:
+    """Cache layout (one entry per rewritten site) of the newest graph compiled with paged attention."""
+    return list(_LAST_SPECS)

@@ -1,0 +1,156 @@
+"""KV-cache block manager: reference-counted blocks, prefix caching by token-block hashes, copy-on-write."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class NoFreeBlocks(Exception):
+    """Raised when an allocation cannot be satisfied right now."""
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one sequence, in order, and how many of its tokens are in the cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens whose K/V are written
+    hashes: list[Optional[int]] = field(default_factory=list)  # per full block, for prefix caching
+
+
+class BlockManager:
+    """Hands out cache blocks.
+
+    Full blocks of prompt tokens are registered under a hash of (previous block's hash, tokens),
+    so a later request with the same prefix reuses them. Blocks nobody references but that hold
+    a cached prefix stay findable until their space is needed (least recently freed first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._cached: dict[int, int] = {}  # hash -> block
+        self._block_hash: dict[int, int] = {}  # block -> hash
+        self._evictable: "OrderedDict[int, None]" = OrderedDict()  # ref 0 but holding a cached prefix
+        self.prefix_hits = 0  # blocks reused through prefix caching
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for the engine
+
+    # --- accounting
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        total = table.num_cached_tokens + num_tokens
+        return max(0, -(-total // self.block_size) - len(table.blocks))
+
+    # --- allocation
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        elif self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            h = self._block_hash.pop(b)
+            self._cached.pop(h, None)
+        else:
+            raise NoFreeBlocks
+        self.ref[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if b in self._block_hash:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+
+    def allocate_prompt(self, table: BlockTable, prompt: Sequence[int]) -> int:
+        """Reuse cached full blocks of ``prompt``'s prefix; returns how many tokens are already cached.
+
+        At least the last prompt token is always left to compute (its logits are needed).
+        """
+        if not self.enable_prefix_caching or table.blocks:
+            return 0
+        bs = self.block_size
+        parent = None
+        for i in range((len(prompt) - 1) // bs):
+            h = hash((parent, tuple(prompt[i * bs:(i + 1) * bs])))
+            b = self._cached.get(h)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                self._evictable.pop(b, None)
+            self.ref[b] += 1
+            table.blocks.append(b)
+            table.hashes.append(h)
+            parent = h
+            self.prefix_hits += 1
+        table.num_cached_tokens = len(table.blocks) * bs
+        return table.num_cached_tokens
+
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` more tokens (all or nothing), copying shared blocks before a write."""
+        need = self.blocks_needed(table, num_tokens)
+        last = table.num_cached_tokens // self.block_size
+        cow = last < len(table.blocks) and self.ref[table.blocks[last]] > 1
+        if need + int(cow) > self.num_free:
+            raise NoFreeBlocks
+        if cow:
+            src = table.blocks[last]
+            dst = self._take()
+            self.pending_copies.append((src, dst))
+            self.ref[src] -= 1
+            table.blocks[last] = dst
+            if last < len(table.hashes):
+                table.hashes[last] = None
+        for _ in range(need):
+            table.blocks.append(self._take())
+
+    def commit(self, table: BlockTable, tokens: Sequence[int], num_new: int) -> None:
+        """Record that ``num_new`` more tokens were written; register newly full blocks for reuse.
+
+        ``tokens`` is the sequence's whole token list so far (prompt and generated).
+        """
+        before = table.num_cached_tokens
+        table.num_cached_tokens += num_new
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(before // bs, table.num_cached_tokens // bs):
+            parent = table.hashes[i - 1] if i > 0 and i - 1 < len(table.hashes) else None
+            if i > 0 and parent is None:
+                break  # an unhashed block breaks the chain
+            h = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            while len(table.hashes) <= i:
+                table.hashes.append(None)
+            table.hashes[i] = h
+            b = table.blocks[i]
+            if h not in self._cached and b not in self._block_hash:
+                self._cached[h] = b
+                self._block_hash[b] = h
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A second sequence sharing every block of ``table`` (copy-on-write on its next write)."""
+        for b in table.blocks:
+            self.ref[b] += 1
+        return BlockTable(list(table.blocks), table.num_cached_tokens, list(table.hashes))
+
+    def free(self, table: BlockTable) -> None:
+        for b in reversed(table.blocks):
+            self._release(b)
+        table.blocks.clear()
+        table.hashes.clear()
+        table.num_cached_tokens = 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out

@@ -1,0 +1,327 @@
+"""``PagedEngine``: continuous batching over a rewritten model's paged KV caches."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedattn.backends import build_metadata, get_backend
+from pagedattn.runtime.blocks import BlockManager
+from pagedattn.runtime.context import paged_context
+from pagedattn.runtime.scheduler import Request, SamplingParams, ScheduledChunk, Scheduler
+
+log = logging.getLogger("pagedattn.runtime")
+
+__all__ = ["PagedEngine", "SamplingParams", "RequestOutput", "RequestErrors"]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+
+
+class RequestErrors(ValueError):
+    """Some requests were rejected; ``results`` holds the others' outputs (None for rejected ones)."""
+
+    def __init__(self, errors: dict[int, str], results: list):
+        self.errors, self.results = errors, results
+        super().__init__("; ".join(f"request {i}: {msg}" for i, msg in errors.items()))
+
+
+def _parse_memory(memory, bytes_per_block: int, device: torch.device) -> int:
+    if isinstance(memory, float) and 0 < memory <= 1:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import os
+
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory = int(free * memory)
+    if not isinstance(memory, int) or memory <= 0:
+        raise ValueError(f"memory must be a byte count or a fraction in (0, 1], got {memory!r}")
+    return memory // bytes_per_block
+
+
+class PagedEngine:
+    """Serve a model with a paged KV cache and continuous batching.
+
+    ``model`` is a Hugging Face causal LM (rewritten on the fly), a ``RewrittenModel``, or a module
+    compiled with ``torch.compile(backend="pagedattn")``. Tokens of all scheduled sequences run as
+    one ``[1, T]`` step with explicit position ids.
+    """
+
+    def __init__(self, model: nn.Module, *, target: str = "auto", block_size: int = 16,
+                 num_blocks: Optional[int] = None, memory: Optional[int | float] = None,
+                 max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
+                 dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None):
+        from pagedattn.api import RewrittenModel, rewrite
+
+        self.backend = get_backend(target)
+        self.device = torch.device(self.backend.device_type)
+        self.block_size = block_size
+        self.vocab_size = _vocab_size(model)
+        self._eos = _eos_ids(model, eos_token_id)
+        if isinstance(model, RewrittenModel):
+            self.model, self._kwargs = model, _input_names(model)
+            specs = model.cache_specs
+        elif _is_compiled(model):
+            self.model, self._kwargs = model, _accepted(_original(model))
+            specs = _compiled_cache_specs(model, self._kwargs)
+        else:
+            self._kwargs = _accepted(model)
+            example = _example_kwargs(self._kwargs, self.vocab_size)
+            self.model = rewrite(model, (), example, target=target, block_size=block_size)
+            specs = self.model.cache_specs
+        if not specs:
+            raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
+        self.cache_specs = specs
+        elem = {s["dtype"] for s in specs}
+        self.cache_dtype = dtype or getattr(torch, sorted(elem)[0])
+        bytes_per_block = sum(2 * block_size * s["num_kv_heads"] * s["head_size"] for s in specs) * \
+            torch.tensor([], dtype=self.cache_dtype).element_size()
+        if num_blocks is None:
+            num_blocks = _parse_memory(memory, bytes_per_block, self.device) if memory is not None else 2048
+        self.num_blocks = int(num_blocks)
+        self.kv_caches = [self.backend.allocate_kv_cache(self.num_blocks, block_size, s["num_kv_heads"],
+                                                         s["head_size"], self.cache_dtype, self.device)
+                          for s in specs]
+        self.kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs)
+        self._ids = itertools.count()
+        self._finished: list[RequestOutput] = []
+        self._generators: dict[int, torch.Generator] = {}
+        self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0}
+
+    # ----------------------------------------------------------------- requests
+
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> Optional[str]:
+        """Why a request cannot be served, or None."""
+        if len(prompt) == 0:
+            return "the prompt is empty"
+        if params.max_new_tokens <= 0:
+            return f"max_new_tokens must be > 0, got {params.max_new_tokens}"
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < (self.vocab_size or 2**63)]
+        if bad:
+            return f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})"
+        need = -(-(len(prompt) + params.max_new_tokens) // self.block_size)
+        if need > self.num_blocks:
+            return (f"prompt of {len(prompt)} tokens plus {params.max_new_tokens} new ones needs {need} blocks "
+                    f"but the cache has {self.num_blocks}; raise num_blocks/memory or shorten the request")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            return "temperature must be >= 0, top_p in (0, 1], top_k >= 0"
+        return None
+
+    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, **kw) -> int:
+        """Queue a request; returns its id. Raises ValueError naming what is wrong with it."""
+        params = params or SamplingParams(**kw)
+        rid = next(self._ids)
+        why = self.validate(list(prompt), params)
+        if why:
+            raise ValueError(f"request {rid}: {why}")
+        if params.seed is not None:
+            self._generators[rid] = torch.Generator(device="cpu").manual_seed(params.seed)
+        self.scheduler.add(Request(rid, [int(t) for t in prompt], params))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def collect(self) -> list[RequestOutput]:
+        """Requests finished since the last call."""
+        out, self._finished = self._finished, []
+        return out
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with an empty cache: "
+                                   f"{len(self.scheduler.waiting)} requests wait for blocks that never free")
+            return []
+        copies = self.blocks.take_copies()
+        if copies:
+            pairs = torch.tensor(copies, dtype=torch.long, device=self.device)
+            for cache in self.kv_caches:
+                self.backend.copy_blocks(cache, pairs)
+        ids, pos, rows = [], [], []
+        for chunk in plan:
+            toks = chunk.request.tokens[chunk.start:chunk.start + chunk.num_tokens]
+            ids.extend(toks)
+            pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+            if chunk.completes:
+                rows.append(len(ids) - 1)
+        meta = build_metadata([(c.start, c.num_tokens, c.request.table.blocks) for c in plan], self.block_size,
+                              device=self.device)
+        kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
+        if "position_ids" in self._kwargs:
+            kwargs["position_ids"] = torch.tensor([pos], device=self.device)
+        if "use_cache" in self._kwargs:
+            kwargs["use_cache"] = False
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if "logits_to_keep" in self._kwargs:
+            kwargs["logits_to_keep"] = keep
+        t1 = time.perf_counter()
+        with torch.no_grad(), paged_context(self.kv_caches, meta):
+            out = self.model(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+        logits = logits[0] if "logits_to_keep" in self._kwargs else logits[0, keep]  # [R, V]
+        t2 = time.perf_counter()
+        finished = self._advance(plan, logits)
+        t3 = time.perf_counter()
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(ids)
+        self.stats["model_s"] += t2 - t1
+        self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
+        return finished
+
+    def _advance(self, plan: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        done = []
+        r = 0
+        for chunk in plan:
+            req = chunk.request
+            tokens_before = req.tokens
+            self.blocks.commit(req.table, tokens_before, chunk.num_tokens)
+            req.num_computed += chunk.num_tokens
+            if not chunk.completes:
+                continue
+            tok = self._sample(req, logits[r])
+            r += 1
+            req.output.append(tok)
+            reason = None
+            if tok in req.params.stop_token_ids or tok in self._eos:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_new_tokens:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                self._generators.pop(req.id, None)
+                res = RequestOutput(req.id, req.prompt, list(req.output), reason)
+                self._finished.append(res)
+                done.append(res)
+        return done
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> int:
+        p = req.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        x = logits.float() / p.temperature
+        if p.top_k:
+            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1:
+            sorted_x, idx = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, -1)
+            drop = probs.cumsum(-1) - probs > p.top_p
+            x = x.scatter(0, idx, sorted_x.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(x, -1).cpu()
+        return int(torch.multinomial(probs, 1, generator=self._generators.get(req.id)))
+
+    # ----------------------------------------------------------------- generate
+
+    def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 16, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Generated tokens per prompt (greedy unless ``temperature > 0``).
+
+        Invalid requests do not stop the others: after the rest finish, a ``RequestErrors`` names them
+        and carries the other results.
+        """
+        prompts = [list(p) for p in prompts]
+        ids: list[Optional[int]] = []
+        errors: dict[int, str] = {}
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
+                                    None if seed is None else seed + i, tuple(stop_token_ids))
+            try:
+                ids.append(self.add_request(prompt, params))
+            except ValueError as e:
+                errors[i] = str(e).split(": ", 1)[-1]
+                ids.append(None)
+                log.error("prompt %d rejected: %s", i, errors[i])
+        results: dict[int, list[int]] = {}
+        while self.has_unfinished():
+            for r in self.step():
+                results[r.request_id] = r.tokens
+        self.collect()
+        out = [results.get(rid) if rid is not None else None for rid in ids]
+        if errors:
+            raise RequestErrors(errors, out)
+        return out
+
+    def overhead_share(self) -> float:
+        total = self.stats["model_s"] + self.stats["overhead_s"]
+        return self.stats["overhead_s"] / total if total else 0.0
+
+
+# ------------------------------------------------------------------ model plumbing
+
+
+def _original(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+def _is_compiled(model) -> bool:
+    return hasattr(model, "_orig_mod") or (hasattr(model, "forward") and hasattr(model.forward, "_torchdynamo_orig_callable"))
+
+
+def _accepted(model: nn.Module) -> set[str]:
+    params = inspect.signature(_original(model).forward).parameters
+    return {n for n in ("input_ids", "position_ids", "use_cache", "logits_to_keep") if n in params}
+
+
+def _input_names(model) -> set[str]:
+    spec = model._in_spec
+    try:
+        return set(spec.children_specs[1].context)  # (args, kwargs) -> kwargs keys
+    except Exception:
+        return {"input_ids"}
+
+
+def _example_kwargs(names: set[str], vocab: Optional[int]) -> dict:
+    T = 8
+    kw = {"input_ids": torch.arange(T)[None] % (vocab or 2)}
+    if "position_ids" in names:
+        kw["position_ids"] = torch.arange(T)[None]
+    if "use_cache" in names:
+        kw["use_cache"] = False
+    if "logits_to_keep" in names:
+        kw["logits_to_keep"] = torch.tensor([T - 1, 3])
+    return kw
+
+
+def _vocab_size(model) -> Optional[int]:
+    cfg = getattr(_original(model), "config", None)
+    if cfg is None:
+        return None
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "vocab_size", None)
+
+
+def _eos_ids(model, eos) -> set[int]:
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _compiled_cache_specs(model, names: set[str]) -> list[dict]:
+    """Compile once in drop-in mode to learn the rewritten sites' cache layout."""
+    from pagedattn.compile import last_cache_specs
+
+    with torch.no_grad():
+        model(**_example_kwargs(names, _vocab_size(model)))
+    return last_cache_specs()
