@@ -145,8 +145,13 @@ def _is_01(t: torch.Tensor) -> bool:
 
 
 def _is_arange(t: torch.Tensor) -> bool:
+    """Positions: each row counts up by one, possibly restarting (sequences packed in one row)."""
     rows = t.reshape(-1, t.shape[-1])
-    return bool((rows - rows[:, :1] == torch.arange(t.shape[-1], dtype=t.dtype)).all())
+    if t.shape[-1] == 1:
+        return bool((rows >= 0).all())
+    d = rows[:, 1:] - rows[:, :-1]
+    restart = rows[:, 1:] < rows[:, :-1]
+    return bool((rows >= 0).all() and ((d == 1) | restart).all() and not restart.all())
 
 
 def _classify(gm: GraphModule, site: AttentionSite, examples: dict, constants: set = frozenset()) -> MaskClass:

@@ -69,6 +69,10 @@ class RewrittenModel(nn.Module):
                 raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
             return self._unflatten(self.dropin_module(*flat))
+        skipped = [f"{r['name']}: {r['reason']}" for r in self.report if r["status"] != "rewritten"]
+        if skipped:
+            raise RuntimeError("this model cannot run in paged mode: attention left as it was would mix the "
+                               "sequences of a step: " + "; ".join(skipped))
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
 
     def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
@@ -269,8 +273,12 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
     flat = pytree.tree_flatten((args, kwargs))[0]
     dropin, paged, sites = rewrite_graph(gm, flat, backend.device_type)
     report = [s.report() for s in sites]
-    return RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), backend.device_type,
-                          block_size, example_inputs=flat)
+    rm = RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), backend.device_type,
+                        block_size, example_inputs=flat)
+    # generation settings travel along (EOS ids, vocabulary) for the engine
+    rm.config = getattr(model, "config", None)
+    rm.generation_config = getattr(model, "generation_config", None)
+    return rm
 
 
 # ------------------------------------------------------------------------- export

@@ -71,14 +71,17 @@ def _inner_compile(gm: GraphModule, inner: str) -> Callable:
 class _Compiled:
     """What the backend returns to Dynamo."""
 
-    def __init__(self, dropin: GraphModule, paged: GraphModule, num_sites: int, inner: str):
+    def __init__(self, dropin: GraphModule, paged: GraphModule, num_sites: int, inner: str, skipped: list[str]):
         self.dropin, self.paged = dropin, paged
-        self.num_sites, self.inner = num_sites, inner
+        self.num_sites, self.inner, self.skipped = num_sites, inner, skipped
         self._dropin_fn: Optional[Callable] = None
         self._paged_fn: Optional[Callable] = None
 
     def __call__(self, *args):
         ctx = current_context()
+        if ctx is not None and self.skipped:
+            raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
+                               "sequences of a step: " + "; ".join(self.skipped))
         if ctx is None or self.num_sites == 0:
             if self._dropin_fn is None:
                 self._dropin_fn = _inner_compile(self.dropin, self.inner)
@@ -99,7 +102,8 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
     dropin, paged, sites = rewrite_graph(flat, real, backend.device_type, constants=_module_state(gm))
     log.info("pagedattn backend: %d of %d attention sites rewritten",
              sum(s.status == "rewritten" for s in sites), len(sites))
-    compiled = _Compiled(dropin, paged, len(paged.meta.get("pagedattn_cache_inputs", [])), opts["inner"])
+    compiled = _Compiled(dropin, paged, len(paged.meta.get("pagedattn_cache_inputs", [])), opts["inner"],
+                         [f"{s.name}: {s.reason}" for s in sites if s.status != "rewritten"])
     compiled.cache_specs = cache_specs(paged, sites)
     compiled.report = [s.report() for s in sites]
     _LAST_REPORTS.append(compiled.report)

@@ -287,7 +287,7 @@ def _accepted(model: nn.Module) -> set[str]:
 def _input_names(model) -> set[str]:
     spec = model._in_spec
     try:
-        return set(spec.children_specs[1].context)  # (args, kwargs) -> kwargs keys
+        return set(spec.child(1).context)  # (args, kwargs) -> kwargs keys
     except Exception:
         return {"input_ids"}
 
@@ -313,6 +313,13 @@ def _vocab_size(model) -> Optional[int]:
 
 
 def _eos_ids(model, eos) -> set[int]:
+    """EOS ids given, else the model's own (generation config first, as Hugging Face generate does)."""
+    if eos is None:
+        m = _original(model)
+        for cfg in (getattr(m, "generation_config", None), getattr(m, "config", None)):
+            eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+            if eos is not None:
+                break
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
