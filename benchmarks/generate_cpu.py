@@ -58,10 +58,15 @@ def one_at_a_time(model, prompts, new):
     return outs
 
 
-def hf_continuous(model, prompts, new):
+def hf_continuous(model, prompts, new, num_blocks, block_size, max_tokens):
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    # the same cache size and token budget as the engine (its default sizes the cache from free memory)
+    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_tokens)
     with torch.no_grad():
-        res = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+        res = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb,
+                                   progress_bar=False)
     return [r.generated_tokens for r in res.values()]
 
 
@@ -117,7 +122,7 @@ def main(argv=None) -> None:
             cb_model = build(dtype, "paged|sdpa")
             try:
                 t0 = time.perf_counter()
-                hf_continuous(cb_model, prompts, a.new)
+                hf_continuous(cb_model, prompts, a.new, need, block, 1024)
                 rows.append(("HF generate_batch (paged|sdpa)", time.perf_counter() - t0))
             except Exception as e:  # e.g. psutil missing
                 print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
