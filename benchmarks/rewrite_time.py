@@ -19,7 +19,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pagedattn.api as api
-from pagedattn.passes import run_pipeline
 
 
 def _timed_rewrite(model, kwargs):

@@ -21,7 +21,6 @@ from pagedattn.passes.site import (
     AttentionSite,
     PassResult,
     aten,
-    is_full_slice,
     same_size,
     scalar,
     shape,
@@ -46,24 +45,18 @@ class NoMatch(Exception):
 
 
 def match_attention(gm: GraphModule) -> PassResult:
+    matchers = {**{op: _match_softmax for op in SOFTMAX_OPS}, **{op: _match_sdpa for op in SDPA_OPS}}
     sites = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        match = matchers.get(node.target) if node.op == "call_function" else None
+        if match is None:
             continue
-        if node.target in SOFTMAX_OPS:
-            site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
-            try:
-                _match_softmax(site)
-            except NoMatch as e:
-                site.skip(str(e))
-            sites.append(site)
-        elif node.target in SDPA_OPS:
-            site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
-            try:
-                _match_sdpa(site)
-            except NoMatch as e:
-                site.skip(str(e))
-            sites.append(site)
+        site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
+        try:
+            match(site)
+        except NoMatch as e:
+            site.skip(str(e))
+        sites.append(site)
     gm.meta["pagedattn_sites"] = sites
     for s in sites:
         log.info("site %s: %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")

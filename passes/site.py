@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 aten = torch.ops.aten
 
