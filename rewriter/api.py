@@ -75,6 +75,11 @@ class RewrittenModel(nn.Module):
                                "sequences of a step: " + "; ".join(skipped))
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
 
+    def compile_paged(self, backend: str = "inductor") -> "RewrittenModel":
+        """Compile the paged graph (dynamic shapes: one compilation serves every batch shape)."""
+        self.graph_module = torch.compile(self.graph_module, backend=backend, dynamic=True)
+        return self
+
     def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
                            dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
         """One cache per rewritten site, in the target backend's layout."""

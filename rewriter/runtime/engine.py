@@ -57,13 +57,15 @@ class PagedEngine:
 
     ``model`` is a Hugging Face causal LM (rewritten on the fly), a ``RewrittenModel``, or a module
     compiled with ``torch.compile(backend="pagedattn")``. Tokens of all scheduled sequences run as
-    one ``[1, T]`` step with explicit position ids.
+    one ``[1, T]`` step with explicit position ids. ``compile=True`` compiles a rewritten model's
+    paged graph with Inductor (once, with dynamic shapes; the first steps pay for it).
     """
 
     def __init__(self, model: nn.Module, *, target: str = "auto", block_size: int = 16,
                  num_blocks: Optional[int] = None, memory: Optional[int | float] = None,
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
-                 dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None):
+                 dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
+                 compile: bool = False):
         from pagedattn.api import RewrittenModel, rewrite
 
         self.backend = get_backend(target)
@@ -84,6 +86,11 @@ class PagedEngine:
             specs = self.model.cache_specs
         if not specs:
             raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
+        if compile:
+            if not isinstance(self.model, RewrittenModel):
+                raise ValueError("compile=True applies to models the engine rewrites or a RewrittenModel; "
+                                 "a torch.compile'd model is compiled already")
+            self.model.compile_paged()
         self.cache_specs = specs
         elem = {s["dtype"] for s in specs}
         self.cache_dtype = dtype or getattr(torch, sorted(elem)[0])

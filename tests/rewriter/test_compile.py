@@ -142,5 +142,5 @@ def test_decode_time_does_not_grow_with_cache_size():
             t.append(time.perf_counter() - t0)
         return sorted(t)[len(t) // 2]
 
-    small, large = step_time(512), step_time(4096)  # 8x the blocks (8 MiB -> 64 MiB per cache)
+    small, large = step_time(8192), step_time(65536)  # 8x the blocks (16 MiB -> 128 MiB per cache)
     assert large < small * 1.10 + 2e-4, f"decode step {small * 1e3:.2f} ms -> {large * 1e3:.2f} ms with 8x blocks"
