@@ -10,6 +10,7 @@ query-length dimension (``[Hkv, G * Q, D]``) and the mask is tiled to match.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -229,108 +230,158 @@ class SdpaCpuBackend(AttentionBackend):
 
     def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], scale, causal, window,
                 softcap, alibi_slopes, num_kv_heads):
-        # Flash-decoding on CPU: each sequence's keys are cut into chunks that, gathered, stay in the
-        # last-level cache; chunks are batched into padded groups, and partial results merged by
-        # their log-sum-exp. Per-chunk tensors are built once; groups only slice them.
-        bs, d = kv_cache.shape[2], kv_cache.shape[-1]
+        # Flash-decoding on CPU. Each sequence's visible keys are cut into near-equal chunks;
+        # chunks, longest first, form groups whose padded K+V fit _GATHER_BUDGET_BYTES. A group is
+        # gathered by one index_select (K and V blocks together) into a reused workspace that stays
+        # in cache, attended by one flash call (without a mask when every gathered key is visible),
+        # and the chunks of a sequence are merged by their log-sum-exp. Index and mask tensors are
+        # built once per call; a group only slices them.
+        #
+        # A chunk is one thread's share of a group: index_select and the flash kernel both split
+        # their work into contiguous per-thread ranges (of blocks, and of (chunk, head) pairs), so
+        # with equal chunks each thread attends to the keys it gathered itself, still in its own
+        # cache. With one chunk per group the two splits cross and half of every read is remote
+        # (up to ~40% slower at 1024-token contexts on a 2-core EPYC VM).
+        nb, bs, _, d = self.cache_geometry(kv_cache)
         dev = query.device
-        kv_token_bytes = 2 * num_kv_heads * d * kv_cache.element_size()
-        chunk = max(bs, (_GATHER_BUDGET_BYTES // kv_token_bytes) // bs * bs)
-        items: list[_Chunk] = []
-        for s in seqs:
-            lo = max(0, s.kv_len - window) if causal and window > 0 else 0
-            for a in range(lo - lo % bs, s.kv_len, chunk):
-                items.append(_Chunk(s, max(a, lo), min(a + chunk, s.kv_len)))
-        bounds, start, longest = [], 0, 0  # groups are runs of consecutive chunks
-        for i, it in enumerate(items):
-            longest_with = max(longest, it.num_blocks(bs))
-            if i > start and (i - start + 1) * longest_with * bs * kv_token_bytes > _GATHER_BUDGET_BYTES:
-                bounds.append((start, i, longest))
-                start, longest_with = i, it.num_blocks(bs)
-            longest = longest_with
-        bounds.append((start, len(items), longest))
-
-        n_max = max(n for _, _, n in bounds)
-        first = torch.tensor([it.lo // bs for it in items], device=dev)
-        cols = (first[:, None] + torch.arange(n_max, device=dev)[None, :]).clamp_(max=block_tables.shape[1] - 1)
-        seq_rows = torch.tensor([it.seq.index for it in items], device=dev)
-        blocks = block_tables[seq_rows[:, None], cols].long()  # [I, n_max]
-        rows = torch.tensor([it.seq.start for it in items], device=dev)
         num_heads = query.shape[1]
         group = num_heads // num_kv_heads
-        q_all = query.index_select(0, rows).view(len(items), num_kv_heads, group, -1)  # [I, Hkv, G, D]
-        k_pos = first[:, None] * bs + torch.arange(n_max * bs, device=dev)[None, :]  # [I, Lp] absolute
-        lo = torch.tensor([it.lo for it in items], device=dev)[:, None]
-        hi = torch.tensor([it.hi for it in items], device=dev)[:, None]
-        ok = ((k_pos >= lo) & (k_pos < hi))[:, None, None, :]  # [I, 1, 1, Lp]
-        if alibi_slopes is not None:
-            rel = (k_pos - torch.tensor([it.seq.kv_len - 1 for it in items], device=dev)[:, None]).float()
-            bias = alibi_slopes.float().view(1, num_kv_heads, group, 1) * rel[:, None, None, :]
-        else:
-            bias = torch.zeros(ok.shape, device=dev)
-        bias = bias.masked_fill(~ok, float("-inf"))
-        if softcap <= 0:
-            bias = bias.to(query.dtype)
-
-        outs, lses = [], []
-        for a, b, n in bounds:
-            k_ws, v_ws = _workspace(kv_cache, (b - a) * n)
-            flat = blocks[a:b, :n].reshape(-1)
-            torch.index_select(kv_cache[0], 0, flat, out=k_ws)
-            torch.index_select(kv_cache[1], 0, flat, out=v_ws)
-            k = k_ws.view(b - a, n * bs, num_kv_heads, -1).transpose(1, 2)  # [g, Hkv, Lp, D]
-            v = v_ws.view(b - a, n * bs, num_kv_heads, -1).transpose(1, 2)
-            o, lse = _partial_attention(q_all[a:b], k, v, bias[a:b, ..., : n * bs], scale, softcap)
-            outs.append(o.reshape(b - a, num_heads, -1))
-            lses.append(lse.reshape(b - a, num_heads))
-        o = torch.cat(outs)  # [I, Hq, Dv]
-        if len(items) == len(seqs):
-            out.index_copy_(0, rows, o.to(out.dtype))
+        block_bytes = 2 * bs * num_kv_heads * d * kv_cache.element_size()  # K and V
+        budget = max(1, _GATHER_BUDGET_BYTES // block_bytes)  # blocks gathered per group
+        chunk = max(1, budget // max(1, torch.get_num_threads()))  # blocks per chunk, at most
+        spans = []  # (blocks, seq, first block, first visible key): a sequence's keys in equal chunks
+        for s in seqs:
+            lo = max(0, s.kv_len - window) if causal and window > 0 else 0
+            first = lo // bs
+            total = -(-s.kv_len // bs) - first
+            parts = -(-total // chunk)
+            for j in range(parts):
+                n = total // parts + (j < total % parts)
+                spans.append((n, s, first, max(first * bs, lo)))
+                first += n
+        # longest first, so that chunks grouped together need little padding
+        spans.sort(key=lambda t: -t[0])
+        los, his, ends, firsts, sizes, seq_rows, rows = [], [], [], [], [], [], []
+        for n, s, first, lo in spans:
+            los.append(lo)  # visible keys [lo, hi) of blocks first .. first + n
+            his.append(min((first + n) * bs, s.kv_len))
+            ends.append(s.kv_len - 1)
+            firsts.append(first)
+            sizes.append(n)
+            seq_rows.append(s.index)
+            rows.append(s.start)
+        if not los:
             return
-        lse = torch.cat(lses)  # [I, Hq]
+        bounds, start, longest = [], 0, 0  # groups: (first chunk, end, blocks gathered per chunk)
+        for i, n in enumerate(sizes):
+            if i > start and (i - start + 1) * max(longest, n) > budget:
+                bounds.append((start, i, longest))
+                start, longest = i, 0
+            longest = max(longest, n)
+        bounds.append((start, len(sizes), longest))
+        padded = [n for a, b, n in bounds for _ in range(a, b)]
+        # a group needs no mask when every key it gathers is visible to its query
+        masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
+                  for a, b, n in bounds]
+
+        num_items, n_max = len(los), max(padded)
+        first_t = torch.tensor(firsts, device=dev)
+        steps = torch.arange(n_max, device=dev)
+        cols = (first_t[:, None] + steps).clamp_(max=block_tables.shape[1] - 1)
+        blocks = block_tables[torch.tensor(seq_rows, device=dev)[:, None], cols].long()  # [I, n_max]
+        keep = steps < torch.tensor(padded, device=dev)[:, None]  # [I, n_max]
+        # one index per group, in [chunk, K|V, block] order, over the cache seen as 2 * nb blocks
+        flat_cache = kv_cache.stride(0) == nb * kv_cache.stride(1)
+        if flat_cache:
+            kv_blocks = kv_cache.view(2 * nb, *kv_cache.shape[2:])
+            index = torch.stack((blocks, blocks + nb), 1)[keep[:, None].expand(-1, 2, -1)]
+        else:  # K and V are gathered separately: [K of every chunk, V of every chunk]
+            index = blocks[keep]
+        rows_t = torch.tensor(rows, device=dev)
+        q_all = query.index_select(0, rows_t).view(num_items, num_kv_heads, group, d)  # [I, Hkv, G, D]
+        bias = None
+        if alibi_slopes is not None or any(masked):
+            k_pos = first_t[:, None] * bs + torch.arange(n_max * bs, device=dev)  # [I, Lp] absolute
+            ok = (k_pos >= torch.tensor(los, device=dev)[:, None]) & (k_pos < torch.tensor(his, device=dev)[:, None])
+            if alibi_slopes is not None:
+                rel = (k_pos - torch.tensor(ends, device=dev)[:, None]).float()
+                bias = alibi_slopes.float().view(1, num_kv_heads, group, 1) * rel[:, None, None, :]
+            else:
+                bias = torch.zeros((num_items, 1, 1, n_max * bs), device=dev)
+            bias = bias.masked_fill_(~ok[:, None, None, :], float("-inf"))
+            if softcap <= 0:
+                bias = bias.to(query.dtype)
+
+        outs, lses, off = [], [], 0
+        for (a, b, n), needs_mask in zip(bounds, masked):
+            g, span = b - a, n * bs
+            ws = _workspace(kv_cache, 2 * g * n)
+            if flat_cache:
+                torch.index_select(kv_blocks, 0, index[off:off + 2 * g * n], out=ws)
+                off += 2 * g * n
+                k, v = _kv_views(ws, g, span, 2 * span, 0, span)
+            else:
+                idx = index[off:off + g * n]
+                off += g * n
+                torch.index_select(kv_cache[0], 0, idx, out=ws[:g * n])
+                torch.index_select(kv_cache[1], 0, idx, out=ws[g * n:])
+                k, v = _kv_views(ws, g, span, span, 0, g * span)
+            mask = bias[a:b, ..., :span] if bias is not None and (needs_mask or alibi_slopes is not None) else None
+            o, lse = _partial_attention(q_all[a:b], k, v, mask, scale, softcap)  # [g, Hkv, G, Dv], [g, Hkv, G]
+            outs.append(o)
+            lses.append(lse)
+        o = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(num_items, num_heads, -1)  # [I, Hq, Dv]
+        if num_items == len(set(rows)):  # one chunk per sequence: nothing to merge
+            out.index_copy_(0, rows_t, o.to(out.dtype))
+            return
+        lse = torch.cat(lses).reshape(num_items, num_heads)  # [I, Hq]
         m = torch.full((out.shape[0], num_heads), float("-inf"), device=dev).scatter_reduce_(
-            0, rows[:, None].expand_as(lse), lse, "amax")
-        w = torch.exp(lse - m[rows])  # [I, Hq]
-        num = torch.zeros(out.shape, dtype=torch.float32, device=dev).index_add_(0, rows, o.float() * w[..., None])
-        den = torch.zeros(m.shape, device=dev).index_add_(0, rows, w)
-        uniq = torch.tensor([s.start for s in seqs], device=dev)
+            0, rows_t[:, None].expand_as(lse), lse, "amax")
+        w = torch.exp(lse - m[rows_t])  # [I, Hq]
+        num = torch.zeros(out.shape, dtype=torch.float32, device=dev).index_add_(0, rows_t, o.float() * w[..., None])
+        den = torch.zeros(m.shape, device=dev).index_add_(0, rows_t, w)
+        uniq = torch.tensor(sorted(set(rows)), device=dev)
         out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None]).to(out.dtype))
 
 
+def _kv_views(ws: Tensor, g: int, span: int, chunk_stride: int, k_off: int, v_off: int) -> tuple[Tensor, Tensor]:
+    """K and V ``[g, Hkv, span, D]`` read in place from gathered ``[*, block_size, Hkv, D]`` blocks.
+
+    Offsets and strides count tokens: chunk ``c``'s keys start at token ``c * chunk_stride + k_off``.
+    """
+    tok = ws.shape[-2] * ws.shape[-1]
+    size, stride = (g, ws.shape[-2], span, ws.shape[-1]), (chunk_stride * tok, ws.shape[-1], tok, 1)
+    base = ws.storage_offset()
+    return ws.as_strided(size, stride, base + k_off * tok), ws.as_strided(size, stride, base + v_off * tok)
+
+
 def _partial_attention(q, k, v, bias, scale, softcap) -> tuple[Tensor, Tensor]:
-    """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks)."""
+    """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks) or None."""
     if softcap > 0:
         s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        s = torch.tanh(s / softcap) * softcap + bias
+        s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = s + bias
         return torch.matmul(torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    seq: _Seq
-    lo: int  # first key position
-    hi: int  # one past the last key position
-
-    def num_blocks(self, block_size: int) -> int:
-        return -(-self.hi // block_size) - self.lo // block_size
-
-
-# Gathered K+V per decode group; sized to stay resident in a typical last-level cache.
+# Gathered K+V per decode group (split evenly between the intra-op threads); sized to stay
+# resident in cache. Measured on a 2-core EPYC (benchmarks/RESULTS.md): 8 MiB beats 2, 4 and 16.
 _GATHER_BUDGET_BYTES = 8 << 20
-_WORKSPACES: dict[tuple, tuple[Tensor, Tensor]] = {}
+_LOCAL = threading.local()  # per-thread workspaces: concurrent calls must not share a buffer
 
 
-def _workspace(kv_cache: Tensor, num_blocks: int) -> tuple[Tensor, Tensor]:
-    """Reused gather buffers: fresh large allocations cost page faults on every call."""
-    block_shape = tuple(kv_cache.shape[2:])
-    key = (kv_cache.dtype, kv_cache.device, block_shape)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].shape[0] < num_blocks:
-        size = max(num_blocks, 2 * ws[0].shape[0] if ws is not None else 0)
-        ws = tuple(torch.empty((size, *block_shape), dtype=kv_cache.dtype, device=kv_cache.device) for _ in range(2))
-        _WORKSPACES[key] = ws
-    return ws[0][:num_blocks], ws[1][:num_blocks]
+def _workspace(kv_cache: Tensor, num_blocks: int) -> Tensor:
+    """A reused ``[num_blocks, block_size, Hkv, D]`` gather buffer: fresh large allocations cost
+    page faults on every call."""
+    spaces = _LOCAL.__dict__.setdefault("spaces", {})
+    key = (kv_cache.dtype, kv_cache.device, tuple(kv_cache.shape[2:]))
+    ws = spaces.get(key)
+    if ws is None or ws.shape[0] < num_blocks:
+        size = max(num_blocks, 2 * ws.shape[0] if ws is not None else 0)
+        ws = spaces[key] = torch.empty((size, *key[2]), dtype=kv_cache.dtype, device=kv_cache.device)
+    return ws[:num_blocks]
 
 
 BACKEND = register_backend(SdpaCpuBackend())

@@ -161,3 +161,76 @@ def test_split_decode_merges_chunks(monkeypatch, feature):
         feature["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     b = make_batch([(100, 1), (3, 1), (57, 1), (0, 9), (40, 1)], num_heads=4, num_kv_heads=2, block_size=4)
     _check(b, torch.float32, **feature)
+
+
+def _record_masks(monkeypatch, sdpa_cpu):
+    """Wraps the decode kernel call; returns the list of masks (or None) it was given."""
+    seen = []
+    inner = sdpa_cpu._partial_attention
+
+    def spy(q, k, v, bias, scale, softcap):
+        seen.append(bias)
+        return inner(q, k, v, bias, scale, softcap)
+
+    monkeypatch.setattr(sdpa_cpu, "_partial_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("budget_blocks", [3, 8, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_without_mask_when_every_key_is_visible(monkeypatch, budget_blocks, dtype):
+    # equal, block-aligned lengths: every gathered key is visible, so no group needs a mask,
+    # whether a sequence is one chunk or several merged ones
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", budget_blocks * 4 * 2 * 2 * 64 * dtype.itemsize)
+    seen = _record_masks(monkeypatch, sdpa_cpu)
+    b = make_batch([(63, 1)] * 4, num_heads=8, num_kv_heads=2, block_size=4, dtype=dtype)
+    _check(b, dtype)
+    assert seen and all(m is None for m in seen)
+
+
+def test_decode_masks_only_groups_with_hidden_keys(monkeypatch):
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 4 * 4 * 2 * 2 * 64 * 4)  # 4 blocks a group
+    seen = _record_masks(monkeypatch, sdpa_cpu)
+    b = make_batch([(63, 1), (29, 1), (2, 1)], num_heads=4, num_kv_heads=2, block_size=4)
+    _check(b, torch.float32)
+    assert any(m is None for m in seen) and any(m is not None for m in seen)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("feature", [{}, {"window": 21}, {"alibi": True}], ids=["plain", "window", "alibi"])
+def test_decode_chunking_follows_thread_count(monkeypatch, threads, feature):
+    # chunks are a thread's share of a group; results must not depend on how many threads there are
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 6 * 4 * 2 * 2 * 64 * 4)
+    feature = dict(feature)
+    if feature.pop("alibi", False):
+        feature["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    b = make_batch([(100, 1), (3, 1), (57, 1), (0, 9), (40, 1), (23, 1)], num_heads=4, num_kv_heads=2, block_size=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(b, torch.float32, **feature)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_from_a_cache_view(monkeypatch, split):
+    # a cache that is a slice of a larger buffer cannot be seen as [2 * num_blocks, ...] blocks:
+    # K and V are then gathered separately
+    from pagedattn.backends import sdpa_cpu
+
+    if split:
+        monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 3 * 4 * 2 * 2 * 64 * 4)
+    b = make_batch([(50, 1), (0, 4), (17, 1), (33, 1)], num_heads=4, num_kv_heads=2, block_size=4)
+    nb = b.kv_cache.shape[1]
+    big = torch.full((2, nb + 5, *b.kv_cache.shape[2:]), float("nan"))
+    big[:, :nb] = b.kv_cache
+    b.kv_cache = big[:, :nb]
+    assert b.kv_cache.stride(0) != nb * b.kv_cache.stride(1)
+    _check(b, torch.float32)
