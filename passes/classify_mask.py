@@ -68,6 +68,7 @@ def classify_mask(gm: GraphModule) -> PassResult:
             site.skip(res)
             continue
         site.mask_kind, site.window, site.alibi_slopes = res.kind, res.window, res.alibi
+        site.probed_up_to = res.probed_up_to
         site.key_padding = placeholders[res.key_padding] if res.key_padding else None
     n = sum(s.mask_kind is not None for s in sites)
     return PassResult("classify_mask", False, f"{n} masks classified")

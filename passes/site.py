@@ -57,6 +57,7 @@ class AttentionSite:
     window: Optional[int] = None
     alibi_slopes: Optional[torch.Tensor] = None
     key_padding: Optional[Node] = None
+    probed_up_to: Optional[int] = None  # longest key length the mask was evaluated at
 
     def skip(self, reason: str) -> "AttentionSite":
         self.status, self.reason = "skipped", reason
@@ -76,6 +77,7 @@ class AttentionSite:
             "softcap": self.softcap,
             "alibi": self.alibi_slopes is not None,
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
+            "mask_probed_up_to": self.probed_up_to,
         }
 
 
