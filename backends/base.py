@@ -308,7 +308,18 @@ def _device_type(target: str | torch.device) -> str:
 
 
 def get_backend(target: str | torch.device = "auto") -> AttentionBackend:
-    """The backend for a device or target name (``cpu``, ``cuda``, ``xla``, ``auto``)."""
+    """The backend for a device or target name (``cpu``, ``cuda``, ``xla``, ``auto``).
+
+    ``auto`` takes the accelerator when its backend loads and falls back to the CPU otherwise.
+    """
+    if target == "auto" and _device_type("auto") != "cpu":
+        try:
+            return get_backend(_device_type("auto"))
+        except ValueError as e:
+            import logging
+
+            logging.getLogger("pagedattn").warning("target 'auto': %s; using the CPU backend", e)
+            return get_backend("cpu")
     try:
         dev = _device_type(target)
     except RuntimeError as e:
