@@ -14,8 +14,9 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from pagedattn.backends import build_metadata, get_backend
+from pagedattn.backends.base import AttentionConfig
 from pagedattn.passes import CANONICAL_PIPELINE, PAGED_PIPELINE, METADATA_INPUTS, run_pipeline
-from pagedattn.runtime.context import current_context
+from pagedattn.runtime.context import current_context, refuse_if_unpaged
 
 log = logging.getLogger("pagedattn")
 
@@ -41,6 +42,7 @@ class RewrittenModel(nn.Module):
         self.block_size = block_size
         self._example_inputs = example_inputs
         self._exported: Optional[torch.export.ExportedProgram] = None
+        self._skipped = [f"{r['name']}: {r['reason']}" for r in report if r["status"] != "rewritten"]
 
     # --- running
 
@@ -69,10 +71,7 @@ class RewrittenModel(nn.Module):
                 raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
             return self._unflatten(self.dropin_module(*flat))
-        skipped = [f"{r['name']}: {r['reason']}" for r in self.report if r["status"] != "rewritten"]
-        if skipped:
-            raise RuntimeError("this model cannot run in paged mode: attention left as it was would mix the "
-                               "sequences of a step: " + "; ".join(skipped))
+        refuse_if_unpaged(self._skipped)
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
 
     def compile_paged(self, backend: str = "inductor") -> "RewrittenModel":
@@ -201,8 +200,6 @@ def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu",
     backend = get_backend(target)
     for s in sites:
         if s.status == "rewritten":
-            from pagedattn.backends.base import AttentionConfig
-
             reasons = backend.supports(AttentionConfig(
                 num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_dim, scale=s.scale,
                 causal=s.mask_kind != "none", sliding_window=s.window, softcap=s.softcap,

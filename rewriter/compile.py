@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from pagedattn.api import cache_specs, rewrite_graph
 from pagedattn.backends import get_backend
-from pagedattn.runtime.context import current_context
+from pagedattn.runtime.context import current_context, refuse_if_unpaged
 
 log = logging.getLogger("pagedattn")
 
@@ -79,9 +79,8 @@ class _Compiled:
 
     def __call__(self, *args):
         ctx = current_context()
-        if ctx is not None and self.skipped:
-            raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
-                               "sequences of a step: " + "; ".join(self.skipped))
+        if ctx is not None:
+            refuse_if_unpaged(self.skipped)
         if ctx is None or self.num_sites == 0:
             if self._dropin_fn is None:
                 self._dropin_fn = _inner_compile(self.dropin, self.inner)

@@ -34,6 +34,13 @@ class PagedContext:
         return [*self.kv_caches, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc]
 
 
+def refuse_if_unpaged(skipped: Sequence[str]) -> None:
+    """Paged mode runs every sequence of a step in one row: attention left dense would mix them."""
+    if skipped:
+        raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
+                           "sequences of a step: " + "; ".join(skipped))
+
+
 def current_context() -> Optional[PagedContext]:
     return _CURRENT.get()
 

@@ -201,8 +201,7 @@ class PagedEngine:
         r = 0
         for chunk in plan:
             req = chunk.request
-            tokens_before = req.tokens
-            self.blocks.commit(req.table, tokens_before, chunk.num_tokens)
+            self.blocks.commit(req.table, req.tokens, chunk.num_tokens)
             req.num_computed += chunk.num_tokens
             if not chunk.completes:
                 continue

@@ -41,8 +41,12 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
     def num_pending(self) -> int:
-        return len(self.prompt) + len(self.output) - self.num_computed
+        return self.num_tokens - self.num_computed
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class ScheduledChunk:
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens (so it yields a new token)."""
-        return self.start + self.num_tokens == len(self.request.tokens)
+        return self.start + self.num_tokens == self.request.num_tokens
 
 
 class Scheduler:
