@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import time
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -20,7 +21,7 @@ from pagedattn.runtime.context import current_context, refuse_if_unpaged
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["rewrite", "load", "RewrittenModel", "rewrite_graph"]
+__all__ = ["rewrite", "rewrite_exported", "load", "RewrittenModel", "rewrite_graph"]
 
 
 class RewrittenModel(nn.Module):
@@ -42,6 +43,7 @@ class RewrittenModel(nn.Module):
         self.block_size = block_size
         self._example_inputs = example_inputs
         self._exported: Optional[torch.export.ExportedProgram] = None
+        self.graph_views: Optional[dict] = None  # see pagedattn.inspection.graph_views
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report if r["status"] != "rewritten"]
 
     # --- running
@@ -101,6 +103,7 @@ class RewrittenModel(nn.Module):
             "pagedattn.json": json.dumps({
                 "report": self.report, "cache_specs": self.cache_specs, "target": self.target,
                 "block_size": self.block_size, "in_spec": _dump_spec(self._in_spec), "out_spec": _dump_spec(self._out_spec),
+                "model_info": _model_info(self),
             })
         }
         torch.export.save(self.exported_program, path, extra_files=extra)
@@ -135,7 +138,23 @@ def load(path: str) -> RewrittenModel:
     model = RewrittenModel(None, _LoadedGraph(gm), _load_spec(info.get("in_spec")), _load_spec(info.get("out_spec")),
                            info["report"], info["cache_specs"], info["target"], info["block_size"])
     model._exported = ep
+    info = info.get("model_info") or {}
+    model.config = SimpleNamespace(**info)  # vocabulary and EOS ids for PagedEngine
     return model
+
+
+def _model_info(model: nn.Module) -> dict:
+    """What a server needs besides the graph: vocabulary size and EOS ids."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    eos = None
+    for c in (getattr(model, "generation_config", None), cfg):
+        eos = getattr(c, "eos_token_id", None) if c is not None else None
+        if eos is not None:
+            break
+    info = {"vocab_size": getattr(cfg, "vocab_size", None), "eos_token_id": eos,
+            "model_type": getattr(cfg, "model_type", None)}
+    return {k: v for k, v in info.items() if v is not None}
 
 
 class _LoadedGraph(nn.Module):
@@ -262,6 +281,18 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
         args = (args,)
     kwargs = dict(kwargs or {})
     backend = get_backend(target)
+    ep = export_model(model, args, kwargs)
+    flat = pytree.tree_flatten((args, kwargs))[0]
+    rm = _rewrite_program(ep, flat, backend.device_type, block_size)
+    # generation settings travel along (EOS ids, vocabulary) for the engine
+    rm.config = getattr(model, "config", None)
+    rm.generation_config = getattr(model, "generation_config", None)
+    return rm
+
+
+def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` in eval mode with every input dimension dynamic."""
+    kwargs = dict(kwargs or {})
     model.eval()
     t0 = time.perf_counter()
     try:
@@ -271,15 +302,28 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
         raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from e
     log.info("export took %.3fs", time.perf_counter() - t0)
+    return ep
+
+
+def rewrite_exported(ep: torch.export.ExportedProgram, *, target: str = "auto", block_size: int = 16) -> RewrittenModel:
+    """Rewrite a program saved with ``torch.export`` (its stored example inputs drive the rewrite)."""
+    if ep.example_inputs is None:
+        raise ValueError("the exported program carries no example inputs; export it with torch.export.export(...) "
+                         "from torch >= 2.6, which stores them")
+    flat = pytree.tree_flatten(ep.example_inputs)[0]
+    return _rewrite_program(ep, flat, get_backend(target).device_type, block_size)
+
+
+def _rewrite_program(ep: torch.export.ExportedProgram, flat: list, device_type: str, block_size: int) -> RewrittenModel:
+    from pagedattn.inspection import graph_views
+
     gm, in_spec, out_spec = _flat_graph_module(ep)
-    flat = pytree.tree_flatten((args, kwargs))[0]
-    dropin, paged, sites = rewrite_graph(gm, flat, backend.device_type)
+    before = _copy_graph_module(gm)
+    dropin, paged, sites = rewrite_graph(gm, flat, device_type)
     report = [s.report() for s in sites]
-    rm = RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), backend.device_type,
+    rm = RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), device_type,
                         block_size, example_inputs=flat)
-    # generation settings travel along (EOS ids, vocabulary) for the engine
-    rm.config = getattr(model, "config", None)
-    rm.generation_config = getattr(model, "generation_config", None)
+    rm.graph_views = graph_views(before, paged, sites)
     return rm
 
 
@@ -297,10 +341,26 @@ def example_paged_inputs(model: RewrittenModel, num_tokens_hint: Optional[tuple[
     qt = q.args[0].args[0].args[0]  # reshape <- transpose <- q [B, H, S, D]
     v = qt.meta.get("val")
     B, S = (num_tokens_hint or (_hint(v.shape[0]), _hint(v.shape[2])))
-    per = math.ceil(S / model.block_size)
-    meta = build_metadata([(0, S, list(range(i * per, (i + 1) * per))) for i in range(B)], model.block_size)
-    caches = model.allocate_kv_caches(B * per + 1, device="cpu")
+    specs = _example_sequences(B * S, model.block_size)
+    meta = build_metadata(specs, model.block_size)
+    caches = model.allocate_kv_caches(sum(len(t) for _, _, t in specs) + 1, device="cpu")
     return caches, meta
+
+
+def _example_sequences(num_tokens: int, block_size: int) -> list[tuple[int, int, list[int]]]:
+    """Tokens split over (up to) two sequences with cached context and different block counts.
+
+    Sizes of 1 (one sequence, one block) would be specialised by export and the saved program
+    would refuse real batches.
+    """
+    parts = [num_tokens] if num_tokens < 2 else [num_tokens // 2, num_tokens - num_tokens // 2]
+    out, nxt = [], 0
+    for i, n in enumerate(parts):
+        context = (i + 1) * block_size + 1
+        nblocks = math.ceil((context + n) / block_size)
+        out.append((context, n, list(range(nxt, nxt + nblocks))))
+        nxt += nblocks
+    return out
 
 
 def _export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:

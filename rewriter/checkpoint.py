@@ -1,0 +1,129 @@
+"""Checkpoints the CLI takes: Hugging Face model folders, saved ``torch.export`` programs, built-in demos."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+DEMOS = {"demo": "zen", "zen": "zen"}  # name -> folder under pagedattn/demo
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says what is wrong and what to do."""
+
+
+@dataclass
+class Checkpoint:
+    kind: str  # hf | pt2
+    path: str
+    model: Optional[torch.nn.Module] = None  # hf
+    program: Optional[torch.export.ExportedProgram] = None  # pt2
+    tokenizer: Any = None
+    config: Any = None
+
+    @property
+    def architecture(self) -> str:
+        if self.config is not None:
+            return ",".join(getattr(self.config, "architectures", None) or [type(self.model).__name__])
+        return "torch.export program"
+
+
+def resolve(spec: str) -> tuple[str, str]:
+    """(kind, path) for a checkpoint argument: a demo name, a model folder or a ``.pt2`` file."""
+    if spec in DEMOS and not os.path.exists(spec):
+        path = os.path.join(DEMO_DIR, DEMOS[spec])
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(f"the built-in demo {spec!r} is missing from this install ({path}); "
+                                  "reinstall pagedattn or run examples/train_demo.py")
+        return "hf", path
+    if not os.path.exists(spec):
+        raise CheckpointError(f"checkpoint {spec!r} not found: give a Hugging Face model folder (config.json + "
+                              f"safetensors), a .pt2 file saved by torch.export, or a built-in demo ({', '.join(DEMOS)})")
+    if os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise CheckpointError(f"{spec} is a folder without config.json: not a Hugging Face model folder "
+                                  "(save one with model.save_pretrained(folder))")
+        return "hf", spec
+    if spec.endswith(".pt2") or zipfile.is_zipfile(spec):
+        return "pt2", spec
+    raise CheckpointError(f"{spec} is neither a model folder nor a .pt2 program")
+
+
+def load_checkpoint(spec: str, dtype: Optional[torch.dtype] = None) -> Checkpoint:
+    kind, path = resolve(spec)
+    return _load_hf(path, dtype) if kind == "hf" else _load_pt2(path)
+
+
+def _load_hf(path: str, dtype: Optional[torch.dtype]) -> Checkpoint:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise CheckpointError("loading a Hugging Face checkpoint needs transformers: pip install 'pagedattn[hf]'") from e
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}/config.json is not valid JSON ({e}); re-save the checkpoint") from e
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"unknown architecture {raw.get('model_type')!r} in {path}/config.json: this transformers "
+                              "does not know it (upgrade transformers, or export the model with torch.export and pass the "
+                              ".pt2)") from e
+    if not _has_weights(path):
+        raise CheckpointError(f"{path} has no weights (*.safetensors or pytorch_model.bin); save the model with "
+                              "save_pretrained(folder)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
+                                                     attn_implementation="eager")
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise CheckpointError(f"{path} holds a {type(config).__name__} model, which has no causal-LM class: "
+                                  "rewrite-model serves causal language models") from e
+        raise CheckpointError(f"could not load the weights in {path}: {_first_line(e)}") from e
+    except Exception as e:  # corrupt or truncated weight files surface as many error types
+        raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {_first_line(e)}; "
+                              "the files may be corrupt or truncated, re-save the checkpoint") from e
+    return Checkpoint("hf", path, model=model.eval(), tokenizer=_tokenizer(path), config=config)
+
+
+def _has_weights(path: str) -> bool:
+    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
+def _tokenizer(path: str):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # a model without a usable tokenizer still rewrites: token ids in and out
+        import logging
+
+        logging.getLogger("pagedattn").warning("tokenizer in %s not loaded (%s); token ids only", path, _first_line(e))
+        return None
+
+
+def _load_pt2(path: str) -> Checkpoint:
+    extra = {"pagedattn.json": ""}
+    try:
+        ep = torch.export.load(path, extra_files=extra)
+    except Exception as e:
+        raise CheckpointError(f"could not read {path} as a torch.export program: {type(e).__name__}: "
+                              f"{_first_line(e)}") from e
+    if extra["pagedattn.json"]:
+        raise CheckpointError(f"{path} is already a pagedattn program: use `rewrite-model run` or `inspect` on its folder")
+    return Checkpoint("pt2", path, program=ep)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__

@@ -1,0 +1,272 @@
+"""ONNX export of a rewritten (paged) program that onnxruntime runs on CPU.
+
+The paged graph writes its caches in place, which ``torch.onnx.export`` cannot keep. The export
+therefore runs on a functional form: every cache write returns the new cache, later reads use it,
+and the new caches become extra outputs (``kv_cache_<i>_out``). The two pagedattn ops are
+translated into standard ONNX ops (ScatterND, Gather, MatMul, Softmax, Where): onnxruntime's
+``com.microsoft.PagedAttention`` has no CPU kernel. Padding tokens (slot -1) write into a scratch
+row that is cut off again, because ScatterND would wrap -1 onto the cache's last slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule
+
+from pagedattn.passes import METADATA_INPUTS
+
+log = logging.getLogger("pagedattn")
+
+OPSET = 18
+
+
+# ----------------------------------------------------------------------------- functional graph
+
+
+def functional_graph(gm: GraphModule, num_caches: int) -> GraphModule:
+    """A copy of the flat paged graph whose cache writes are functional and whose new caches are outputs."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    new_caches = []
+    for i in range(num_caches):
+        cache = placeholders[f"kv_cache_{i}"]
+        writes = [u for u in cache.users if u.target is torch.ops.pagedattn.write_kv_cache.default]
+        if len(writes) != 1:
+            raise ValueError(f"kv_cache_{i} is written {len(writes)} times; expected once")
+        w = writes[0]
+        with g.inserting_before(w):
+            fresh = g.call_function(torch.ops.pagedattn.write_kv_cache_functional.default, w.args)
+        fresh.meta["val"] = cache.meta.get("val")
+        # reads of the cache after the write see the written cache
+        order = {n: k for k, n in enumerate(g.nodes)}
+        for u in list(cache.users):
+            if u is not w and u is not fresh and order[u] > order[w]:
+                u.replace_input_with(cache, fresh)
+        g.erase_node(w)
+        new_caches.append(fresh)
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    g.output(tuple(outs + new_caches))
+    fgm = GraphModule(gm, g)
+    fgm.graph.lint()
+    return fgm
+
+
+# ----------------------------------------------------------------------------- translations
+
+
+def _translations() -> dict:
+    from onnxscript import opset18 as op
+
+    def write_kv_cache(key, value, kv_cache, slot_mapping):
+        # kv_cache [2, NB, BS, H, D] -> [2, NB*BS, H, D] plus one scratch row for padding tokens
+        shape = op.Shape(kv_cache)
+        flat = op.Reshape(kv_cache, op.Concat(op.Constant(value_ints=[2, -1]), op.Slice(shape, [3], [5]), axis=0))
+        nslots = op.Mul(op.Slice(shape, [1], [2]), op.Slice(shape, [2], [3]))  # [1]
+        scratch_shape = op.Concat(op.Constant(value_ints=[2, 1]), op.Slice(shape, [3], [5]), axis=0)
+        ext = op.Concat(flat, op.Expand(op.CastLike(op.Constant(value_float=0.0), kv_cache), scratch_shape), axis=1)
+        slots = op.Where(op.Less(slot_mapping, op.Constant(value_int=0)), nslots, slot_mapping)  # [T]
+        slots = op.Unsqueeze(slots, [1])  # [T, 1]
+        half = op.Constant(value_int=0)
+        idx_k = op.Concat(op.Expand(op.CastLike(half, slots), op.Shape(slots)), slots, axis=1)  # [T, 2]: (0, slot)
+        idx_v = op.Concat(op.Expand(op.CastLike(op.Constant(value_int=1), slots), op.Shape(slots)), slots, axis=1)
+        indices = op.Concat(op.Unsqueeze(idx_k, [0]), op.Unsqueeze(idx_v, [0]), axis=0)  # [2, T, 2]
+        updates = op.Concat(op.Unsqueeze(key, [0]), op.Unsqueeze(value, [0]), axis=0)  # [2, T, H, D]
+        written = op.ScatterND(ext, indices, op.CastLike(updates, kv_cache))
+        return op.Reshape(op.Slice(written, op.Constant(value_ints=[0]), nslots, op.Constant(value_ints=[1])), shape)
+
+    def paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale: float,
+                        causal: bool, sliding_window: int, softcap: float, alibi_slopes=None, num_kv_heads: int = 1,
+                        head_size_v: int = 0):
+        i64 = 7  # onnx TensorProto.INT64
+        qshape = op.Shape(query)  # [T, Hq, D]
+        T = op.Slice(qshape, [0], [1])
+        t = op.Range(op.Constant(value_int=0), op.Squeeze(T, [0]), op.Constant(value_int=1))  # [T]
+        qsl = op.Cast(query_start_loc, to=i64)
+        sl = op.Cast(seq_lens, to=i64)
+        ends = op.Slice(qsl, [1], [9223372036854775807])  # [S]
+        num_seqs = op.Shape(ends)
+        # which sequence each token belongs to, and its absolute position in that sequence
+        seq_of = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, [0]), op.Unsqueeze(t, [1])), to=i64),
+                              op.Constant(value_ints=[1]), keepdims=0)  # [T]
+        valid = op.Less(seq_of, op.Squeeze(num_seqs, [0]))  # padding tokens belong to no sequence
+        sidx = op.Min(seq_of, op.Sub(op.Squeeze(num_seqs, [0]), op.Constant(value_int=1)))
+        seq_len_t = op.Gather(sl, sidx)
+        pos = op.Sub(seq_len_t, op.Sub(op.Gather(ends, sidx), t))  # [T]
+        # every token's sequence of keys and values: [T, L, H, D], L = blocks per table * block size
+        tables = op.Cast(block_tables, to=i64)
+        cshape = op.Shape(kv_cache)  # [2, NB, BS, H, D]
+        seq_kv_shape = op.Concat(op.Constant(value_ints=[0, -1]), op.Slice(cshape, [3], [5]), axis=0)
+        k_seq = op.Reshape(op.Gather(op.Gather(kv_cache, op.Constant(value_int=0), axis=0), tables, axis=0), seq_kv_shape)
+        v_seq = op.Reshape(op.Gather(op.Gather(kv_cache, op.Constant(value_int=1), axis=0), tables, axis=0), seq_kv_shape)
+        k_tok = op.Gather(k_seq, sidx, axis=0)
+        v_tok = op.Gather(v_seq, sidx, axis=0)
+        L = op.Slice(op.Shape(k_tok), [1], [2])
+        j = op.Range(op.Constant(value_int=0), op.Squeeze(L, [0]), op.Constant(value_int=1))  # [L]
+        jj = op.Unsqueeze(j, [0])  # [1, L]
+        allowed = op.Less(jj, op.Unsqueeze(seq_len_t, [1]))  # [T, L]
+        back = op.Sub(op.Unsqueeze(pos, [1]), jj)  # [T, L] distance back from the query
+        if causal:
+            allowed = op.And(allowed, op.GreaterOrEqual(back, op.Constant(value_int=0)))
+            if sliding_window > 0:
+                allowed = op.And(allowed, op.Less(back, op.Constant(value_int=sliding_window)))
+        # scores [T, Hkv, G, L] without repeating K/V for the query heads of a group
+        q4 = op.Reshape(query, op.Concat(T, op.Constant(value_ints=[num_kv_heads, -1]),
+                                         op.Slice(qshape, [2], [3]), axis=0))
+        scores = op.MatMul(op.Cast(q4, to=1), op.Cast(op.Transpose(k_tok, perm=[0, 2, 3, 1]), to=1))
+        scores = op.Mul(scores, op.Constant(value_float=scale))
+        if softcap > 0:
+            scores = op.Mul(op.Tanh(op.Div(scores, op.Constant(value_float=softcap))), op.Constant(value_float=softcap))
+        if alibi_slopes is not None:
+            slopes = op.Reshape(op.Cast(alibi_slopes, to=1), op.Constant(value_ints=[1, num_kv_heads, -1, 1]))
+            dist = op.Unsqueeze(op.Cast(op.Neg(back), to=1), [1, 2])  # [T, 1, 1, L]
+            scores = op.Add(scores, op.Mul(slopes, dist))
+        neg_inf = op.Constant(value_float=-math.inf)
+        scores = op.Where(op.Unsqueeze(allowed, [1, 2]), scores, neg_inf)
+        probs = op.Softmax(scores, axis=-1)
+        out = op.MatMul(probs, op.Cast(op.Transpose(v_tok, perm=[0, 2, 1, 3]), to=1))  # [T, Hkv, G, Dv]
+        out = op.Where(op.Unsqueeze(valid, [1, 2, 3]), out, op.Constant(value_float=0.0))
+        out = op.Reshape(out, op.Concat(T, op.Constant(value_ints=[-1, head_size_v]), axis=0))
+        return op.CastLike(out, query)
+
+    return {
+        torch.ops.pagedattn.write_kv_cache_functional.default: write_kv_cache,
+        torch.ops.pagedattn.paged_attention.default: paged_attention,
+    }
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -> list[str]:
+    """Write ``model`` (a ``RewrittenModel``, loaded or fresh) to ``path``; returns the input names.
+
+    ``example`` is ``(model_inputs, metadata)``: flat model inputs and an ``AttentionMetadata``
+    for one step; by default a two-sequence prefill of 12 tokens.
+    """
+    gm, names = _flat_paged(model)
+    inputs = example_inputs(model, names) if example is None else _inputs(model, *example)
+    fgm = functional_graph(gm, model.num_sites).eval()
+    dyn = [{d: torch.export.Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs]
+    output_names = [f"output_{k}" for k in range(_num_outputs(gm))] + [f"kv_cache_{i}_out" for i in range(model.num_sites)]
+    tensor_names = [n for n, x in zip(names, inputs) if isinstance(x, torch.Tensor)]
+    with torch.no_grad():
+        prog = torch.onnx.export(fgm, tuple(inputs), dynamo=True, dynamic_shapes=tuple(dyn), opset_version=OPSET,
+                                 custom_translation_table=_translations(), input_names=tensor_names,
+                                 output_names=output_names, verbose=False, report=False, optimize=True)
+    prog.save(path)
+    import onnx
+
+    onnx.checker.check_model(path, full_check=True)
+    return tensor_names
+
+
+def _num_outputs(gm: GraphModule) -> int:
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return len(out) if isinstance(out, (list, tuple)) else 1
+
+
+def _flat_paged(model) -> tuple[GraphModule, list[str]]:
+    """The paged graph with flat inputs (model inputs, caches, metadata) and their names."""
+    from pagedattn.api import _flat_graph_module
+
+    gm, _, _ = _flat_graph_module(model.exported_program)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return gm, names
+
+
+def _inputs(model, model_inputs: list, meta) -> list:
+    caches = model.allocate_kv_caches(int(meta.block_tables.max()) + 2, device="cpu")
+    for c in caches:
+        c.normal_()
+    return [*model_inputs, *caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+
+
+def example_inputs(model, names: list[str], num_tokens: int = 12, vocab: int = 2) -> list:
+    """A two-sequence prefill: token ids and positions for the model inputs the program takes."""
+    from pagedattn.api import _example_sequences
+    from pagedattn.backends import build_metadata
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or vocab
+    specs = _example_sequences(num_tokens, model.block_size)
+    meta = build_metadata(specs, model.block_size)
+    pos = torch.cat([torch.arange(c, c + n) for c, n, _ in specs])[None]
+    model_inputs = _model_inputs(names[: len(names) - model.num_sites - len(METADATA_INPUTS)], num_tokens, vocab, pos)
+    return _inputs(model, model_inputs, meta)
+
+
+def _model_inputs(names: list[str], num_tokens: int, vocab: int, positions: torch.Tensor) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in names:
+        if n == "input_ids":
+            out.append(torch.randint(0, vocab, (1, num_tokens), generator=g))
+        elif n == "position_ids":
+            out.append(positions)
+        elif n == "use_cache":
+            out.append(False)
+        elif n == "logits_to_keep":
+            out.append(torch.tensor([num_tokens - 1]))
+        else:
+            raise ValueError(f"don't know how to make an example for the program input {n!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def verify_onnx(model, path: str, num_tokens: int = 12) -> dict[str, float]:
+    """Run the ONNX file in onnxruntime (CPU) on a prefill step and the decode step after it.
+
+    Returns the largest absolute difference from PyTorch per step, for the outputs and the caches.
+    """
+    import onnxruntime as ort
+
+    from pagedattn.api import _example_sequences
+    from pagedattn.backends import build_metadata
+
+    gm, names = _flat_paged(model)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed_names = [i.name for i in sess.get_inputs()]
+    n_model = len(names) - model.num_sites - len(METADATA_INPUTS)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    specs = _example_sequences(num_tokens, model.block_size)
+    steps = [(specs, torch.cat([torch.arange(c, c + n) for c, n, _ in specs])[None])]
+    decode = [(c + n, 1, table) for c, n, table in specs]
+    # two padding tokens (slot -1) ride along, as in a batch padded to a fixed size
+    steps.append((decode, torch.tensor([[c for c, _, _ in decode] + [0, 0]])))
+    caches = None
+    ort_caches = None
+    errors = {}
+    for step, (seqs, pos) in enumerate(steps):
+        meta = build_metadata(seqs, model.block_size, pad_tokens_to=pos.shape[1])
+        ins = _model_inputs(names[:n_model], pos.shape[1], vocab, pos)
+        if caches is None:
+            caches = _inputs(model, [], meta)[: model.num_sites]
+            ort_caches = [c.clone() for c in caches]
+        flat = [*ins, *caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+        with torch.no_grad():
+            ref = gm(*flat)  # writes `caches` in place
+        ref = list(ref) if isinstance(ref, (list, tuple)) else [ref]
+        feed_all = [*ins, *ort_caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+        feed = {n: x.numpy() for n, x in zip(names, feed_all) if n in feed_names}
+        got = sess.run(None, feed)
+        outs, new = got[: len(got) - model.num_sites], got[len(got) - model.num_sites:]
+        ort_caches = [torch.from_numpy(c) for c in new]
+        name = "prefill" if step == 0 else "decode"
+        errors[f"{name} outputs"] = max(_diff(r, o) for r, o in zip(ref, outs))
+        errors[f"{name} caches"] = max(_diff(c, o) for c, o in zip(caches, ort_caches))
+    return errors
+
+
+def _diff(ref, got) -> float:
+    if not isinstance(ref, torch.Tensor):
+        return 0.0
+    got = torch.as_tensor(got)
+    if ref.shape != got.shape:
+        raise AssertionError(f"onnxruntime returned shape {tuple(got.shape)}, PyTorch {tuple(ref.shape)}")
+    return float((ref.double() - got.double()).abs().max()) if ref.numel() else 0.0
