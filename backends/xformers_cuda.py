@@ -1,0 +1,639 @@
+"""Paged attention on CUDA through xFormers' fused attention operators.
+
+Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V). ``cache[0]``
+seen as ``[1, num_blocks * block_size, Hkv, D]`` is exactly the key tensor xFormers' paged biases
+expect (pages of ``block_size`` tokens addressed through ``block_tables``), and a write is one
+``index_copy_`` per K and V on the flattened slots.
+
+GQA never copies K/V: queries are viewed as ``[1, T, Hkv, G, D]`` and K/V as ``[1, N, Hkv, 1, D]``
+expanded (stride 0) to ``G``, the grouped layout every xFormers operator folds back without a copy.
+
+One call splits the step's sequences into groups, each one fused-kernel call:
+
+- *fresh* prefill (no cached context, new K/V given): ``BlockDiagonalCausalMask`` over the flattened
+  new tokens (``make_local_attention`` for a sliding window), read straight from ``key``/``value``;
+- *decode* (one new token): a paged bias, ``PagedBlockDiagonalPaddedKeysMask`` or, with a window,
+  ``PagedBlockDiagonalCausalWithOffsetGappyKeysMask`` whose key ranges start at the window;
+- *chunked* prefill (new tokens after cached ones): ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask``
+  when an operator takes it; otherwise the sequences' keys are gathered from the cache and attended
+  with ``BlockDiagonalCausalFromBottomRightMask`` (see :meth:`XFormersCudaBackend.fallback_reasons`);
+- *cross* (non-causal over a cache): ``PagedBlockDiagonalPaddedKeysMask`` with varying query lengths.
+
+ALiBi runs as an additive tensor bias over the sequences' gathered K/V. What no loaded xFormers
+operator can run (logit soft-cap, float32, head sizes the kernels lack, ...) goes through PyTorch
+SDPA (or fp32 math for soft-cap) on the same padded gather; each reason is logged once.
+
+xFormers is imported lazily, on the first attention call.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedattn.backends import ops
+from pagedattn.backends.base import (
+    AttentionBackend,
+    AttentionConfig,
+    register_backend,
+    validate_attend,
+    validate_write,
+    validation_enabled,
+)
+
+if importlib.util.find_spec("xformers") is None:
+    raise ImportError("the CUDA backend needs xFormers: pip install 'pagedattn[cuda]' (or xformers)")
+
+log = logging.getLogger("pagedattn.backends.xformers_cuda")
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# xFormers' base support check refuses every CUDA operator when its C++ extension did not load
+# (wheels are built against one torch release), although some operators never use it.
+_NO_CPP_REASON = "xFormers wasn't build with CUDA support"
+
+
+# ------------------------------------------------------------------------ xFormers
+
+
+@dataclass(frozen=True)
+class _XFormers:
+    fmha: object
+    bias: object  # xformers.ops.fmha.attn_bias
+    Inputs: type
+    fresh_ops: tuple  # operators for block-diagonal biases over contiguous keys, best first
+    paged_ops: tuple  # operators that may take paged biases (each op's own check decides)
+    tensor_bias_ops: tuple
+    no_cpp_ops: frozenset  # operators that run without xFormers' C++ extension
+    cpp_loaded: bool
+
+
+@functools.cache
+def _xformers() -> _XFormers:
+    import xformers._cpp_lib as cpp
+    from xformers.ops import fmha
+    from xformers.ops.fmha import attn_bias, cutlass, flash, flash3, triton_splitk
+
+    cpp_loaded = cpp._build_metadata is not None and cpp._cpp_library_load_exception is None
+    no_cpp = {triton_splitk.FwOp}
+    if flash.FLASH_VERSION != "0.0.0":  # PyTorch's flash kernel or the flash_attn package
+        no_cpp.add(flash.FwOp)
+    if not cpp_loaded:
+        log.warning("xFormers' C++ extension did not load (%s); using its operators that need none: %s",
+                    str(cpp._cpp_library_load_exception).splitlines()[0] if cpp._cpp_library_load_exception else "?",
+                    ", ".join(sorted(op.NAME for op in no_cpp)))
+    return _XFormers(
+        fmha=fmha, bias=attn_bias, Inputs=fmha.Inputs,
+        fresh_ops=(flash3.FwOp, flash.FwOp, cutlass.FwOp),
+        paged_ops=(flash3.FwOp, flash.FwOp),
+        tensor_bias_ops=(cutlass.FwOp, triton_splitk.FwOp),
+        no_cpp_ops=frozenset(no_cpp), cpp_loaded=cpp_loaded,
+    )
+
+
+def _splitk_tile(block_size: int) -> Optional[int]:
+    """Largest power of two dividing ``block_size``, at most 64; None below 16 (tl.dot's minimum)."""
+    tile = min(64, block_size & -block_size)
+    return tile if tile >= 16 else None
+
+
+@functools.cache
+def _splitk_op(block_size: int):
+    """triton_splitk's operator with a key tile that divides the page size (its paged kernel needs it)."""
+    from xformers.ops.fmha import triton_splitk
+
+    tile = _splitk_tile(block_size)
+    if tile is None or tile == triton_splitk.FwOp.BLOCK_N:
+        return triton_splitk.FwOp if tile else None
+    return type(f"FwOp_BN{tile}", (triton_splitk.FwOp,), {"BLOCK_N": tile, "NAME": f"triton_splitKF_bn{tile}"})
+
+
+class _NoOperator(Exception):
+    """No xFormers operator takes these inputs; ``args[0]`` lists each operator's reasons."""
+
+
+def _op_reasons(op, inp, xf: _XFormers) -> list[str]:
+    reasons = op.not_supported_reasons(inp)
+    if not xf.cpp_loaded and op in xf.no_cpp_ops:
+        reasons = [r for r in reasons if r != _NO_CPP_REASON]
+    return reasons
+
+
+def _select_op(candidates: Sequence, inp, xf: _XFormers):
+    tried = []
+    for op in candidates:
+        if op is None:
+            continue
+        reasons = _op_reasons(op, inp, xf)
+        if not reasons:
+            return op
+        tried.append(f"{op.NAME}: {'; '.join(reasons)}")
+    raise _NoOperator(tried)
+
+
+def _xformers_attention(q: Tensor, k: Tensor, v: Tensor, bias, scale: float, candidates: Sequence,
+                        op=None) -> tuple[Tensor, object]:
+    """``memory_efficient_attention_forward`` with our own operator choice: returns (output, op).
+
+    ``op`` skips the choice (the same group's earlier layers made it).
+    """
+    xf = _xformers()
+    inp = xf.Inputs(query=q, key=k, value=v, attn_bias=bias, p=0.0, scale=scale)
+    inp.validate_inputs()
+    shape = inp.normalize_bmhk()
+    if op is None:
+        op = _select_op(candidates, inp, xf)
+    out, _ = op.apply(inp, needs_gradient=False)
+    return out.reshape(shape), op
+
+
+_NOTED: set[str] = set()
+_NOTED_LOCK = threading.Lock()
+
+
+def _note(reason: str) -> None:
+    """Log each fallback reason once per process."""
+    with _NOTED_LOCK:
+        if reason in _NOTED:
+            return
+        _NOTED.add(reason)
+    log.warning("%s", reason)
+
+
+# -------------------------------------------------------------------------- plans
+
+
+@dataclass
+class _Group:
+    """Sequences of one step that one kernel call attends."""
+
+    kind: str  # fresh | decode | chunked | cross
+    seqs: list[int]
+    starts: list[int]  # first query row of each
+    q_lens: list[int]
+    kv_lens: list[int]
+    rows: object = None  # slice of the query rows when contiguous, else a long tensor
+    cache: dict = field(default_factory=dict)  # per-step tensors and biases, shared by all layers
+
+    @property
+    def contexts(self) -> list[int]:
+        return [L - q for L, q in zip(self.kv_lens, self.q_lens)]
+
+
+def _row_index(group: _Group, device) -> object:
+    if all(a + n == b for a, n, b in zip(group.starts, group.q_lens, group.starts[1:])):
+        return slice(group.starts[0], group.starts[-1] + group.q_lens[-1])
+    rows = [r for a, n in zip(group.starts, group.q_lens) for r in range(a, a + n)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class _StepPlan:
+    """Host copies of one step's lengths and its grouping, reused by every layer of the step.
+
+    Holding the metadata tensors keeps their identity meaningful: a later step's tensors are
+    different objects, and in-place edits bump ``_version``.
+    """
+
+    def __init__(self, seq_lens: Tensor, query_start_loc: Tensor, block_tables: Tensor):
+        self.tensors = (seq_lens, query_start_loc, block_tables)
+        self.versions = tuple(t._version for t in self.tensors)
+        self.qsl = query_start_loc.tolist()
+        self.lens = seq_lens.tolist()
+        self.groups: dict[tuple, list[_Group]] = {}
+        self.padded: dict[tuple, dict] = {}
+
+    def matches(self, seq_lens, query_start_loc, block_tables) -> bool:
+        ts = (seq_lens, query_start_loc, block_tables)
+        return all(a is b for a, b in zip(ts, self.tensors)) and \
+            tuple(t._version for t in ts) == self.versions
+
+    def grouping(self, has_kv: bool, causal: bool, device) -> list[_Group]:
+        key = (has_kv, causal)
+        if key not in self.groups:
+            buckets: dict[str, _Group] = {}
+            for i, L in enumerate(self.lens):
+                a, n = self.qsl[i], self.qsl[i + 1] - self.qsl[i]
+                if n <= 0:
+                    continue
+                if has_kv and n == L:
+                    kind = "fresh"
+                elif not causal:
+                    kind = "cross"
+                elif n == 1:
+                    kind = "decode"
+                else:
+                    kind = "chunked"
+                g = buckets.setdefault(kind, _Group(kind, [], [], [], []))
+                g.seqs.append(i)
+                g.starts.append(a)
+                g.q_lens.append(n)
+                g.kv_lens.append(L)
+            for g in buckets.values():
+                g.rows = _row_index(g, device)
+            self.groups[key] = list(buckets.values())
+        return self.groups[key]
+
+    def all_seqs(self, device) -> _Group:
+        """Every sequence with new tokens as one group (for the padded paths)."""
+        key = ("all",)
+        if key not in self.groups:
+            keep = [i for i in range(len(self.lens)) if self.qsl[i + 1] > self.qsl[i]]
+            g = _Group("all", keep, [self.qsl[i] for i in keep], [self.qsl[i + 1] - self.qsl[i] for i in keep],
+                       [self.lens[i] for i in keep])
+            g.rows = _row_index(g, device) if keep else None
+            self.groups[key] = [g]
+        return self.groups[key][0]
+
+
+_LOCAL = threading.local()
+
+
+def _plan_for(seq_lens: Tensor, query_start_loc: Tensor, block_tables: Tensor) -> _StepPlan:
+    plan = getattr(_LOCAL, "plan", None)
+    if plan is None or not plan.matches(seq_lens, query_start_loc, block_tables):
+        plan = _LOCAL.plan = _StepPlan(seq_lens, query_start_loc, block_tables)
+    return plan
+
+
+def _valid_slots(slot_mapping: Tensor) -> Optional[Tensor]:
+    """Rows of ``slot_mapping`` that are not padding (-1), or None when all are; one sync per tensor."""
+    cached = getattr(_LOCAL, "slots", None)
+    if cached is not None and cached[0] is slot_mapping and cached[1] == slot_mapping._version:
+        return cached[2]
+    keep = None
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = torch.nonzero(slot_mapping >= 0).flatten()
+    _LOCAL.slots = (slot_mapping, slot_mapping._version, keep)
+    return keep
+
+
+# ---------------------------------------------------------------------- gathering
+
+
+def _seq_slots(tables: Tensor, starts: Sequence[int], ends: Sequence[int], block_size: int) -> Tensor:
+    """Flat cache slots of key positions ``[starts[i], ends[i])`` of each sequence, concatenated."""
+    dev = tables.device
+    lens = [e - s for s, e in zip(starts, ends)]
+    total = sum(lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev),
+                                  output_size=total)
+    offsets = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
+    pos = torch.arange(total, device=dev) - offsets[seq] + torch.tensor(list(starts), device=dev)[seq]
+    return tables[seq, pos // block_size].long() * block_size + pos % block_size
+
+
+def _take(x: Tensor, rows) -> Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _put(out: Tensor, rows, value: Tensor) -> None:
+    if isinstance(rows, slice):
+        out[rows] = value
+    else:
+        out.index_copy_(0, rows, value)
+
+
+def _grouped(x: Tensor, num_kv_heads: int) -> Tensor:
+    """``[T, Hq, D]`` -> ``[1, T, Hkv, G, D]`` (or ``[1, T, H, D]`` without GQA)."""
+    t, h, d = x.shape
+    if h == num_kv_heads:
+        return x[None]
+    return x.reshape(1, t, num_kv_heads, h // num_kv_heads, d)
+
+
+def _expanded(kv: Tensor, group: int) -> Tensor:
+    """``[N, Hkv, D]`` -> ``[1, N, Hkv, G, D]`` with stride 0 over G (no copy)."""
+    if group == 1:
+        return kv[None]
+    n, hkv, d = kv.shape
+    return kv[None, :, :, None].expand(1, n, hkv, group, d)
+
+
+# ------------------------------------------------------------------------ backend
+
+
+class XFormersCudaBackend(AttentionBackend):
+    name = "xformers_cuda"
+    device_type = "cuda"
+
+    def __init__(self):
+        self.paths: Counter = Counter()  # (group kind, operator or fallback) -> calls, for tests/benchmarks
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def cache_geometry(self, kv_cache):
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(
+                f"xformers_cuda: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size], got {tuple(kv_cache.shape)}"
+            )
+        _, nb, bs, hkv, d = kv_cache.shape
+        if kv_cache[0].stride() != (bs * hkv * d, hkv * d, d, 1):
+            raise ValueError("xformers_cuda: each of K and V in kv_cache must be contiguous "
+                             "(allocate it with allocate_kv_cache)")
+        return nb, bs, hkv, d
+
+    def supports(self, config: AttentionConfig) -> list[str]:
+        reasons = []
+        if config.dtype not in _DTYPES:
+            reasons.append(f"dtype {config.dtype} is not supported (float16, bfloat16, float32)")
+        if config.num_heads % config.num_kv_heads:
+            reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
+        if config.sliding_window and not config.causal:
+            reasons.append("a sliding window needs causal attention")
+        if config.head_size_v not in (None, config.head_size):
+            reasons.append("value head size differs from key head size (the cache stores one head size)")
+        return reasons
+
+    def fallback_reasons(self, config: AttentionConfig, block_size: int = 16) -> list[str]:
+        """What of ``config`` runs outside xFormers' fused kernels (exactly, but slower), and why.
+
+        Decided from the configuration alone; which operators load is only known on the GPU, and
+        each call logs (once) the operators it tried when it has to fall back.
+        """
+        out = []
+        if config.dtype not in _KERNEL_DTYPES:
+            out.append(f"dtype {config.dtype}: xFormers' CUDA kernels take float16/bfloat16; PyTorch SDPA runs it")
+        if config.softcap:
+            out.append("logit soft-cap: no xFormers operator applies one (0.0.35's flash op fixes softcap=0); "
+                       "fp32 math over the gathered K/V runs it")
+        if config.alibi:
+            out.append("ALiBi: no xFormers operator takes slopes with paged keys; an additive tensor bias over "
+                       "the gathered K/V runs it (cutlass or triton_splitk), else PyTorch SDPA")
+        if config.head_size % 8 or config.head_size > 256:
+            out.append(f"head size {config.head_size}: xFormers' flash kernels need a multiple of 8 up to 256; "
+                       "PyTorch SDPA runs it")
+        if config.head_size not in (16, 32, 64, 128, 256, 512):
+            out.append(f"head size {config.head_size}: triton_splitk's paged decode takes 16/32/64/128/256/512; "
+                       "decode gathers K/V from the cache instead")
+        if _splitk_tile(block_size) is None:
+            out.append(f"block size {block_size}: triton_splitk's paged decode needs pages of a multiple of 16 "
+                       "tokens; decode gathers K/V from the cache instead")
+        return out
+
+    # --- cache maintenance
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        nb, bs, hkv, d = self.cache_geometry(kv_cache)
+        if validation_enabled():
+            validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
+        slots = slot_mapping.long()
+        keep = _valid_slots(slot_mapping)
+        if keep is not None:
+            key, value, slots = key.index_select(0, keep), value.index_select(0, keep), slots.index_select(0, keep)
+        kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slots, key)
+        kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slots, value)
+
+    def copy_blocks(self, kv_cache, src_to_dst):
+        pairs = src_to_dst.to(kv_cache.device, torch.long)
+        kv_cache[:, pairs[:, 1]] = kv_cache[:, pairs[:, 0]]
+
+    def swap_blocks(self, src_cache, dst_cache, src_to_dst):
+        src = src_to_dst[:, 0].to(src_cache.device, torch.long)
+        dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
+        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
+
+    # --- attention
+
+    def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
+               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+        nb, bs, hkv, d = self.cache_geometry(kv_cache)
+        if validation_enabled():
+            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
+                            seq_lens, query_start_loc, bs, num_kv_heads)
+            if causal and bool((seq_lens < query_start_loc.diff()).any()):
+                raise ValueError("paged_attention: a causal sequence has seq_len shorter than its new tokens")
+        window = sliding_window if causal and sliding_window > 0 else 0
+        plan = _plan_for(seq_lens, query_start_loc, block_tables)
+        out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
+        c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), scale, causal, window,
+                  hkv, query.shape[1] // hkv, nb, bs, d)
+        if query.dtype not in _KERNEL_DTYPES or softcap > 0 or alibi_slopes is not None:
+            group = plan.all_seqs(query.device)
+            if group.seqs:
+                if query.dtype not in _KERNEL_DTYPES:
+                    why = f"{query.dtype} attention runs through PyTorch SDPA: xFormers' CUDA kernels take float16/bfloat16"
+                elif softcap > 0:
+                    why = "soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator applies a soft-cap"
+                else:
+                    why = ""  # ALiBi: set if no operator takes the tensor bias
+                self._padded(out, c, group, softcap, alibi_slopes, why)
+            return out
+        for group in plan.grouping(key is not None, causal, query.device):
+            o = self._fused(c, group)
+            if o is None:  # no operator takes it: the exact padded path, reason logged
+                self._padded(out, c, group, 0.0, None, group.cache[("why", c.shape_key)])
+            else:
+                _put(out, group.rows, o)
+        return out
+
+    # --- fused paths: one xFormers call per group
+
+    def _fused(self, c: "_Call", g: _Group) -> Optional[Tensor]:
+        ck = c.shape_key
+        if g.cache.get(("why", ck)):
+            return None
+        q = _grouped(_take(c.query, g.rows), c.hkv)
+        if g.kind == "fresh":
+            k, v = _take(c.key, g.rows), _take(c.value, g.rows)
+        else:
+            k = c.kv_cache[0].view(c.nb * c.bs, c.hkv, c.d)
+            v = c.kv_cache[1].view(c.nb * c.bs, c.hkv, c.d)
+        prepared = g.cache.get(("prep", ck))
+        if prepared is None:
+            prepared = g.cache[("prep", ck)] = self._prepare(c, g, q, _expanded(k, c.group))
+        bias, candidates, kv_index = prepared
+        if kv_index is not None:  # keys gathered into one contiguous run per sequence
+            k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        k, v = _expanded(k, c.group), _expanded(v, c.group)
+        try:
+            o, op = _xformers_attention(q, k, v, bias, c.scale, candidates, g.cache.get(("op", ck)))
+        except _NoOperator as e:
+            g.cache[("why", ck)] = (f"{g.kind} attention{f' (window {c.window})' if c.window else ''} runs through "
+                                    f"PyTorch SDPA over gathered K/V: no xFormers operator takes it "
+                                    f"({' | '.join(e.args[0])})")
+            return None
+        g.cache[("op", ck)] = op
+        self.paths[(g.kind, op.NAME)] += 1
+        return o.reshape(-1, c.query.shape[1], o.shape[-1])
+
+    def _prepare(self, c: "_Call", g: _Group, q: Tensor, paged_k: Tensor):
+        """(bias, candidate operators, key gather index or None) for a group; once per step."""
+        xf = _xformers()
+        ab, dev = xf.bias, c.query.device
+        if g.kind == "fresh":
+            if c.causal:
+                bias = ab.BlockDiagonalCausalMask.from_seqlens(g.q_lens, device=dev)
+                if c.window:
+                    bias = bias.make_local_attention(c.window)
+            else:
+                bias = ab.BlockDiagonalMask.from_seqlens(g.q_lens, device=dev)
+            return bias, xf.fresh_ops, None
+        tables = c.block_tables if len(g.seqs) == c.block_tables.shape[0] else \
+            c.block_tables.index_select(0, torch.tensor(g.seqs, device=dev))
+        tables = tables.contiguous()
+        if g.kind == "decode" and c.window:
+            # each sequence's keys start where its window does; built through the unpaged form's
+            # make_paged (the paged class's from_seqlens trips on its own length check in 0.0.35)
+            row = tables.shape[1] * c.bs
+            starts = [i * row + max(0, L - c.window) for i, L in enumerate(g.kv_lens)] + [len(g.kv_lens) * row]
+            paged = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
+                g.q_lens, starts, [min(L, c.window) for L in g.kv_lens], device=dev,
+            ).make_paged(tables, c.bs, row, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask)
+        elif g.kind in ("decode", "cross"):
+            paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(g.q_lens, g.kv_lens, tables, c.bs, device=dev)
+        elif not c.window:  # chunked; paged biases have no local-attention form
+            paged = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                g.q_lens, g.kv_lens, tables, c.bs, device=dev)
+        else:
+            paged = None
+        candidates = (*xf.paged_ops, _splitk_op(c.bs))
+        if paged is not None:
+            inp = xf.Inputs(query=q, key=paged_k, value=paged_k, attn_bias=paged, p=0.0, scale=c.scale)
+            try:
+                _select_op(candidates, inp, xf)
+                return paged, candidates, None
+            except _NoOperator as e:
+                _note(f"{g.kind} attention gathers its keys from the cache (one contiguous run per sequence) "
+                      f"before attending: no loaded xFormers operator takes {type(paged).__name__} here "
+                      f"({' | '.join(e.args[0])})")
+        else:
+            _note(f"{g.kind} attention with a sliding window gathers the keys in reach from the cache before "
+                  "attending: xFormers' paged biases have no local-attention form")
+        # keys gathered into contiguous runs; a window needs only its reach
+        lo = [max(0, ctx + 1 - c.window) if c.window else 0 for ctx in g.contexts]
+        index = _seq_slots(tables, lo, g.kv_lens, c.bs)
+        k_lens = [L - s for L, s in zip(g.kv_lens, lo)]
+        if c.causal:
+            bias = ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(g.q_lens, k_lens, device=dev)
+            if c.window:
+                bias = bias.make_local_attention_from_bottomright(c.window)
+        else:
+            bias = ab.BlockDiagonalMask.from_seqlens(g.q_lens, k_lens, device=dev)
+        return bias, xf.fresh_ops, index
+
+    # --- padded paths: ALiBi tensor bias, and the exact fallback
+
+    def _padded(self, out: Tensor, c: "_Call", g: _Group, softcap: float, alibi: Optional[Tensor], why: str):
+        """Sequences padded to ``[S, Qmax]`` queries over ``[S, Lp]`` gathered keys, one batched call."""
+        p = g.cache.get(("pad", c.window, c.causal))
+        if p is None:
+            p = g.cache[("pad", c.window, c.causal)] = _pad_plan(c, g)
+        S, qmax, lp, hq = p["S"], p["qmax"], p["lp"], c.query.shape[1]
+        q = c.query.new_zeros((S * qmax, hq, c.d))
+        q.index_copy_(0, p["q_dst"], _take(c.query, p["rows"]))
+        q = q.view(S, qmax, hq, c.d)  # [S, Qmax, Hq, D]
+        blocks = p["blocks"].flatten()  # [S * nblk]
+        k = c.kv_cache[0].index_select(0, blocks).view(S, lp, c.hkv, c.d)  # [S, Lp, Hkv, D]
+        v = c.kv_cache[1].index_select(0, blocks).view(S, lp, c.hkv, c.d)
+        o = None
+        if alibi is not None and softcap <= 0 and c.query.dtype in _KERNEL_DTYPES:
+            o, why = self._alibi_tensor_bias(c, g, p, q, k, v, alibi)
+        if o is None:
+            _note(why)
+            self.paths[(g.kind, "softcap_math" if softcap > 0 else "sdpa")] += 1
+            o = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p["allowed"],
+                                     p["rel"], alibi, c.scale, softcap, c.group)  # [S, Hq, Qmax, D]
+            o = o.transpose(1, 2).reshape(S * qmax, hq, c.d)
+        _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
+
+    def _alibi_tensor_bias(self, c, g, p, q, k, v, alibi) -> tuple[Optional[Tensor], str]:
+        """ALiBi plus the masks as one additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator."""
+        S, qmax, lp = p["S"], p["qmax"], p["lp"]
+        bias = alibi.float().view(1, c.hkv, c.group, 1, 1) * p["rel"][:, None, None]
+        bias = bias.masked_fill_(~p["allowed"][:, None, None], float("-inf")).to(c.query.dtype)
+        qg = q.view(S, qmax, c.hkv, c.group, c.d)
+        kg = k[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
+        vg = v[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
+        ck = ("alibi_op", c.shape_key)
+        if g.cache.get(ck) == "none":
+            return None, g.cache[("alibi_why", c.shape_key)]
+        try:
+            o, op = _xformers_attention(qg, kg, vg, bias, c.scale, _xformers().tensor_bias_ops, g.cache.get(ck))
+        except _NoOperator as e:
+            why = ("ALiBi attention runs through PyTorch SDPA: no xFormers operator takes its tensor bias "
+                   f"({' | '.join(e.args[0])})")
+            g.cache[ck], g.cache[("alibi_why", c.shape_key)] = "none", why
+            return None, why
+        g.cache[ck] = op
+        self.paths[("alibi", op.NAME)] += 1
+        return o.reshape(S * qmax, c.query.shape[1], c.d), ""
+
+
+@dataclass(frozen=True)
+class _Call:
+    query: Tensor
+    key: Optional[Tensor]
+    value: Optional[Tensor]
+    kv_cache: Tensor
+    block_tables: Tensor
+    scale: float
+    causal: bool
+    window: int
+    hkv: int
+    group: int
+    nb: int
+    bs: int
+    d: int
+
+    @property
+    def shape_key(self) -> tuple:
+        return (self.window, self.hkv, self.group, self.d, self.query.dtype)
+
+
+def _pad_plan(c: _Call, g: _Group) -> dict:
+    dev = c.query.device
+    S = len(g.seqs)
+    qmax = max(g.q_lens)
+    nblk = max(-(-L // c.bs) for L in g.kv_lens)
+    lp = nblk * c.bs
+    tables = c.block_tables.index_select(0, torch.tensor(g.seqs, device=dev))[:, :nblk].long()
+    q_dst = torch.tensor([s * qmax + j for s, n in enumerate(g.q_lens) for j in range(n)], device=dev)
+    j = torch.arange(qmax, device=dev)
+    ctx = torch.tensor(g.contexts, device=dev)
+    q_pos = ctx[:, None] + j[None]  # [S, Qmax]
+    k_pos = torch.arange(lp, device=dev)
+    rel = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [S, Qmax, Lp]
+    allowed = k_pos[None, None, :] < torch.tensor(g.kv_lens, device=dev)[:, None, None]
+    if c.causal:
+        allowed = allowed & (rel <= 0)
+        if c.window:
+            allowed = allowed & (rel > -c.window)
+    real = j[None, :] < torch.tensor(g.q_lens, device=dev)[:, None]  # [S, Qmax]
+    # padded query rows see key 0 only, so no row is empty (their output is dropped)
+    allowed = allowed | (~real[:, :, None] & (k_pos == 0)[None, None, :])
+    return {"S": S, "qmax": qmax, "lp": lp, "blocks": tables, "q_dst": q_dst, "rows": g.rows,
+            "rel": rel, "allowed": allowed}
+
+
+def _reference_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, rel: Optional[Tensor],
+                         alibi: Optional[Tensor], scale: float, softcap: float, group: int) -> Tensor:
+    """q ``[S, Hq, Qmax, D]``, k/v ``[S, Hkv, Lp, D]``, allowed ``[S, Qmax, Lp]`` -> ``[S, Hq, Qmax, D]``."""
+    mask = allowed[:, None]  # [S, 1, Qmax, Lp]
+    if softcap <= 0:
+        if alibi is not None:
+            bias = alibi.float()[None, :, None, None] * rel[:, None]
+            mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    k = k.repeat_interleave(group, 1) if group > 1 else k
+    v = v.repeat_interleave(group, 1) if group > 1 else v
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if alibi is not None:
+        s = s + alibi.float()[None, :, None, None] * rel[:, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v.float()).to(q.dtype)
+
+
+BACKEND = register_backend(XFormersCudaBackend())
+ops.register_kernels(BACKEND)
