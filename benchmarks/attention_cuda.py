@@ -1,0 +1,261 @@
+"""Paged attention on an NVIDIA GPU (xFormers backend) against contiguous SDPA, and PagedEngine
+generation against Hugging Face ``generate``, all in this process.
+
+Decode: a batch of sequences with one new token each over contexts of 512-8192 tokens. The paged
+side is ``torch.ops.pagedattn.paged_attention`` (the op as a model calls it: plan lookup, bias,
+operator choice, kernel); the ``kernel`` column times the xFormers call alone with a prepared bias.
+The baseline holds the same K/V contiguously (``[B, Hkv, L, D]``) and calls
+``F.scaled_dot_product_attention`` with ``enable_gqa`` (plus a key-padding mask when lengths
+differ). GB/s counts the K/V bytes the step must read, against a device-to-device copy measured here.
+
+Generation: a random-weight Llama (~150 M parameters, bfloat16), prompts of 64-512 tokens, greedy.
+
+    python benchmarks/attention_cuda.py            # the figures in benchmarks/RESULTS.md
+    python benchmarks/attention_cuda.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pagedattn  # noqa: F401  (registers torch.ops.pagedattn)
+from pagedattn.backends import build_metadata, get_backend
+
+
+def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
+    """Median seconds of two GPU functions, run alternately, each timed with CUDA events."""
+    for _ in range(3):
+        fa(), fb()
+    torch.cuda.synchronize()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, acc in ((fa, ta), (fb, tb)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            acc.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes read plus written per second by a device-to-device copy."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t, _ = _time_pair(lambda: y.copy_(x), lambda: None, 10)
+    del x, y
+    return 2 * nbytes / t
+
+
+def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
+    from pagedattn.backends import xformers_cuda
+    from xformers.ops.fmha import attn_bias
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
+    backend = get_backend("cuda")
+    need = [math.ceil(L / block_size) for L in lens]
+    perm = torch.randperm(sum(need), generator=g).tolist()
+    tables, pos = [], 0
+    for n in need:
+        tables.append(perm[pos:pos + n])
+        pos += n
+    cache = backend.allocate_kv_cache(sum(need), block_size, hkv, d, dtype, "cuda")
+    max_len = max(lens)
+    k_all = torch.randn(sum(lens), hkv, d, device="cuda", dtype=dtype)
+    v_all = torch.randn(sum(lens), hkv, d, device="cuda", dtype=dtype)
+    backend.write(k_all, v_all, cache, build_metadata([(0, L, t) for L, t in zip(lens, tables)], block_size,
+                                                       device="cuda").slot_mapping)
+    k_dense = torch.zeros(batch, hkv, max_len, d, dtype=dtype, device="cuda")
+    v_dense = torch.zeros_like(k_dense)
+    row = 0
+    for i, L in enumerate(lens):
+        k_dense[i, :, :L], v_dense[i, :, :L] = k_all[row:row + L].transpose(0, 1), v_all[row:row + L].transpose(0, 1)
+        row += L
+    del k_all, v_all
+    meta = build_metadata([(L - 1, 1, t) for L, t in zip(lens, tables)], block_size, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
+    scale = 1 / math.sqrt(d)
+    pad_mask = None
+    if ctx_lo != ctx_hi:
+        pad_mask = (torch.arange(max_len, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None])
+        pad_mask = pad_mask[:, None, None, :]
+
+    def paged():
+        return torch.ops.pagedattn.paged_attention(
+            q, None, None, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            scale, True, 0, 0.0, None, hkv, d)
+
+    def contiguous():
+        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, attn_mask=pad_mask,
+                                              scale=scale, enable_gqa=True)
+
+    bias = attn_bias.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1] * batch, lens, meta.block_tables,
+                                                                  block_size, device="cuda")
+    q5 = q.view(1, batch, hkv, hq // hkv, d)
+    k5 = cache[0].view(1, -1, hkv, 1, d).expand(-1, -1, -1, hq // hkv, -1)
+    v5 = cache[1].view(1, -1, hkv, 1, d).expand(-1, -1, -1, hq // hkv, -1)
+    op = [None]
+
+    def kernel():
+        o, op[0] = xformers_cuda._xformers_attention(q5, k5, v5, bias, scale, (xformers_cuda._splitk_op(block_size),),
+                                                     op[0])
+        return o
+
+    torch.testing.assert_close(paged().float(), contiguous()[:, :, 0].float(), atol=2e-2, rtol=2e-2)
+    t_paged, t_contig = _time_pair(paged, contiguous, repeats)
+    t_kernel, _ = _time_pair(kernel, lambda: None, repeats)
+    kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
+    paths = sorted({f"{k}:{o}" for k, o in backend.paths})
+    backend.paths.clear()
+    return t_paged, t_kernel, t_contig, kv_bytes, paths
+
+
+def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
+    backend = get_backend("cuda")
+    need = math.ceil(seq_len / block_size)
+    cache = backend.allocate_kv_cache(num_seqs * need, block_size, hkv, d, dtype, "cuda")
+    meta = build_metadata([(0, seq_len, list(range(i * need, (i + 1) * need))) for i in range(num_seqs)],
+                          block_size, device="cuda")
+    T = num_seqs * seq_len
+    q = torch.randn(T, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
+
+    def step():
+        torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+        return torch.ops.pagedattn.paged_attention(
+            q, k, v, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            1 / math.sqrt(d), True, 0, 0.0, None, hkv, d)
+
+    def contiguous():
+        qb = q.view(num_seqs, seq_len, hq, d).transpose(1, 2)
+        kb = k.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
+        vb = v.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
+        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+
+    t, t_c = _time_pair(step, contiguous, repeats)
+    return T / t, T / t_c
+
+
+# ------------------------------------------------------------------------- generation
+
+
+def build_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device="cuda", dtype=dtype).eval()
+
+
+def hf_padded_generate(model, prompts, new):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, device="cuda")
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    return [o[width:].tolist() for o in out]
+
+
+def generation(num_prompts, new, quick):
+    from pagedattn import PagedEngine
+
+    model = build_llama(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(64, 513, (num_prompts,), generator=g).tolist()
+    prompts = [torch.randint(1, 32000, (n,), generator=g).tolist() for n in lens]
+    params = sum(p.numel() for p in model.parameters())
+
+    hf_padded_generate(model, prompts[:2], 4)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    ref = hf_padded_generate(model, prompts, new)
+    torch.cuda.synchronize()
+    t_hf = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    engine = PagedEngine(model, target="cuda", block_size=16, max_num_tokens=4096, max_num_seqs=num_prompts,
+                         num_blocks=sum(-(-(n + new) // 16) for n in lens) + 64)
+    t_setup = time.perf_counter() - t0
+    engine.generate(prompts[:2], max_new_tokens=4)  # warm-up (Triton compiles)
+    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    got = engine.generate(prompts, max_new_tokens=new)
+    torch.cuda.synchronize()
+    t_eng = time.perf_counter() - t0
+    same = sum(a == b for a, b in zip(got, ref))
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
+    total = num_prompts * new
+    print(f"model: Llama {params / 1e6:.0f} M parameters, bfloat16, {num_prompts} prompts of 64-512 tokens "
+          f"(mean {statistics.mean(lens):.0f}), {new} new tokens each, greedy")
+    print(f"{'runner':34} {'s':>7} {'new tok/s':>10}")
+    print(f"{'HF generate, padded batch (sdpa)':34} {t_hf:7.2f} {total / t_hf:10.0f}")
+    print(f"{'PagedEngine (xformers_cuda)':34} {t_eng:7.2f} {total / t_eng:10.0f}   "
+          f"(rewrite {t_setup:.1f} s; {engine.stats['steps']} steps, Python overhead "
+          f"{100 * engine.overhead_share():.0f}% of step time)")
+    print(f"engine/HF speed-up {t_hf / t_eng:.2f}x; identical outputs {same}/{num_prompts}; "
+          f"tokens agreeing before the first difference: median {statistics.median(first):.0f} of {new}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--skip-generation", action="store_true")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import xformers
+
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth(256 << 20 if a.quick else 2 << 30)
+    print(f"{props.name}, torch {torch.__version__}, xformers {xformers.__version__}, "
+          f"device copy {bw / 1e9:.0f} GB/s (read + write)")
+    print(f"heads {a.heads}/{a.kv_heads}, head size {a.head_size}, bfloat16; decode: one new token per sequence")
+    cases = [(16, 512, 512), (16, 2048, 2048), (16, 8192, 8192), (16, 512, 8192),
+             (64, 2048, 2048), (64, 512, 8192)]
+    block_sizes = [16, 64]
+    if a.quick:
+        cases, block_sizes, a.repeats = [(4, 128, 512)], [16], 3
+    print(f"{'batch':>5} {'context':>10} {'block':>5} {'paged ms':>9} {'kernel ms':>10} {'contig ms':>10} "
+          f"{'ratio':>6} {'paged GB/s':>11} {'kernel GB/s':>12} {'contig GB/s':>12} {'kernel/copy':>12}  path")
+    for bs in block_sizes:
+        for batch, lo, hi in cases:
+            tp, tk, tc, nbytes, paths = decode_case(batch, lo, hi, a.heads, a.kv_heads, a.head_size,
+                                                    torch.bfloat16, bs, a.repeats)
+            ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            print(f"{batch:5d} {ctx:>10} {bs:5d} {tp * 1e3:9.3f} {tk * 1e3:10.3f} {tc * 1e3:10.3f} {tp / tc:6.2f} "
+                  f"{nbytes / tp / 1e9:11.0f} {nbytes / tk / 1e9:12.0f} {nbytes / tc / 1e9:12.0f} "
+                  f"{nbytes / tk / bw:12.2f}  {','.join(paths)}")
+    print()
+    print(f"{'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'contig/paged':>13}")
+    n, L = (2, 256) if a.quick else (4, 2048)
+    tps, tpc = prefill_case(n, L, a.heads, a.kv_heads, a.head_size, torch.bfloat16, 16, max(3, a.repeats // 3))
+    print(f"{f'{n} x {L}':>14} {tps:12.0f} {tpc:13.0f} {tpc / tps:13.2f}")
+    if not a.skip_generation:
+        print()
+        generation(4 if a.quick else a.prompts, 8 if a.quick else a.new, a.quick)
+
+
+if __name__ == "__main__":
+    main()

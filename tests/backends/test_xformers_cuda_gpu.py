@@ -1,0 +1,201 @@
+"""The xFormers backend on an NVIDIA GPU against the float64 CPU reference, and a tiny Hugging Face
+model generating through PagedEngine(target="cuda"). Skipped without a GPU or xformers."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA is not available)"),
+]
+pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
+
+from pagedattn.backends import get_backend  # noqa: E402
+
+from .paged_batch import make_batch, reference_step, run_step  # noqa: E402
+from .test_sdpa_cpu import SHAPES  # noqa: E402
+
+TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-4}
+ALIBI8 = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
+
+
+def _cuda(b):
+    return dataclasses.replace(b, query=b.query.cuda(), key=b.key.cuda(), value=b.value.cuda(),
+                               kv_cache=b.kv_cache.cuda(), meta=b.meta.to("cuda"))
+
+
+def _check(b, dtype, **kw):
+    """Run ``b`` on the GPU; returns the operators/paths the backend used for it."""
+    backend = get_backend("cuda")
+    backend.paths.clear()
+    scale = kw.pop("scale", 1 / math.sqrt(b.query.shape[-1]))
+    gpu = _cuda(b)
+    if kw.get("alibi") is not None:
+        gpu_kw = dict(kw, alibi=kw["alibi"].cuda())
+    else:
+        gpu_kw = kw
+    out = run_step(gpu, scale, pass_kv=gpu_kw.pop("pass_kv", True), **gpu_kw).cpu()
+    kw.pop("pass_kv", None)
+    ref = reference_step(b, scale, **kw)
+    n = ref.shape[0]
+    torch.testing.assert_close(out[:n].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    return dict(backend.paths)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batch_shapes(shape, dtype):
+    paths = _check(make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=3), dtype)
+    assert not any(p in ("sdpa", "softcap_math") for _, p in paths), paths  # all through xFormers
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa"])
+def test_layouts(block_size, heads):
+    nh, nkv = heads
+    b = make_batch(SHAPES["mixed"], num_heads=nh, num_kv_heads=nkv, head_size=128, block_size=block_size,
+                   dtype=torch.float16)
+    paths = _check(b, torch.float16)
+    assert any(kind == "decode" and op.startswith("triton_splitK") for kind, op in paths), paths
+
+
+@pytest.mark.parametrize("block_size, head_size", [(8, 64), (16, 80), (1, 64)])
+def test_decode_outside_triton_splitk_gathers(block_size, head_size):
+    # pages under 16 tokens, or a head size triton_splitk lacks: decode gathers K/V, still exact
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                   dtype=torch.float16)
+    _check(b, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "feature",
+    [{"window": 8}, {"window": 1}, {"causal": False}, {"scale": 0.3}, {"alibi": True},
+     {"alibi": True, "window": 10}, {"softcap": 5.0}, {"softcap": 3.0, "window": 13}],
+    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_features(feature, dtype):
+    feature = dict(feature)
+    if feature.pop("alibi", False):
+        feature["alibi"] = ALIBI8
+    _check(make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
+
+
+def test_float32_through_sdpa():
+    paths = _check(make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2), torch.float32)
+    assert set(p for _, p in paths) == {"sdpa"}
+
+
+def test_cross_attention_over_filled_cache():
+    b = make_batch([(20, 3), (9, 1), (33, 6)], num_heads=4, num_kv_heads=4, dtype=torch.float16)
+    g = _cuda(b)
+    torch.ops.pagedattn.write_kv_cache(g.key, g.value, g.kv_cache, g.meta.slot_mapping)
+    enc = torch.tensor([c + n for c, n in zip(b.contexts, b.q_lens)], dtype=torch.int32, device="cuda")
+    out = torch.ops.pagedattn.paged_attention(g.query, None, None, g.kv_cache, g.meta.block_tables, enc,
+                                              g.meta.query_start_loc, 0.125, False, 0, 0.0, None, 4, 64)
+    torch.testing.assert_close(out.cpu().double(), reference_step(b, 0.125, causal=False), atol=4e-3, rtol=4e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 7, (1,), generator=g))
+    seqs = [(int(torch.randint(0, 300, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)))
+            for _ in range(n)]
+    seqs = [(c, 1) if i % 2 else (c, q) for i, (c, q) in enumerate(seqs)]
+    window = [0, 0, 17, 64][seed % 4]
+    b = make_batch(seqs, num_heads=8, num_kv_heads=2, head_size=64, block_size=[16, 32, 64][seed % 3],
+                   dtype=torch.bfloat16, pad_tokens=seed % 3, generator=g)
+    _check(b, torch.bfloat16, window=window)
+
+
+def test_write_copy_swap_on_gpu():
+    backend = get_backend("cuda")
+    b = make_batch([(0, 4), (5, 1), (17, 3)], pad_tokens=2, dtype=torch.float16)
+    g = _cuda(b)
+    backend.write(g.key, g.value, g.kv_cache, g.meta.slot_mapping)
+    get_backend("cpu").write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    assert torch.equal(g.kv_cache.cpu(), b.kv_cache)
+    orig = g.kv_cache.clone()
+    backend.copy_blocks(g.kv_cache, torch.tensor([[0, 3], [2, 5]], device="cuda"))
+    assert torch.equal(g.kv_cache[:, 3], orig[:, 0]) and torch.equal(g.kv_cache[:, 5], orig[:, 2])
+    host = torch.zeros_like(g.kv_cache, device="cpu").pin_memory()
+    backend.swap_blocks(g.kv_cache, host, torch.tensor([[1, 0], [4, 2]]))
+    torch.cuda.synchronize()
+    assert torch.equal(host[:, 0], g.kv_cache[:, 1].cpu()) and torch.equal(host[:, 2], g.kv_cache[:, 4].cpu())
+    back = torch.zeros_like(g.kv_cache)
+    backend.swap_blocks(host, back, torch.tensor([[0, 1]]))
+    assert torch.equal(back[:, 1], g.kv_cache[:, 1])
+
+
+# --------------------------------------------------------------- a tiny HF model end to end
+
+
+def _tiny(arch: str, dtype: torch.dtype, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.1)
+    if arch == "mistral":
+        kw["sliding_window"] = 24
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(arch, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 37, 9, 70, 2)]
+    shared = torch.randint(0, 128, (40,), generator=g).tolist()
+    return prompts + [shared + [7, 8], shared + [9]]
+
+
+def _hf_generate(model, prompts, new):
+    out = []
+    dev = next(model.parameters()).device
+    for p in prompts:
+        ids = torch.tensor([p], device=dev)
+        with torch.no_grad():
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("setting", [{}, {"max_num_tokens": 16}, {"block_size": 64}],
+                         ids=["default", "chunked_prefill", "block64"])
+def test_engine_fp16_matches_hf_generate_on_gpu(arch, setting):
+    from pagedattn import PagedEngine
+
+    model = _tiny(arch, torch.float16, "cuda")
+    ref = _hf_generate(model, _prompts(), 12)
+    backend = get_backend("cuda")
+    backend.paths.clear()
+    got = PagedEngine(model, target="cuda", **setting).generate(_prompts(), max_new_tokens=12)
+    assert got == ref
+    kinds = {k for k, _ in backend.paths}
+    assert "decode" in kinds and "fresh" in kinds
+    if setting.get("max_num_tokens"):
+        assert "chunked" in kinds
+
+
+def test_engine_float32_on_gpu_matches_cpu():
+    from pagedattn import PagedEngine
+
+    cpu_model = _tiny("llama", torch.float32, "cpu")
+    ref = _hf_generate(cpu_model, _prompts(), 12)
+    got = PagedEngine(_tiny("llama", torch.float32, "cuda"), target="cuda").generate(_prompts(), max_new_tokens=12)
+    assert got == ref
+
+
+def test_engine_refuses_a_model_on_another_device():
+    from pagedattn import PagedEngine
+
+    with pytest.raises(ValueError, match="move the model first"):
+        PagedEngine(_tiny("llama", torch.float32, "cpu"), target="cuda")
