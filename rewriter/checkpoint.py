@@ -55,12 +55,12 @@ def resolve(spec: str) -> tuple[str, str]:
     raise CheckpointError(f"{spec} is neither a model folder nor a .pt2 program")
 
 
-def load_checkpoint(spec: str, dtype: Optional[torch.dtype] = None) -> Checkpoint:
+def load_checkpoint(spec: str, dtype: Optional[torch.dtype] = None, attn_implementation: Optional[str] = None) -> Checkpoint:
     kind, path = resolve(spec)
-    return _load_hf(path, dtype) if kind == "hf" else _load_pt2(path)
+    return _load_hf(path, dtype, attn_implementation) if kind == "hf" else _load_pt2(path)
 
 
-def _load_hf(path: str, dtype: Optional[torch.dtype]) -> Checkpoint:
+def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optional[str]) -> Checkpoint:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
@@ -81,7 +81,7 @@ def _load_hf(path: str, dtype: Optional[torch.dtype]) -> Checkpoint:
                               "save_pretrained(folder)")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                     attn_implementation="eager")
+                                                     attn_implementation=attn_implementation)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise CheckpointError(f"{path} holds a {type(config).__name__} model, which has no causal-LM class: "

@@ -1,0 +1,496 @@
+"""``rewrite-model``: rewrite a checkpoint's attention into paged attention, inspect it, run it, export it.
+
+    rewrite-model CHECKPOINT -o OUT [--target cpu|cuda|xla|auto] [--block-size N] [--dtype D] [--force]
+                  [--run] [--prompt TEXT] [--html FILE] [--onnx]
+    rewrite-model inspect OUT [--site NAME] [--no-diff] [--html FILE]
+    rewrite-model run OUT [--prompt TEXT ...] [--ids "1 2 3" ...] [--max-new-tokens N]
+    rewrite-model export-onnx OUT [-o FILE]
+
+CHECKPOINT is a Hugging Face model folder, a ``.pt2`` saved by ``torch.export``, or ``demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+log = logging.getLogger("pagedattn")
+
+COMMANDS = ("inspect", "run", "export-onnx")
+PROGRAM, WEIGHTS, REPORT_JSON, REPORT_TXT, GRAPHS, ONNX = (
+    "model.pt2", "model.safetensors", "report.json", "report.txt", "graphs.json", "model.onnx")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEMO_PROMPT = "Beautiful is"
+
+
+class CliError(Exception):
+    """One line for the user: what is wrong and what to do. ``code`` is the exit status."""
+
+    def __init__(self, msg: str, code: int = 2):
+        super().__init__(msg)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def _rewrite_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rewrite-model", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Rewrite the attention of a checkpoint into a paged KV-cache write + paged attention.",
+        epilog="other commands: rewrite-model {inspect,run,export-onnx} OUT ... (see rewrite-model COMMAND -h)")
+    p.add_argument("checkpoint", help="Hugging Face model folder, .pt2 program saved by torch.export, or 'demo'")
+    p.add_argument("-o", "--out", required=True, help="output folder (must not exist unless --force)")
+    p.add_argument("--target", default="cpu", choices=("cpu", "cuda", "xla", "auto"),
+                   help="device whose paged-attention backend the program targets (default cpu)")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="cast the model before rewriting (default: as saved)")
+    p.add_argument("--attn-implementation", default=None, choices=("eager", "sdpa"),
+                   help="Hugging Face attention implementation to load (default: transformers' choice)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--html", metavar="FILE", help="also write the inspection page")
+    p.add_argument("--onnx", action="store_true", help="also export OUT/model.onnx and check it in onnxruntime")
+    p.add_argument("--run", action="store_true", help="generate from the saved program afterwards")
+    _generation_args(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and show tracebacks")
+    return p
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", default=[], help="text prompt (repeat for a batch)")
+    p.add_argument("--ids", action="append", default=[], help="prompt as token ids, e.g. '1 2 3' (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default 64; "
+                   "the demo: until EOS)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: enough for the batch)")
+
+
+def _command_parser(cmd: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"rewrite-model {cmd}")
+    p.add_argument("out", help="a folder written by rewrite-model")
+    p.add_argument("-v", "--verbose", action="store_true")
+    if cmd == "inspect":
+        p.description = "Print the site table, the graph around each site before and after, and the code diff."
+        p.add_argument("--site", action="append", default=[], help="only this site (repeatable)")
+        p.add_argument("--no-diff", action="store_true", help="leave out the unified diff of the graph code")
+        p.add_argument("--html", metavar="FILE", help="write a self-contained HTML page instead of text")
+    elif cmd == "run":
+        p.description = "Generate through the paged engine from a rewritten program."
+        _generation_args(p)
+    else:
+        p.description = "Export the paged program to ONNX and check it in onnxruntime on CPU."
+        p.add_argument("-o", "--output", default=None, help=f"ONNX file (default OUT/{ONNX})")
+        p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    return p
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        cmd, args = argv[0], _command_parser(argv[0]).parse_args(argv[1:])
+    else:
+        cmd, args = "rewrite", _rewrite_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        with _quiet(not args.verbose):
+            {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "run": cmd_run, "export-onnx": cmd_export_onnx}[cmd](args)
+    except CliError as e:
+        print(f"rewrite-model: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("rewrite-model: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything unforeseen still gets one line; --verbose shows where
+        if args.verbose:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"rewrite-model: error: {type(e).__name__}: {first} (run with --verbose for the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool):
+    """Silence torch's and transformers' own warnings unless --verbose."""
+    if not enabled:
+        yield
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ("torch", "torch._export", "torch.export", "torch.onnx", "transformers", "onnxscript"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        yield
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- rewrite
+
+
+def cmd_rewrite(args) -> None:
+    import torch
+
+    import pagedattn
+    from pagedattn import checkpoint as ckpt_mod
+    from pagedattn.api import _rewrite_program, export_model
+    from pagedattn.runtime.engine import _accepted, _example_kwargs
+
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not args.force:
+        raise CliError(f"{args.out} exists; pass --force to replace it or choose another -o")
+    if args.block_size < 1:
+        raise CliError(f"--block-size must be >= 1, got {args.block_size}")
+    target = _check_target(args.target)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    steps = ["load", "export", "passes", "save program", "save weights and report"]
+    t0 = time.perf_counter()
+    timings = {}
+    with _progress(len(steps), "rewrite-model") as bar:
+        bar.set_description("load checkpoint")
+        try:
+            ck = ckpt_mod.load_checkpoint(args.checkpoint, dtype, args.attn_implementation)
+        except ckpt_mod.CheckpointError as e:
+            raise CliError(str(e)) from e
+        timings["load_s"] = _lap(bar, t0)
+        bar.set_description("torch.export")
+        if ck.kind == "hf":
+            model = ck.model.to(target if target != "xla" else "cpu")
+            kwargs = _example_kwargs(_accepted(model), getattr(ck.config, "vocab_size", None))
+            kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            try:
+                ep = export_model(model, (), kwargs)
+            except RuntimeError as e:
+                raise CliError(f"{e}; the model cannot be rewritten", 1) from e
+            flat = torch.utils._pytree.tree_flatten(((), kwargs))[0]
+        else:
+            ep = ck.program
+            if ep.example_inputs is None:
+                raise CliError(f"{args.checkpoint} carries no example inputs; re-export it with torch >= 2.6")
+            if dtype is not None:
+                raise CliError("--dtype applies to Hugging Face checkpoints; export the program in the dtype you want")
+            flat = torch.utils._pytree.tree_flatten(ep.example_inputs)[0]
+        timings["export_s"] = _lap(bar, t0, timings)
+        bar.set_description("passes")
+        try:
+            rm = _rewrite_program(ep, flat, target, args.block_size)
+        except ValueError as e:
+            raise CliError(f"{e}", 1) from e
+        if ck.kind == "hf":
+            rm.config, rm.generation_config = ck.model.config, getattr(ck.model, "generation_config", None)
+        timings["passes_s"] = _lap(bar, t0, timings)
+        n_rw = sum(r["status"] == "rewritten" for r in rm.report)
+        if not rm.report or n_rw == 0:
+            why = "; ".join(f"{r['name']}: {r['reason']}" for r in rm.report) or "the graph has no softmax or SDPA"
+            raise CliError(f"no attention found to rewrite in {args.checkpoint} ({why}); nothing was written")
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out) or ".")
+        try:
+            bar.set_description("save program")
+            rm.save(os.path.join(tmp, PROGRAM))
+            timings["save_s"] = _lap(bar, t0, timings)
+            bar.set_description("save weights and report")
+            _save_weights(ck, os.path.join(tmp, WEIGHTS))
+            if ck.kind == "hf":
+                ck.config.save_pretrained(tmp)
+                if ck.tokenizer is not None:
+                    ck.tokenizer.save_pretrained(tmp)
+            info = _report_info(args, ck, rm, target, timings)
+            _write_reports(tmp, info, rm.report, rm.graph_views)
+            bar.update(1)
+            _replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    from pagedattn.report import site_table
+
+    print(f"{args.checkpoint} ({ck.architecture}) -> {args.out}: {n_rw} of {len(rm.report)} attention sites "
+          f"rewritten for target {target} in {time.perf_counter() - t0:.1f}s")
+    print(site_table(rm.report))
+    print(f"wrote {', '.join(sorted(os.listdir(out)))}")
+    if args.html:
+        _write_html(out, args.html)
+    if args.onnx:
+        _export_onnx(out, os.path.join(out, ONNX), check=True)
+    if args.run:
+        _run(out, args)
+    del pagedattn
+
+
+def _lap(bar, t0: float, timings: Optional[dict] = None) -> float:
+    bar.update(1)
+    spent = sum((timings or {}).values())
+    return round(time.perf_counter() - t0 - spent, 3)
+
+
+def _check_target(target: str) -> str:
+    import torch
+
+    from pagedattn.backends import get_backend
+
+    if target == "cuda" and not torch.cuda.is_available():
+        raise CliError("target cuda needs an NVIDIA GPU and this machine has none; use --target cpu")
+    if target == "xla":
+        try:
+            import torch_xla  # noqa: F401
+        except ImportError as e:
+            raise CliError("target xla needs torch_xla (pip install 'pagedattn[xla]'); use --target cpu") from e
+    try:
+        return get_backend(target).device_type
+    except ValueError as e:
+        raise CliError(f"unsupported target {target}: {e}") from e
+
+
+def _save_weights(ck, path: str) -> None:
+    from safetensors.torch import save_file, save_model
+
+    if ck.kind == "hf":
+        save_model(ck.model, path)  # drops tied duplicates
+    else:
+        state = {k: v.detach().contiguous() for k, v in ck.program.state_dict.items()}
+        save_file(_untie(state), path)
+
+
+def _untie(state: dict) -> dict:
+    seen, out = {}, {}
+    for k, v in state.items():
+        key = (v.data_ptr(), v.shape, v.dtype)
+        out[k] = v.clone() if key in seen else v
+        seen[key] = k
+    return out
+
+
+def _report_info(args, ck, rm, target: str, timings: dict) -> dict:
+    import torch
+
+    import pagedattn
+
+    versions = {"pagedattn": pagedattn.__version__, "torch": torch.__version__}
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    n_rw = sum(r["status"] == "rewritten" for r in rm.report)
+    demo = args.checkpoint in ("demo", "zen") and not os.path.exists(args.checkpoint)
+    return {
+        "checkpoint": args.checkpoint, "kind": ck.kind, "architecture": ck.architecture, "target": target,
+        "block_size": args.block_size, "dtype": args.dtype, "sites": len(rm.report), "rewritten": n_rw,
+        "skipped": len(rm.report) - n_rw, "cache_specs": rm.cache_specs, "tokenizer": ck.tokenizer is not None,
+        "default_prompt": DEMO_PROMPT if demo else None, "timings": timings, "versions": versions,
+    }
+
+
+def _write_reports(folder: str, info: dict, report: list[dict], views: Optional[dict]) -> None:
+    from pagedattn.inspection import render_text
+
+    with open(os.path.join(folder, REPORT_JSON), "w") as f:
+        json.dump({**info, "report": report}, f, indent=2, default=str)
+    with open(os.path.join(folder, REPORT_TXT), "w") as f:
+        f.write(_summary_text(info) + "\n\n" + render_text(report, views) + "\n")
+    if views is not None:
+        with open(os.path.join(folder, GRAPHS), "w") as f:
+            json.dump(views, f)
+
+
+def _summary_text(info: dict) -> str:
+    keys = ("checkpoint", "architecture", "target", "block_size", "dtype", "sites", "rewritten", "skipped")
+    return "\n".join(f"{k}: {info.get(k)}" for k in keys)
+
+
+def _replace_dir(tmp: str, out: str) -> None:
+    """Move the finished folder into place; an old OUT is removed only once the new one is complete."""
+    old = None
+    if os.path.exists(out):
+        old = out + f".old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def _read_out(out: str) -> tuple[dict, Optional[dict]]:
+    path = os.path.join(out, REPORT_JSON)
+    if not os.path.isdir(out):
+        raise CliError(f"{out} is not a folder; give the -o folder of a rewrite-model run")
+    if not os.path.isfile(path):
+        raise CliError(f"{out} has no {REPORT_JSON}: not written by rewrite-model (run rewrite-model CHECKPOINT -o {out})")
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        views = None
+        if os.path.isfile(os.path.join(out, GRAPHS)):
+            with open(os.path.join(out, GRAPHS)) as f:
+                views = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{out}: a report file is corrupt ({e}); rewrite the checkpoint again") from e
+    return info, views
+
+
+def cmd_inspect(args) -> None:
+    from pagedattn.inspection import render_text
+
+    info, views = _read_out(args.out)
+    unknown = [s for s in args.site if s not in {r["name"] for r in info["report"]}]
+    if unknown:
+        raise CliError(f"no site {unknown[0]!r}; sites: {', '.join(r['name'] for r in info['report'])}")
+    if args.html:
+        _write_html(args.out, args.html)
+        return
+    print(_summary_text(info))
+    print()
+    print(render_text(info["report"], views, sites=args.site or None, diff=not args.no_diff))
+
+
+def _write_html(out: str, html_path: str) -> None:
+    from pagedattn.inspection import graphviz_missing, render_html
+
+    info, views = _read_out(out)
+    summary = {k: info.get(k) for k in ("checkpoint", "architecture", "target", "block_size", "dtype", "sites",
+                                         "rewritten", "skipped")}
+    page = render_html(info["report"], views, title=f"pagedattn: {info.get('checkpoint')}", summary=summary)
+    with open(html_path, "w") as f:
+        f.write(page)
+    why = graphviz_missing()
+    print(f"wrote {html_path}" + (f" (no site drawings: {why})" if why else ""))
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def cmd_run(args) -> None:
+    _run(args.out, args)
+
+
+def _load_program(out: str):
+    import pagedattn
+
+    path = os.path.join(out, PROGRAM)
+    if not os.path.isfile(path):
+        raise CliError(f"{out} has no {PROGRAM}: give the -o folder of a rewrite-model run")
+    try:
+        return pagedattn.load(path)
+    except Exception as e:
+        raise CliError(f"could not load {path}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
+                       "rewrite the checkpoint again", 1) from e
+
+
+def _tokenizer(out: str, info: dict):
+    if not info.get("tokenizer"):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out, local_files_only=True)
+
+
+def _prompts(args, info: dict, tok) -> list[list[int]]:
+    texts = list(args.prompt) or ([] if args.ids else [info["default_prompt"]] if info.get("default_prompt") else [])
+    if texts and tok is None:
+        raise CliError("this checkpoint carries no tokenizer: give prompts as token ids with --ids '1 2 3'")
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for s in args.ids:
+        try:
+            prompts.append([int(x) for x in s.replace(",", " ").split()])
+        except ValueError as e:
+            raise CliError(f"--ids {s!r}: token ids are integers separated by spaces or commas") from e
+    if not prompts:
+        raise CliError("nothing to generate from: give --prompt TEXT or --ids '1 2 3'")
+    return prompts
+
+
+def _run(out: str, args) -> None:
+    import torch
+
+    import pagedattn
+
+    info, _ = _read_out(out)
+    rm = _load_program(out)
+    tok = _tokenizer(out, info)
+    prompts = _prompts(args, info, tok)
+    demo = bool(info.get("default_prompt"))
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (1024 if demo else 64)
+    need = sum(-(-(len(p) + max_new) // rm.block_size) for p in prompts)
+    num_blocks = args.num_blocks or need + 1
+    target = info["target"]
+    try:
+        engine = pagedattn.PagedEngine(rm, target=target, block_size=rm.block_size, num_blocks=num_blocks,
+                                       max_num_tokens=512)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    t0 = time.perf_counter()
+    try:
+        outs = engine.generate(prompts, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed)
+    except pagedattn.RequestErrors as e:
+        raise CliError("; ".join(f"prompt {i}: {why}" for i, why in e.errors.items())) from e
+    dt = time.perf_counter() - t0
+    n = sum(len(o) for o in outs)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        if tok is not None:
+            print(f"[{i}] {tok.decode(p)}{tok.decode(o, skip_special_tokens=True)}")
+        else:
+            print(f"[{i}] prompt {p} -> {o}")
+    print(f"{len(prompts)} prompt(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
+          f"engine ({target}, {num_blocks} blocks of {rm.block_size})")
+    del torch
+
+
+# ----------------------------------------------------------------------------- ONNX
+
+
+def cmd_export_onnx(args) -> None:
+    _read_out(args.out)
+    _export_onnx(args.out, args.output or os.path.join(args.out, ONNX), check=not args.no_check)
+
+
+def _export_onnx(out: str, path: str, check: bool) -> None:
+    try:
+        import onnx  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise CliError("ONNX export needs onnx and onnxscript (pip install 'pagedattn[onnx]')") from e
+    from pagedattn.onnx_export import export_onnx, verify_onnx
+
+    rm = _load_program(out)
+    try:
+        export_onnx(rm, path)
+    except BaseException:
+        for f in (path, path + ".data"):
+            if os.path.exists(f):
+                os.remove(f)
+        raise
+    print(f"wrote {path} ({os.path.getsize(path) / 1e6:.1f} MB), onnx.checker passed")
+    if check:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as e:
+            raise CliError("checking the ONNX model needs onnxruntime (pip install onnxruntime) or pass --no-check") from e
+        errs = verify_onnx(rm, path)
+        print("onnxruntime (CPU) vs PyTorch, max |difference|: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+        worst = max(errs.values())
+        if not worst < 1e-3:
+            raise CliError(f"onnxruntime disagrees with PyTorch by {worst:.3g}", 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
