@@ -124,7 +124,26 @@ def _dump_spec(spec) -> Optional[str]:
 
 
 def _load_spec(s: Optional[str]):
-    return pytree.treespec_loads(s) if s else None
+    """The saved pytree spec; output classes (e.g. Hugging Face's) register on import, so import them first."""
+    if not s:
+        return None
+    try:
+        return pytree.treespec_loads(s)
+    except NotImplementedError:
+        pass
+    import importlib
+    import re
+
+    for module in set(re.findall(r'"([A-Za-z_][\w.]*)\.[A-Za-z_]\w*"', s)):
+        try:
+            importlib.import_module(module)
+        except Exception:  # not a module path, or not installed here
+            continue
+    try:
+        return pytree.treespec_loads(s)
+    except NotImplementedError as e:
+        log.warning("outputs come back as flat tuples: %s", e)
+        return None
 
 
 def load(path: str) -> RewrittenModel:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zipfile
@@ -113,6 +114,9 @@ def _tokenizer(path: str):
 
 
 def _load_pt2(path: str) -> Checkpoint:
+    # programs exported from Hugging Face models return its output classes, which register on import
+    with contextlib.suppress(ImportError):
+        import transformers.modeling_outputs  # noqa: F401
     extra = {"pagedattn.json": ""}
     try:
         ep = torch.export.load(path, extra_files=extra)
