@@ -74,7 +74,7 @@ class _XFormers:
     fresh_ops: tuple  # operators for block-diagonal biases over contiguous keys, best first
     paged_ops: tuple  # operators that may take paged biases (each op's own check decides)
     tensor_bias_ops: tuple
-    no_cpp_ops: frozenset  # operators that run without xFormers' C++ extension
+    no_cpp_ops: frozenset  # operators (and their subclasses) that run without xFormers' C++ extension
     cpp_loaded: bool
 
 
@@ -124,7 +124,7 @@ class _NoOperator(Exception):
 
 def _op_reasons(op, inp, xf: _XFormers) -> list[str]:
     reasons = op.not_supported_reasons(inp)
-    if not xf.cpp_loaded and op in xf.no_cpp_ops:
+    if not xf.cpp_loaded and issubclass(op, tuple(xf.no_cpp_ops)):
         reasons = [r for r in reasons if r != _NO_CPP_REASON]
     return reasons
 
@@ -149,12 +149,12 @@ def _xformers_attention(q: Tensor, k: Tensor, v: Tensor, bias, scale: float, can
     """
     xf = _xformers()
     inp = xf.Inputs(query=q, key=k, value=v, attn_bias=bias, p=0.0, scale=scale)
-    inp.validate_inputs()
-    shape = inp.normalize_bmhk()
-    if op is None:
+    if op is None:  # checks once per group and step; later layers pass the same shapes
+        inp.validate_inputs()
+        inp.normalize_bmhk()
         op = _select_op(candidates, inp, xf)
     out, _ = op.apply(inp, needs_gradient=False)
-    return out.reshape(shape), op
+    return out.reshape(*q.shape[:-1], v.shape[-1]), op
 
 
 _NOTED: set[str] = set()
@@ -414,11 +414,20 @@ class XFormersCudaBackend(AttentionBackend):
             if causal and bool((seq_lens < query_start_loc.diff()).any()):
                 raise ValueError("paged_attention: a causal sequence has seq_len shorter than its new tokens")
         window = sliding_window if causal and sliding_window > 0 else 0
+        if alibi_slopes is not None and alibi_slopes.device != query.device:
+            alibi_slopes = alibi_slopes.to(query.device)  # slopes a pass kept on the host
         plan = _plan_for(seq_lens, query_start_loc, block_tables)
-        out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
         c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), scale, causal, window,
                   hkv, query.shape[1] // hkv, nb, bs, d)
-        if query.dtype not in _KERNEL_DTYPES or softcap > 0 or alibi_slopes is not None:
+        fused = query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None
+        groups = plan.grouping(key is not None, causal, query.device) if fused else None
+        if fused and len(groups) == 1 and isinstance(groups[0].rows, slice) and \
+                groups[0].rows == slice(0, query.shape[0]):
+            o = self._fused(c, groups[0])  # one group covering every row: its output is the answer
+            if o is not None:
+                return o
+        out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
+        if not fused:
             group = plan.all_seqs(query.device)
             if group.seqs:
                 if query.dtype not in _KERNEL_DTYPES:
@@ -429,7 +438,7 @@ class XFormersCudaBackend(AttentionBackend):
                     why = ""  # ALiBi: set if no operator takes the tensor bias
                 self._padded(out, c, group, softcap, alibi_slopes, why)
             return out
-        for group in plan.grouping(key is not None, causal, query.device):
+        for group in groups:
             o = self._fused(c, group)
             if o is None:  # no operator takes it: the exact padded path, reason logged
                 self._padded(out, c, group, 0.0, None, group.cache[("why", c.shape_key)])
