@@ -2,15 +2,18 @@
 generation against Hugging Face ``generate``, all in this process.
 
 Decode: a batch of sequences with one new token each over contexts of 512-8192 tokens. The paged
-side is ``torch.ops.pagedattn.paged_attention`` (the op as a model calls it: plan lookup, bias,
-operator choice, kernel); the ``kernel`` column times the xFormers call alone with a prepared bias.
-The baseline holds the same K/V contiguously (``[B, Hkv, L, D]``) and calls
+side is ``torch.ops.pagedattn.paged_attention`` as a model calls it (plan lookup, bias, operator,
+kernels). Each side is timed twice: wall time per call (host work included) and GPU time per call
+(the profiler's kernel durations). The baseline holds the same K/V contiguously (``[B, Hkv, L, D]``)
+and calls
 ``F.scaled_dot_product_attention`` with ``enable_gqa`` (plus a key-padding mask when lengths
-differ). GB/s counts the K/V bytes the step must read, against a device-to-device copy measured here.
+differ). GB/s counts the K/V bytes the step must read per second of GPU time, against a
+device-to-device copy measured here.
 
-Generation: a random-weight Llama (~150 M parameters, bfloat16), prompts of 64-512 tokens, greedy.
+Generation: a random-weight Llama (~160 M parameters, bfloat16), prompts of 64-512 tokens, greedy.
 
     python benchmarks/attention_cuda.py            # the figures in benchmarks/RESULTS.md
+    python benchmarks/attention_cuda.py --compile  # also PagedEngine(compile=True)
     python benchmarks/attention_cuda.py --quick    # a smoke run
 """
 
@@ -46,6 +49,33 @@ def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def gpu_seconds(fn, repeats: int) -> float:
+    """GPU time per call: the summed durations of the kernels it launches (profiler), no host time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / repeats / 1e6
+
+
+def kernel_names(fn) -> str:
+    """The CUDA kernels one call launches, longest first (shortened names)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: -e.time_range.elapsed_us())
+    return ", ".join(f"{e.name[:60]} {e.time_range.elapsed_us():.0f}us" for e in ev[:3])
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes read plus written per second by a device-to-device copy."""
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -56,9 +86,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
-    from pagedattn.backends import xformers_cuda
-    from xformers.ops.fmha import attn_bias
-
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
     backend = get_backend("cuda")
@@ -98,25 +125,13 @@ def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, s
         return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, attn_mask=pad_mask,
                                               scale=scale, enable_gqa=True)
 
-    bias = attn_bias.PagedBlockDiagonalPaddedKeysMask.from_seqlens([1] * batch, lens, meta.block_tables,
-                                                                  block_size, device="cuda")
-    q5 = q.view(1, batch, hkv, hq // hkv, d)
-    k5 = cache[0].view(1, -1, hkv, 1, d).expand(-1, -1, -1, hq // hkv, -1)
-    v5 = cache[1].view(1, -1, hkv, 1, d).expand(-1, -1, -1, hq // hkv, -1)
-    op = [None]
-
-    def kernel():
-        o, op[0] = xformers_cuda._xformers_attention(q5, k5, v5, bias, scale, (xformers_cuda._splitk_op(block_size),),
-                                                     op[0])
-        return o
-
     torch.testing.assert_close(paged().float(), contiguous()[:, :, 0].float(), atol=2e-2, rtol=2e-2)
     t_paged, t_contig = _time_pair(paged, contiguous, repeats)
-    t_kernel, _ = _time_pair(kernel, lambda: None, repeats)
+    g_paged, g_contig = gpu_seconds(paged, repeats), gpu_seconds(contiguous, repeats)
     kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
     paths = sorted({f"{k}:{o}" for k, o in backend.paths})
     backend.paths.clear()
-    return t_paged, t_kernel, t_contig, kv_bytes, paths
+    return t_paged, t_contig, g_paged, g_contig, kv_bytes, paths
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
@@ -143,7 +158,9 @@ def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
         return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
 
     t, t_c = _time_pair(step, contiguous, repeats)
-    return T / t, T / t_c
+    g, g_c = gpu_seconds(step, repeats), gpu_seconds(contiguous, repeats)
+    print(f"  kernels: paged {kernel_names(step)}; contiguous {kernel_names(contiguous)}")
+    return T / t, T / t_c, T / g, T / g_c
 
 
 # ------------------------------------------------------------------------- generation
@@ -172,9 +189,23 @@ def hf_padded_generate(model, prompts, new):
     return [o[width:].tolist() for o in out]
 
 
-def generation(num_prompts, new, quick):
+def _engine_run(model, prompts, lens, new, **kw):
     from pagedattn import PagedEngine
 
+    t0 = time.perf_counter()
+    engine = PagedEngine(model, target="cuda", block_size=16, max_num_tokens=4096, max_num_seqs=len(prompts),
+                         num_blocks=sum(-(-(n + new) // 16) for n in lens) + 64, **kw)
+    engine.generate(prompts[:2], max_new_tokens=4)  # warm-up (Triton kernels; Inductor with compile=True)
+    t_setup = time.perf_counter() - t0
+    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    got = engine.generate(prompts, max_new_tokens=new)
+    torch.cuda.synchronize()
+    return got, time.perf_counter() - t0, t_setup, engine
+
+
+def generation(num_prompts, new, quick, compile_too):
     model = build_llama(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(64, 513, (num_prompts,), generator=g).tolist()
@@ -188,17 +219,7 @@ def generation(num_prompts, new, quick):
     torch.cuda.synchronize()
     t_hf = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    engine = PagedEngine(model, target="cuda", block_size=16, max_num_tokens=4096, max_num_seqs=num_prompts,
-                         num_blocks=sum(-(-(n + new) // 16) for n in lens) + 64)
-    t_setup = time.perf_counter() - t0
-    engine.generate(prompts[:2], max_new_tokens=4)  # warm-up (Triton compiles)
-    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    got = engine.generate(prompts, max_new_tokens=new)
-    torch.cuda.synchronize()
-    t_eng = time.perf_counter() - t0
+    got, t_eng, t_setup, engine = _engine_run(model, prompts, lens, new)
     same = sum(a == b for a, b in zip(got, ref))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
     total = num_prompts * new
@@ -211,6 +232,11 @@ def generation(num_prompts, new, quick):
           f"{100 * engine.overhead_share():.0f}% of step time)")
     print(f"engine/HF speed-up {t_hf / t_eng:.2f}x; identical outputs {same}/{num_prompts}; "
           f"tokens agreeing before the first difference: median {statistics.median(first):.0f} of {new}")
+    if compile_too:
+        got_c, t_c, setup_c, eng_c = _engine_run(model, prompts, lens, new, compile=True)
+        print(f"{'PagedEngine compile=True (Inductor)':34} {t_c:7.2f} {total / t_c:10.0f}   "
+              f"(rewrite + compile {setup_c:.1f} s; {eng_c.stats['steps']} steps); engine/HF {t_hf / t_c:.2f}x; "
+              f"identical to eager engine {sum(a == b for a, b in zip(got_c, got))}/{num_prompts}")
 
 
 def main(argv=None) -> None:
@@ -222,6 +248,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--skip-generation", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also time PagedEngine(compile=True)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -237,24 +264,27 @@ def main(argv=None) -> None:
     block_sizes = [16, 64]
     if a.quick:
         cases, block_sizes, a.repeats = [(4, 128, 512)], [16], 3
-    print(f"{'batch':>5} {'context':>10} {'block':>5} {'paged ms':>9} {'kernel ms':>10} {'contig ms':>10} "
-          f"{'ratio':>6} {'paged GB/s':>11} {'kernel GB/s':>12} {'contig GB/s':>12} {'kernel/copy':>12}  path")
+    print("wall: median time per call (host included); GPU: kernel time per call (profiler); "
+          "GB/s: K+V bytes the step reads per second of GPU time")
+    print(f"{'batch':>5} {'context':>10} {'block':>5} {'paged ms':>9} {'contig ms':>10} {'paged GPU ms':>13} "
+          f"{'contig GPU ms':>14} {'GPU ratio':>10} {'paged GB/s':>11} {'contig GB/s':>12} {'paged/copy':>11}  path")
     for bs in block_sizes:
         for batch, lo, hi in cases:
-            tp, tk, tc, nbytes, paths = decode_case(batch, lo, hi, a.heads, a.kv_heads, a.head_size,
-                                                    torch.bfloat16, bs, a.repeats)
+            tp, tc, gp, gc, nbytes, paths = decode_case(batch, lo, hi, a.heads, a.kv_heads, a.head_size,
+                                                        torch.bfloat16, bs, a.repeats)
             ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
-            print(f"{batch:5d} {ctx:>10} {bs:5d} {tp * 1e3:9.3f} {tk * 1e3:10.3f} {tc * 1e3:10.3f} {tp / tc:6.2f} "
-                  f"{nbytes / tp / 1e9:11.0f} {nbytes / tk / 1e9:12.0f} {nbytes / tc / 1e9:12.0f} "
-                  f"{nbytes / tk / bw:12.2f}  {','.join(paths)}")
+            print(f"{batch:5d} {ctx:>10} {bs:5d} {tp * 1e3:9.3f} {tc * 1e3:10.3f} {gp * 1e3:13.3f} {gc * 1e3:14.3f} "
+                  f"{gp / gc:10.2f} {nbytes / gp / 1e9:11.0f} {nbytes / gc / 1e9:12.0f} {nbytes / gp / bw:11.2f}  "
+                  f"{','.join(paths)}")
     print()
-    print(f"{'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'contig/paged':>13}")
+    print(f"{'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'paged GPU tok/s':>16} {'contig GPU tok/s':>17}")
     n, L = (2, 256) if a.quick else (4, 2048)
-    tps, tpc = prefill_case(n, L, a.heads, a.kv_heads, a.head_size, torch.bfloat16, 16, max(3, a.repeats // 3))
-    print(f"{f'{n} x {L}':>14} {tps:12.0f} {tpc:13.0f} {tpc / tps:13.2f}")
+    tps, tpc, gps, gpc = prefill_case(n, L, a.heads, a.kv_heads, a.head_size, torch.bfloat16, 16,
+                                      max(3, a.repeats // 3))
+    print(f"{f'{n} x {L}':>14} {tps:12.0f} {tpc:13.0f} {gps:16.0f} {gpc:17.0f}")
     if not a.skip_generation:
         print()
-        generation(4 if a.quick else a.prompts, 8 if a.quick else a.new, a.quick)
+        generation(4 if a.quick else a.prompts, 8 if a.quick else a.new, a.quick, a.compile)
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def _hf_generate(model, prompts, new):
         ids = torch.tensor([p], device=dev)
         with torch.no_grad():
             g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                               min_new_tokens=new, do_sample=False, pad_token_id=0)
+                               do_sample=False, pad_token_id=0)  # both stop at EOS
         out.append(g[0, len(p):].tolist())
     return out
 
