@@ -72,6 +72,10 @@ class PagedEngine:
         self.device = torch.device(self.backend.device_type)
         self.block_size = block_size
         self.vocab_size = _vocab_size(model)
+        model_device = _module_device(model)
+        if model_device is not None and model_device.type != self.device.type:
+            raise ValueError(f"the model's parameters are on {model_device} but target {target!r} runs on "
+                             f"{self.device.type}: move the model first (model.to('{self.device.type}'))")
         self._eos = _eos_ids(model, eos_token_id)
         if isinstance(model, RewrittenModel):
             self.model, self._kwargs = model, _input_names(model)
@@ -81,7 +85,7 @@ class PagedEngine:
             specs = _compiled_cache_specs(model, self._kwargs)
         else:
             self._kwargs = _accepted(model)
-            example = _example_kwargs(self._kwargs, self.vocab_size)
+            example = _example_kwargs(self._kwargs, self.vocab_size, model_device or "cpu")
             self.model = rewrite(model, (), example, target=target, block_size=block_size)
             specs = self.model.cache_specs
         if not specs:
@@ -298,16 +302,23 @@ def _input_names(model) -> set[str]:
         return {"input_ids"}
 
 
-def _example_kwargs(names: set[str], vocab: Optional[int]) -> dict:
+def _example_kwargs(names: set[str], vocab: Optional[int], device: torch.device | str = "cpu") -> dict:
     T = 8
-    kw = {"input_ids": torch.arange(T)[None] % (vocab or 2)}
+    kw = {"input_ids": torch.arange(T, device=device)[None] % (vocab or 2)}
     if "position_ids" in names:
-        kw["position_ids"] = torch.arange(T)[None]
+        kw["position_ids"] = torch.arange(T, device=device)[None]
     if "use_cache" in names:
         kw["use_cache"] = False
     if "logits_to_keep" in names:
-        kw["logits_to_keep"] = torch.tensor([T - 1, 3])
+        kw["logits_to_keep"] = torch.tensor([T - 1, 3], device=device)
     return kw
+
+
+def _module_device(model) -> Optional[torch.device]:
+    """Where the model's parameters (or else buffers) live; None when it has neither."""
+    for t in itertools.chain(_original(model).parameters(), _original(model).buffers()):
+        return t.device
+    return None
 
 
 def _vocab_size(model) -> Optional[int]:
@@ -336,5 +347,5 @@ def _compiled_cache_specs(model, names: set[str]) -> list[dict]:
     from pagedattn.compile import last_cache_specs
 
     with torch.no_grad():
-        model(**_example_kwargs(names, _vocab_size(model)))
+        model(**_example_kwargs(names, _vocab_size(model), _module_device(model) or "cpu"))
     return last_cache_specs()
