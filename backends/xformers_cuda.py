@@ -19,11 +19,15 @@ One call splits the step's sequences into groups, each one fused-kernel call:
   with ``BlockDiagonalCausalFromBottomRightMask`` (see :meth:`XFormersCudaBackend.fallback_reasons`);
 - *cross* (non-causal over a cache): ``PagedBlockDiagonalPaddedKeysMask`` with varying query lengths.
 
-ALiBi runs as an additive tensor bias over the sequences' gathered K/V. What no loaded xFormers
-operator can run (logit soft-cap, float32, head sizes the kernels lack, ...) goes through PyTorch
-SDPA (or fp32 math for soft-cap) on the same padded gather; each reason is logged once.
+Decode also gathers when triton_splitk cannot page it (blocks under 16 tokens, head sizes other than
+16-512 powers of two). ALiBi runs as an additive tensor bias over the sequences' gathered K/V. What
+no loaded xFormers operator can run (logit soft-cap, float32, ...) goes through PyTorch SDPA (or fp32
+math for soft-cap) over the same padded gather. Every fallback is exact and logs its reason once.
 
-xFormers is imported lazily, on the first attention call.
+Operators are chosen by their own ``not_supported_reasons``. xFormers wheels are built against one
+torch release; on another its C++ extension does not load and xFormers refuses every CUDA operator,
+so the ones that never use it (flash through PyTorch's kernel or flash_attn, triton_splitk) are let
+through. xFormers is imported lazily, on the first attention call.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -68,7 +71,6 @@ _NO_CPP_REASON = "xFormers wasn't build with CUDA support"
 
 @dataclass(frozen=True)
 class _XFormers:
-    fmha: object
     bias: object  # xformers.ops.fmha.attn_bias
     Inputs: type
     fresh_ops: tuple  # operators for block-diagonal biases over contiguous keys, best first
@@ -89,11 +91,12 @@ def _xformers() -> _XFormers:
     if flash.FLASH_VERSION != "0.0.0":  # PyTorch's flash kernel or the flash_attn package
         no_cpp.add(flash.FwOp)
     if not cpp_loaded:
-        log.warning("xFormers' C++ extension did not load (%s); using its operators that need none: %s",
-                    str(cpp._cpp_library_load_exception).splitlines()[0] if cpp._cpp_library_load_exception else "?",
+        built = getattr(cpp._cpp_library_load_exception, "build_info", None)
+        log.warning("xFormers' C++ extension did not load (built for torch %s, this is %s); using its operators "
+                    "that need none: %s", getattr(built, "torch_version", "?"), torch.__version__,
                     ", ".join(sorted(op.NAME for op in no_cpp)))
     return _XFormers(
-        fmha=fmha, bias=attn_bias, Inputs=fmha.Inputs,
+        bias=attn_bias, Inputs=fmha.Inputs,
         fresh_ops=(flash3.FwOp, flash.FwOp, cutlass.FwOp),
         paged_ops=(flash3.FwOp, flash.FwOp),
         tensor_bias_ops=(cutlass.FwOp, triton_splitk.FwOp),
@@ -210,7 +213,6 @@ class _StepPlan:
         self.qsl = query_start_loc.tolist()
         self.lens = seq_lens.tolist()
         self.groups: dict[tuple, list[_Group]] = {}
-        self.padded: dict[tuple, dict] = {}
 
     def matches(self, seq_lens, query_start_loc, block_tables) -> bool:
         ts = (seq_lens, query_start_loc, block_tables)

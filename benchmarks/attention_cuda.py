@@ -81,7 +81,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     t, _ = _time_pair(lambda: y.copy_(x), lambda: None, 10)
-    del x, y
     return 2 * nbytes / t
 
 

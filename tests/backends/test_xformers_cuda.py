@@ -257,3 +257,36 @@ def test_registered_for_cuda():
     from pagedattn.backends import get_backend
 
     assert get_backend("cuda").name == "xformers_cuda"
+
+
+# ------------------------------------------------------------------ operator choice
+
+
+def test_operators_that_need_no_cpp_extension_are_let_through():
+    # xFormers refuses every CUDA operator when its C++ extension did not load; flash (through
+    # PyTorch's kernel) and triton_splitk never use it, cutlass does
+    import dataclasses
+
+    from xformers.ops.fmha import cutlass, triton_splitk
+
+    reason = xformers_cuda._NO_CPP_REASON
+
+    def refusing(base):
+        return type("Refusing", (base,), {"not_supported_reasons": classmethod(lambda cls, inp: [reason, "other"])})
+
+    xf = dataclasses.replace(xformers_cuda._xformers(), cpp_loaded=False)
+    assert xformers_cuda._op_reasons(refusing(triton_splitk.FwOp), None, xf) == ["other"]
+    assert xformers_cuda._op_reasons(refusing(cutlass.FwOp), None, xf) == [reason, "other"]
+    loaded = dataclasses.replace(xf, cpp_loaded=True)
+    assert xformers_cuda._op_reasons(refusing(triton_splitk.FwOp), None, loaded) == [reason, "other"]
+
+
+def test_splitk_operator_tile_divides_the_page():
+    from xformers.ops.fmha import triton_splitk
+
+    assert xformers_cuda._splitk_op(64) is triton_splitk.FwOp
+    assert xformers_cuda._splitk_op(256) is triton_splitk.FwOp
+    for bs, tile in ((16, 16), (32, 32), (48, 16), (96, 32)):
+        op = xformers_cuda._splitk_op(bs)
+        assert issubclass(op, triton_splitk.FwOp) and op.BLOCK_N == tile and bs % op.BLOCK_N == 0
+    assert xformers_cuda._splitk_op(8) is None and xformers_cuda._splitk_op(1) is None
