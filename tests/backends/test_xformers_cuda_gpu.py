@@ -185,6 +185,36 @@ def test_engine_fp16_matches_hf_generate_on_gpu(arch, setting):
         assert "chunked" in kinds
 
 
+@pytest.mark.parametrize("arch", ["bloom", "gemma2"])
+def test_engine_alibi_and_softcap_models_on_gpu(arch):
+    # bloom: ALiBi as a tensor bias (fp16); gemma2: soft-capped, alternating sliding-window layers (fp32,
+    # the same exact soft-cap path as fp16)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedattn import PagedEngine
+
+    kw = {"bloom": dict(vocab_size=128, hidden_size=256, n_layer=2, n_head=4),
+          "gemma2": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=24,
+                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64,
+                         max_position_embeddings=512)}[arch]
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(arch, initializer_range=0.1, tie_word_embeddings=False, **kw)  # untied: no echoing
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    if arch == "bloom":
+        model = model.to("cuda", torch.float16)
+        ref = _hf_generate(model, _prompts(), 12)
+    else:  # HF's fp16 eager soft-cap rounds its scores in fp16: compare in fp32, against the CPU
+        ref = _hf_generate(model, _prompts(), 12)
+        model = model.to("cuda")
+    backend = get_backend("cuda")
+    backend.paths.clear()
+    got = PagedEngine(model, target="cuda", max_num_tokens=16).generate(_prompts(), max_new_tokens=12)
+    assert got == ref
+    used = {p for _, p in backend.paths}
+    assert (any(p.startswith("triton_splitK") for p in used) if arch == "bloom" else "softcap_math" in used), used
+
+
 def test_engine_float32_on_gpu_matches_cpu():
     from pagedattn import PagedEngine
 
