@@ -1,0 +1,390 @@
+"""Paged attention on XLA devices (torch_xla): ``ragged_paged_attention`` on TPU.
+
+Cache layout: ``[num_blocks, block_size, 2 * num_kv_heads, head_size_padded]`` with K of KV head
+``h`` at position ``2h`` and V at ``2h + 1`` of dim 2: the layout of
+``torch.ops.xla.ragged_paged_attention``. The Pallas kernel wants the head size padded to a
+multiple of 128 (zeros change neither ``q . k`` nor, once sliced off, the output).
+
+Three ways to attend, chosen per backend instance (``mode``):
+
+- ``"kernel"`` (default on TPU): one ``ragged_paged_attention`` call (the Pallas kernel) for
+  prefills, decodes and chunked prefills together; output rows ``q.shape[0]``, padding zeroed.
+- ``"static"`` (default elsewhere, e.g. XLA:CPU and XLA:GPU): the same semantics in plain torch
+  ops whose shapes depend only on the input shapes. The library's own reference path
+  (``use_kernel=False``) loops over sequences in Python and slices by their lengths, which syncs
+  with the host and compiles a new graph for every new length; this path compiles one graph per
+  bucketed step shape. It also covers what the kernel lacks: ALiBi and non-causal attention.
+  Cost: every token gathers its sequence's ``pages_per_seq * block_size`` keys, so it suits
+  development and verification more than long contexts.
+- ``"reference"``: ``ragged_paged_attention(..., use_kernel=False)``, exact but data-dependent.
+
+XLA compiles one graph per shape: pad each step with :func:`pad_step` / :class:`StepBuckets` so
+that a serving loop compiles at most ``len(tokens) * len(seqs) * len(blocks)`` distinct graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+try:
+    import torch_xla  # noqa: F401
+    import torch_xla.experimental.custom_kernel  # noqa: F401  (defines torch.ops.xla.*)
+except ImportError as e:  # the registry turns this into "the 'xla' backend cannot be loaded"
+    raise ImportError(
+        f"pagedattn's XLA backend needs torch_xla built for torch {torch.__version__.split('+')[0]} "
+        f"(pip install torch_xla=={torch.__version__.split('+')[0]}; see README 'XLA (torch_xla)'): {e}"
+    ) from e
+
+from pagedattn.backends import ops
+from pagedattn.backends.base import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionMetadata,
+    register_backend,
+    validate_attend,
+    validate_write,
+    validation_enabled,
+)
+
+__all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu", "to_xla"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_HEAD_ALIGN = 128  # lanes of a TPU vector register
+_MODES = ("kernel", "static", "reference")
+
+
+def is_tpu() -> bool:
+    """Whether torch_xla's device is a TPU (the only device the Pallas kernels run on)."""
+    try:
+        import torch_xla.runtime as xr
+
+        return xr.device_type() == "TPU"
+    except Exception:  # no PJRT client could be started
+        return False
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ------------------------------------------------------------------------ backend
+
+
+class PallasXlaBackend(AttentionBackend):
+    """``mode`` is ``"kernel"``, ``"static"`` or ``"reference"`` (see the module doc); ``None``
+    picks the kernel on TPU and the static path elsewhere. ``head_align`` pads the cached head size
+    (default: 128 in kernel mode, else 1)."""
+
+    name = "pallas_xla"
+    device_type = "xla"
+
+    def __init__(self, mode: Optional[str] = None, head_align: Optional[int] = None):
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"pallas_xla: mode must be one of {_MODES} or None, got {mode!r}")
+        self._mode = mode
+        self._head_align = head_align
+
+    @property
+    def mode(self) -> str:
+        if self._mode is None:  # decided on first use: asking for the device starts the runtime
+            self._mode = "kernel" if is_tpu() else "static"
+        return self._mode
+
+    @property
+    def head_align(self) -> int:
+        if self._head_align is None:
+            return _KERNEL_HEAD_ALIGN if self.mode == "kernel" else 1
+        return self._head_align
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, block_size, 2 * num_kv_heads, _round_up(head_size, self.head_align))
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32, device=None):
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        cache = torch.zeros(shape, dtype=dtype, device=device or torch_xla.device())
+        if cache.device.type == "xla":
+            # materialise it now: a pending zeros() would make the first step's graph differ from
+            # every later one (one more compilation per step shape)
+            torch_xla._XLAC._xla_sync_multi([cache], [str(cache.device)], wait=False)
+        return cache
+
+    def cache_geometry(self, kv_cache):
+        """``(num_blocks, block_size, num_kv_heads, padded head size)``."""
+        if kv_cache.dim() != 4 or kv_cache.shape[2] % 2:
+            raise ValueError(
+                "pallas_xla: kv_cache must be [num_blocks, block_size, 2 * kv_heads, head_size] "
+                f"(K and V interleaved), got {tuple(kv_cache.shape)}"
+            )
+        nb, bs, h2, d = kv_cache.shape
+        return nb, bs, h2 // 2, d
+
+    def supports(self, config: AttentionConfig) -> list[str]:
+        reasons = []
+        if config.dtype not in _DTYPES:
+            reasons.append(f"dtype {config.dtype} is not supported (float32, bfloat16, float16)")
+        if config.num_heads % config.num_kv_heads:
+            reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
+        if config.head_size_v not in (None, config.head_size):
+            reasons.append("value head size differs from key head size (the cache stores one head size)")
+        if config.sliding_window and not config.causal:
+            reasons.append("a sliding window needs causal attention")
+        if self.mode != "static":
+            # ragged_paged_attention masks causally and takes no bias
+            if config.alibi:
+                reasons.append(f"ALiBi: ragged_paged_attention takes no positional bias ({self.mode} mode); "
+                               "use PallasXlaBackend(mode='static')")
+            if not config.causal:
+                reasons.append(f"non-causal attention: ragged_paged_attention is causal only ({self.mode} mode); "
+                               "use PallasXlaBackend(mode='static')")
+        return reasons
+
+    # --- cache maintenance
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
+        if validation_enabled():
+            validate_write(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
+            _check_head(key.shape[2], dp, self.head_align, "write_kv_cache")
+        T = key.shape[0]
+        kv = torch.stack((key, value), dim=2).reshape(T, 2 * hkv, key.shape[2])  # [T, 2Hkv, D]: K, V interleaved
+        kv = _pad_last(kv, dp)
+        flat = kv_cache.reshape(nb * bs, 2 * hkv, dp)
+        idx, kv = _padding_repeats_a_write(slot_mapping.long(), kv, flat)
+        # out of place, then one copy into the cache itself: inside a custom op's kernel torch_xla
+        # tensors run without functionalization, and an in-place update of a view is lost there
+        kv_cache.copy_(flat.index_copy(0, idx, kv).view(kv_cache.shape))
+
+    def copy_blocks(self, kv_cache, src_to_dst):
+        src = src_to_dst[:, 0].to(kv_cache.device, torch.long)
+        dst = src_to_dst[:, 1].to(kv_cache.device, torch.long)
+        kv_cache.index_copy_(0, dst, kv_cache.index_select(0, src))
+
+    def swap_blocks(self, src_cache, dst_cache, src_to_dst):
+        src = src_to_dst[:, 0].to(src_cache.device, torch.long)
+        dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
+        dst_cache.index_copy_(0, dst, src_cache.index_select(0, src).to(dst_cache.device))
+
+    # --- attention
+
+    def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
+               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
+        d = query.shape[2]
+        if validation_enabled():
+            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
+                            seq_lens, query_start_loc, bs, num_kv_heads)
+            _check_head(d, dp, self.head_align, "paged_attention")
+        if self.mode == "static":
+            return _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                  causal, sliding_window, softcap, alibi_slopes)
+        if alibi_slopes is not None or not causal:
+            raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention; "
+                             "rewrite with PallasXlaBackend(mode='static') registered")
+        return _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                              sliding_window, softcap, use_kernel=self.mode == "kernel")
+
+
+def _check_head(d: int, dp: int, align: int, op: str) -> None:
+    if _round_up(d, align) != dp:
+        raise ValueError(f"{op}: head size {d} (padded to a multiple of {align}: {_round_up(d, align)}) "
+                         f"does not match the cache's {dp}")
+
+
+def _pad_last(x: Tensor, size: int) -> Tensor:
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
+def _padding_repeats_a_write(slots: Tensor, kv: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
+    """Point padding tokens (slot -1) at a write that happens anyway, with the same data.
+
+    The shapes stay static and duplicate indices carry equal rows, so the scatter does not depend
+    on how XLA treats out-of-range indices (implementation-defined). With no real token at all,
+    slot 0 is rewritten with its own contents.
+    """
+    valid = slots >= 0  # [T]
+    # index_select, not slots[first]: indexing by a 0-d tensor reads its value on the host
+    first = torch.argmax(valid.to(torch.int32)).reshape(1)  # first real token (0 when there is none)
+    any_valid = valid.any()
+    fill_slot = torch.where(any_valid, slots.index_select(0, first), 0)  # [1]
+    fill_kv = torch.where(any_valid, kv.index_select(0, first), flat.index_select(0, fill_slot))  # [1, 2Hkv, Dp]
+    idx = torch.where(valid, slots, fill_slot)
+    kv = torch.where(valid[:, None, None], kv, fill_kv)
+    return idx, kv
+
+
+def _num_seqs(query_start_loc: Tensor) -> Tensor:
+    # padded sequences (see pad_step) have no new tokens and follow the real ones
+    return (query_start_loc[1:] > query_start_loc[:-1]).sum().to(torch.int32).reshape(1)
+
+
+def _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap, use_kernel):
+    T, _, d = query.shape
+    dp = kv_cache.shape[-1]
+    out = torch.ops.xla.ragged_paged_attention(
+        _pad_last(query, dp), kv_cache, seq_lens.to(torch.int32), block_tables.to(torch.int32),
+        query_start_loc.to(torch.int32), _num_seqs(query_start_loc), sm_scale=scale,
+        sliding_window=window if window > 0 else None, soft_cap=softcap if softcap > 0 else None,
+        use_kernel=use_kernel,
+    )[..., :d]
+    if out.shape[0] < T:  # the reference path returns only the real tokens' rows
+        out = torch.cat((out, out.new_zeros((T - out.shape[0], *out.shape[1:]))))
+    rows = torch.arange(T, device=query.device)
+    return torch.where((rows < query_start_loc[-1])[:, None, None], out, torch.zeros_like(out))
+
+
+def _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal, window,
+                   softcap, alibi_slopes):
+    """Paged attention whose every shape follows from the input shapes (no host syncs)."""
+    T, hq, d = query.shape
+    _, bs, h2, _ = kv_cache.shape
+    hkv, group = h2 // 2, hq // (h2 // 2)
+    S, P = block_tables.shape
+    dev = query.device
+    t = torch.arange(T, device=dev)
+    seq = (t[:, None] >= query_start_loc[None, 1:]).sum(1)  # [T] the token's sequence; S for padding
+    real = seq < S
+    seq = seq.clamp(max=S - 1)
+    kv_len = seq_lens[seq].long()  # [T]
+    q_pos = kv_len - (query_start_loc[1:][seq].long() - t)  # [T] position of the token in its sequence
+    kv = kv_cache[block_tables[seq].long()]  # [T, P, bs, 2Hkv, Dp]
+    kv = kv.reshape(T, P * bs, hkv, 2, kv.shape[-1])[..., :d]
+    k, v = kv[..., 0, :], kv[..., 1, :]  # [T, L, Hkv, D]
+    q = query.reshape(T, hkv, group, d)
+    s = torch.einsum("tkgd,tlkd->tkgl", q.float(), k.float()) * scale  # [T, Hkv, G, L]
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    k_pos = torch.arange(P * bs, device=dev)[None, :]  # [1, L]
+    rel = k_pos - q_pos[:, None]  # [T, L] key position minus query position
+    ok = k_pos < kv_len[:, None]
+    if causal:
+        ok = ok & (rel <= 0)
+        if window > 0:
+            ok = ok & (rel > -window)
+    if alibi_slopes is not None:
+        s = s + alibi_slopes.float().reshape(1, hkv, group, 1) * rel[:, None, None, :].float()
+    ok = ok[:, None, None, :]
+    s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, -1)
+    p = torch.where(ok.any(-1, keepdim=True), p, torch.zeros_like(p))  # no visible key: zeros, not NaN
+    o = torch.einsum("tkgl,tlkd->tkgd", p, v.float()).reshape(T, hq, d)
+    return torch.where(real[:, None, None], o, torch.zeros_like(o)).to(query.dtype)
+
+
+# ------------------------------------------------------------------ moving a model
+
+
+def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None) -> torch.nn.Module:
+    """Move a rewritten model (traced on the CPU) to the XLA device, in place.
+
+    Besides parameters and buffers, traced graphs carry device literals (``arange(...,
+    device=cpu)``, tensor-metadata asserts); in every ``GraphModule`` inside ``model`` those naming
+    the CPU are pointed at ``device`` (default: torch_xla's current device).
+    """
+    device = torch.device(device or torch_xla.device())
+    cpu = torch.device("cpu")
+
+    def retarget(a):
+        if isinstance(a, torch.device) and a == cpu:
+            return device
+        if isinstance(a, (list, tuple)):
+            return type(a)(retarget(x) for x in a)
+        if isinstance(a, dict):
+            return {k: retarget(v) for k, v in a.items()}
+        return a
+
+    for gm in model.modules():
+        if isinstance(gm, torch.fx.GraphModule):
+            for node in gm.graph.nodes:
+                node.args, node.kwargs = retarget(node.args), retarget(node.kwargs)
+            _functional_cache_writes(gm.graph)
+            gm.recompile()
+    model.to(device)
+    # materialise what the move left pending, or the first step's graph differs from later ones
+    torch_xla.sync()
+    return model
+
+
+def _functional_cache_writes(graph: torch.fx.Graph) -> None:
+    """``write_kv_cache(k, v, cache, slots)`` -> ``cache.copy_(write_kv_cache_functional(...))``.
+
+    torch_xla runs eager ops through C++ functionalization, which rejects custom ops that mutate
+    an argument; the functional op plus an ATen ``copy_`` is functionalized (XLA traces it as an
+    update of the cache buffer, not a copy).
+    """
+    write = torch.ops.pagedattn.write_kv_cache
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (write, write.default):
+            continue
+        key, value, cache, slots = node.args
+        with graph.inserting_after(node):
+            new = graph.call_function(torch.ops.pagedattn.write_kv_cache_functional.default, (key, value, cache, slots))
+        with graph.inserting_after(new):
+            graph.call_function(torch.ops.aten.copy_.default, (cache, new))
+        graph.erase_node(node)
+
+
+# -------------------------------------------------------------------- static shapes
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``n``; a clear error when ``n`` exceeds the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}; raise the StepBuckets limits")
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class StepBuckets:
+    """Sizes a step is padded to: tokens, sequences and block-table columns (powers of two up to
+    each limit). Every combination is one graph, so a serving loop compiles at most
+    ``len(tokens) * len(seqs) * len(blocks)`` of them."""
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    @classmethod
+    def up_to(cls, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+              min_tokens: int = 16) -> "StepBuckets":
+        return cls(_powers_of_two(min(min_tokens, max_num_tokens), max_num_tokens),
+                   _powers_of_two(1, max_num_seqs), _powers_of_two(1, max_blocks_per_seq))
+
+    @property
+    def num_shapes(self) -> int:
+        return len(self.tokens) * len(self.seqs) * len(self.blocks)
+
+
+def pad_step(meta: AttentionMetadata, buckets: StepBuckets) -> AttentionMetadata:
+    """``meta`` padded to bucket sizes (on its own device; pad on the host before moving it).
+
+    Padding tokens get slot -1 and belong to no sequence; padding sequences have no tokens and
+    length 0; padding block-table columns point at block 0 and are never read. Pad the step's
+    token inputs (ids, positions) to ``result.num_tokens`` too.
+    """
+    T, S, P = meta.num_tokens, meta.num_seqs, meta.block_tables.shape[1]
+    Tb, Sb, Pb = bucket(T, buckets.tokens), bucket(S, buckets.seqs), bucket(P, buckets.blocks)
+    slots = torch.nn.functional.pad(meta.slot_mapping, (0, Tb - T), value=-1)
+    tables = torch.nn.functional.pad(meta.block_tables, (0, Pb - P, 0, Sb - S), value=0)
+    seq_lens = torch.nn.functional.pad(meta.seq_lens, (0, Sb - S), value=0)
+    qsl = torch.nn.functional.pad(meta.query_start_loc, (0, Sb - S), value=int(meta.query_start_loc[-1]))
+    return dataclasses.replace(meta, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl)
+
+
+BACKEND = register_backend(PallasXlaBackend())
+ops.register_kernels(BACKEND)
