@@ -218,3 +218,12 @@ def test_run_and_inspect_errors(tmp_path, capsys, rewritten):
     assert code == 2 and "outside the vocabulary" in err
     code, err = _error(capsys, "inspect", str(out), "--site", "nope")
     assert code == 2 and "no site 'nope'" in err
+
+
+def test_demo_main_job(tmp_path):
+    """The README's main-job command: the built-in demo rewritten, reported, and generating its text."""
+    r = _cli("demo", "-o", str(tmp_path / "out"), "--run", "--max-new-tokens", "120")
+    assert "2 of 2 attention sites rewritten" in r.stdout
+    assert "[0] Beautiful is better than ugly.\nExplicit is better than implicit." in r.stdout
+    info = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert info["tokenizer"] and info["default_prompt"] == "Beautiful is"
