@@ -125,10 +125,10 @@ def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool, key
         return example
     shp = [_concrete(d, sub) for d in v.shape]
     if not by_value:  # only its shape reaches the mask
-        return torch.zeros(shp, dtype=v.dtype)
+        return torch.zeros(shp, dtype=v.dtype, device=v.device)
     ex = example if isinstance(example, torch.Tensor) else None
     if v.dtype == torch.bool or (ex is not None and _is_01(ex)):
-        t = torch.ones(shp, dtype=v.dtype)
+        t = torch.ones(shp, dtype=v.dtype, device=v.device)
         if pad and len(shp) == 2:
             t[-1, :pad] = 0
         return t
@@ -136,8 +136,8 @@ def _probe_input(p: Node, example: Any, sub: dict, pad: int, by_value: bool, key
         if ex is not None and ex.dim() >= 1 and _is_arange(ex):
             # positions of the newest tokens, aligned bottom-right with the keys
             n = shp[-1]
-            return (torch.arange(n) + (key_len - n)).to(v.dtype).expand(shp).clone()
-        return torch.zeros(shp, dtype=v.dtype)
+            return (torch.arange(n, device=v.device) + (key_len - n)).to(v.dtype).expand(shp).clone()
+        return torch.zeros(shp, dtype=v.dtype, device=v.device)
     raise Unsupported(f"the mask depends on the floating-point input '{p.name}' (a caller-provided mask or bias)")
 
 
@@ -275,9 +275,10 @@ def _combine(outs, site: AttentionSite, S: int, L: int, batch: int) -> torch.Ten
     for (node, factor), t in zip(site.biases, outs[:nb]):
         if t.dtype == torch.bool:
             raise Unsupported("boolean tensor added to the scores")
-        t = t.to(dt)
+        t = t.to(device="cpu", dtype=dt)
         total = total + _to_heads(torch.where(t <= _MASKED, neg_inf, t * factor), site.num_heads, S, L, batch)
     for (node, keep_when_true), c in zip(site.conds, outs[nb:]):
+        c = c.cpu()
         masked = ~c.bool() if keep_when_true else c.bool()
         term = torch.zeros(masked.shape, dtype=dt).masked_fill(masked, float("-inf"))
         total = total + _to_heads(term, site.num_heads, S, L, batch)
