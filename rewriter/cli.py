@@ -150,7 +150,6 @@ def _progress(total: int, desc: str):
 def cmd_rewrite(args) -> None:
     import torch
 
-    import pagedattn
     from pagedattn import checkpoint as ckpt_mod
     from pagedattn.api import _rewrite_program, export_model
     from pagedattn.runtime.engine import _accepted, _example_kwargs
@@ -232,7 +231,6 @@ def cmd_rewrite(args) -> None:
         _export_onnx(out, os.path.join(out, ONNX), check=True)
     if args.run:
         _run(out, args)
-    del pagedattn
 
 
 def _lap(bar, t0: float, timings: Optional[dict] = None) -> float:
@@ -419,8 +417,6 @@ def _prompts(args, info: dict, tok) -> list[list[int]]:
 
 
 def _run(out: str, args) -> None:
-    import torch
-
     import pagedattn
 
     info, _ = _read_out(out)
@@ -452,7 +448,6 @@ def _run(out: str, args) -> None:
             print(f"[{i}] prompt {p} -> {o}")
     print(f"{len(prompts)} prompt(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
           f"engine ({target}, {num_blocks} blocks of {rm.block_size})")
-    del torch
 
 
 # ----------------------------------------------------------------------------- ONNX
