@@ -1,0 +1,71 @@
+"""The ONNX translations of the paged ops, run in onnxruntime against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.backends.paged_batch import make_batch, reference_step
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+from pagedattn.onnx_export import _translations  # noqa: E402
+
+# (context, new tokens): fresh prefills, a chunked prefill over cached context, decodes
+MIXED = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1)]
+
+
+class Step(torch.nn.Module):
+    def __init__(self, scale, causal, window, softcap, alibi, num_kv_heads, head_size_v):
+        super().__init__()
+        self.cfg = (scale, causal, window, softcap)
+        self.alibi = alibi
+        self.hkv, self.dv = num_kv_heads, head_size_v
+
+    def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
+        new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
+        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.cfg, self.alibi,
+                                                  self.hkv, self.dv)
+        return out, new
+
+
+def _export(step: Step, inputs, path):
+    dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
+    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=_translations(),
+                             opset_version=18, verbose=False)
+    prog.save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(window=7),
+    dict(softcap=5.0),
+    dict(alibi=True),
+    dict(causal=False),
+    dict(num_kv_heads=1),
+])
+def test_translation_matches_reference(case, tmp_path):
+    hkv = case.get("num_kv_heads", 2)
+    b = make_batch(MIXED, num_heads=4, num_kv_heads=hkv, head_size=16, block_size=8, pad_tokens=3)
+    scale = 1 / math.sqrt(16)
+    causal = case.get("causal", True)
+    alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if case.get("alibi") else None
+    step = Step(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16)
+    m = b.meta
+    inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
+    sess = _export(step.eval(), inputs, tmp_path / "step.onnx")
+    got_out, got_cache = sess.run(None, {i.name: x.numpy() for i, x in zip(sess.get_inputs(), inputs)})
+    ref = reference_step(b, scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi)
+    n = ref.shape[0]
+    torch.testing.assert_close(torch.from_numpy(got_out[:n]).double(), ref, atol=2e-5, rtol=2e-5)
+    assert (got_out[n:] == 0).all(), "padding rows must be zero"
+    # the written cache equals the PyTorch op's, and the padding tokens (slot -1) wrote nowhere
+    expect = b.kv_cache.clone()
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, expect, m.slot_mapping)
+    assert torch.equal(torch.from_numpy(got_cache), expect)
