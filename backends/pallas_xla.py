@@ -279,12 +279,18 @@ def _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, sca
 # ------------------------------------------------------------------ moving a model
 
 
-def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None) -> torch.nn.Module:
+def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None, openxla: bool = False) -> torch.nn.Module:
     """Move a rewritten model (traced on the CPU) to the XLA device, in place.
 
     Besides parameters and buffers, traced graphs carry device literals (``arange(...,
     device=cpu)``, tensor-metadata asserts); in every ``GraphModule`` inside ``model`` those naming
     the CPU are pointed at ``device`` (default: torch_xla's current device).
+
+    ``openxla=False``: the graphs run op by op as lazy tensors; cache writes become functional
+    (see :func:`_functional_cache_writes`). ``openxla=True``: the paged graph of a
+    ``RewrittenModel`` is handed to ``torch.compile(backend="openxla")``, whose AOT
+    functionalization handles the in-place writes; Dynamo compiles once per step shape, so bucket
+    the steps (:func:`pad_step`) and keep their number under ``torch._dynamo.config.recompile_limit``.
     """
     device = torch.device(device or torch_xla.device())
     cpu = torch.device("cpu")
@@ -302,11 +308,18 @@ def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None) -> tor
         if isinstance(gm, torch.fx.GraphModule):
             for node in gm.graph.nodes:
                 node.args, node.kwargs = retarget(node.args), retarget(node.kwargs)
-            _functional_cache_writes(gm.graph)
+            if not openxla:
+                _functional_cache_writes(gm.graph)
             gm.recompile()
     model.to(device)
     # materialise what the move left pending, or the first step's graph differs from later ones
     torch_xla.sync()
+    if openxla:
+        if not isinstance(getattr(model, "graph_module", None), torch.fx.GraphModule):
+            raise TypeError("to_xla(openxla=True) takes a RewrittenModel (pagedattn.rewrite); for a model of your "
+                            "own use torch.compile(model, backend='pagedattn', options={'target': 'xla'})")
+        # static shapes: one graph per bucketed step shape, not a dynamic-shape graph openxla cannot run
+        model.graph_module = torch.compile(model.graph_module, backend="openxla", dynamic=False)
     return model
 
 

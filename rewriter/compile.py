@@ -30,8 +30,10 @@ def _options(options: Optional[dict]) -> dict:
     if unknown:
         raise ValueError(f"unknown pagedattn options {sorted(unknown)}; known: {sorted(opts)}")
     opts.update(options or {})
-    if opts["inner"] not in ("inductor", "eager"):
-        raise ValueError(f"options['inner'] must be 'inductor' or 'eager', got {opts['inner']!r}")
+    if "inner" not in (options or {}) and str(opts["target"]).startswith("xla"):
+        opts["inner"] = "openxla"  # torch_xla's compiler
+    if opts["inner"] not in ("inductor", "eager", "openxla"):
+        raise ValueError(f"options['inner'] must be 'inductor', 'eager' or 'openxla', got {opts['inner']!r}")
     return opts
 
 
@@ -65,6 +67,8 @@ def _real(x: Any) -> Any:
 def _inner_compile(gm: GraphModule, inner: str) -> Callable:
     if inner == "eager":
         return gm
+    if inner == "openxla":  # XLA compiles per shape: pad steps to buckets (pagedattn.backends.pallas_xla)
+        return torch.compile(gm, backend="openxla", dynamic=False)
     return torch.compile(gm, backend="inductor", dynamic=True)
 
 

@@ -48,7 +48,7 @@ class _Req:
         return len(self.out) >= self.max_new or bool(self.out and self.out[-1] in self.eos)
 
 
-def serve_greedy(model, prompts, max_new, *, arrivals, buckets, block_size, num_blocks, device, eos=()):
+def serve_greedy(model, prompts, max_new, *, arrivals, buckets, num_blocks, device, eos=()):
     """Greedy continuous batching over a rewritten model on XLA, every step padded to ``buckets``.
 
     A request joins at step ``arrivals[i]`` with its whole prompt as one chunk, then decodes one
@@ -59,6 +59,7 @@ def serve_greedy(model, prompts, max_new, *, arrivals, buckets, block_size, num_
 
     from pagedattn.backends.pallas_xla import pad_step
 
+    block_size = model.block_size  # the caches' block size
     reqs = [_Req(list(p), n, a, frozenset(eos)) for p, n, a in zip(prompts, max_new, arrivals)]
     free = list(range(num_blocks))
     caches = model.allocate_kv_caches(num_blocks, device=device)
