@@ -167,7 +167,10 @@ def cmd_rewrite(args) -> None:
     with _progress(len(steps), "rewrite-model") as bar:
         bar.set_description("load checkpoint")
         try:
-            ck = ckpt_mod.load_checkpoint(args.checkpoint, dtype, args.attn_implementation)
+            attn = args.attn_implementation
+            if attn is None and _is_demo(args.checkpoint):
+                attn = "eager"  # the demo shows the hand-written matmul-softmax-matmul being found
+            ck = ckpt_mod.load_checkpoint(args.checkpoint, dtype, attn)
         except ckpt_mod.CheckpointError as e:
             raise CliError(str(e)) from e
         timings["load_s"] = _lap(bar, t0)
@@ -287,13 +290,19 @@ def _report_info(args, ck, rm, target: str, timings: dict) -> dict:
 
         versions["transformers"] = transformers.__version__
     n_rw = sum(r["status"] == "rewritten" for r in rm.report)
-    demo = args.checkpoint in ("demo", "zen") and not os.path.exists(args.checkpoint)
+    demo = _is_demo(args.checkpoint)
     return {
         "checkpoint": args.checkpoint, "kind": ck.kind, "architecture": ck.architecture, "target": target,
         "block_size": args.block_size, "dtype": args.dtype, "sites": len(rm.report), "rewritten": n_rw,
         "skipped": len(rm.report) - n_rw, "cache_specs": rm.cache_specs, "tokenizer": ck.tokenizer is not None,
         "default_prompt": DEMO_PROMPT if demo else None, "timings": timings, "versions": versions,
     }
+
+
+def _is_demo(checkpoint: str) -> bool:
+    from pagedattn.checkpoint import DEMOS
+
+    return checkpoint in DEMOS and not os.path.exists(checkpoint)
 
 
 def _write_reports(folder: str, info: dict, report: list[dict], views: Optional[dict]) -> None:
