@@ -52,7 +52,7 @@ from pagedattn.backends.base import (
     validation_enabled,
 )
 
-__all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu", "to_xla"]
+__all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu", "to_xla", "OpenXlaPerShape"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KERNEL_HEAD_ALIGN = 128  # lanes of a TPU vector register
@@ -340,6 +340,29 @@ def _functional_cache_writes(graph: torch.fx.Graph) -> None:
         with graph.inserting_after(new):
             graph.call_function(torch.ops.aten.copy_.default, (cache, new))
         graph.erase_node(node)
+
+
+class OpenXlaPerShape:
+    """A graph compiled by torch_xla's ``openxla`` Dynamo backend once per input-shape signature.
+
+    For graphs run where Dynamo does not trace (a backend's graph called from inside compiled
+    code runs eagerly, and eager torch_xla rejects the in-place cache write): the backend is
+    called directly, its AOT functionalization handles the write, and shapes are keyed here as
+    Dynamo's guards would (XLA graphs are static: bucket the steps).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else a for a in args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            from torch._dynamo import lookup_backend
+
+            fn = self.compiled[key] = lookup_backend("openxla")(self.gm, list(args))
+        return fn(*args)
 
 
 # -------------------------------------------------------------------- static shapes

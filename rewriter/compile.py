@@ -43,6 +43,7 @@ def _module_state(gm: GraphModule) -> set[int]:
     for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         ga = ph.meta.get("grapharg")
         name = ga.source.name if ga is not None and ga.source is not None else ""
+        name = name() if callable(name) else name  # a method before torch 2.10
         if "._parameters[" in name or "._buffers[" in name:
             out.add(i)
     return out
@@ -54,8 +55,17 @@ def _aten_graph(gm: GraphModule) -> GraphModule:
 
     fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = next(f.fake_mode for f in fakes if isinstance(f, torch.Tensor))
-    with fake_mode, torch.no_grad():
-        return make_fx(gm, pre_dispatch=True)(*fakes)
+    # torch 2.9 hands backends a tracing context with a fake mode of its own: trace in the inputs' one
+    ctx = torch._guards.TracingContext.try_get()
+    saved = ctx.fake_mode if ctx is not None else None
+    if ctx is not None:
+        ctx.fake_mode = fake_mode
+    try:
+        with fake_mode, torch.no_grad():
+            return make_fx(gm, pre_dispatch=True)(*fakes)
+    finally:
+        if ctx is not None:
+            ctx.fake_mode = saved
 
 
 def _real(x: Any) -> Any:
@@ -68,7 +78,9 @@ def _inner_compile(gm: GraphModule, inner: str) -> Callable:
     if inner == "eager":
         return gm
     if inner == "openxla":  # XLA compiles per shape: pad steps to buckets (pagedattn.backends.pallas_xla)
-        return torch.compile(gm, backend="openxla", dynamic=False)
+        from pagedattn.backends.pallas_xla import OpenXlaPerShape
+
+        return OpenXlaPerShape(gm)
     return torch.compile(gm, backend="inductor", dynamic=True)
 
 
