@@ -25,7 +25,6 @@ that a serving loop compiles at most ``len(tokens) * len(seqs) * len(blocks)`` d
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -33,8 +32,8 @@ import torch
 from torch import Tensor
 
 try:
-    import torch_xla  # noqa: F401
-    import torch_xla.experimental.custom_kernel  # noqa: F401  (defines torch.ops.xla.*)
+    import torch_xla
+    import torch_xla.experimental.custom_kernel  # defines torch.ops.xla.*
 except ImportError as e:  # the registry turns this into "the 'xla' backend cannot be loaded"
     raise ImportError(
         f"pagedattn's XLA backend needs torch_xla built for torch {torch.__version__.split('+')[0]} "
@@ -292,6 +291,9 @@ def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None, openxl
     functionalization handles the in-place writes; Dynamo compiles once per step shape, so bucket
     the steps (:func:`pad_step`) and keep their number under ``torch._dynamo.config.recompile_limit``.
     """
+    if openxla and not isinstance(getattr(model, "graph_module", None), torch.fx.GraphModule):
+        raise TypeError("to_xla(openxla=True) takes a RewrittenModel (pagedattn.rewrite); for a model of your "
+                        "own use torch.compile(model, backend='pagedattn', options={'target': 'xla'})")
     device = torch.device(device or torch_xla.device())
     cpu = torch.device("cpu")
 
@@ -315,9 +317,6 @@ def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None, openxl
     # materialise what the move left pending, or the first step's graph differs from later ones
     torch_xla.sync()
     if openxla:
-        if not isinstance(getattr(model, "graph_module", None), torch.fx.GraphModule):
-            raise TypeError("to_xla(openxla=True) takes a RewrittenModel (pagedattn.rewrite); for a model of your "
-                            "own use torch.compile(model, backend='pagedattn', options={'target': 'xla'})")
         # static shapes: one graph per bucketed step shape, not a dynamic-shape graph openxla cannot run
         model.graph_module = torch.compile(model.graph_module, backend="openxla", dynamic=False)
     return model

@@ -203,6 +203,11 @@ def test_mismatched_cache_is_named():
         _xla_step(PallasXlaBackend("static", head_align=128), b, 0.25, head_align=1)
 
 
+def test_to_xla_openxla_needs_a_rewritten_model():
+    with pytest.raises(TypeError, match="RewrittenModel"):
+        to_xla(torch.nn.Linear(2, 2), openxla=True)
+
+
 # ---------------------------------------------------------------- static shapes
 
 
