@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -279,6 +279,15 @@ class AttentionBackend:
     def supports(self, config: AttentionConfig) -> list[str]:
         """Reasons this backend cannot run ``config`` exactly; empty when it can."""
         raise NotImplementedError
+
+    def step_padder(self, max_num_tokens: int, max_num_seqs: int,
+                    max_blocks_per_seq: int) -> Optional[Callable[["AttentionMetadata"], "AttentionMetadata"]]:
+        """For devices that compile one graph per shape: a function padding a step's (host) metadata
+        to a bounded set of shapes. None: steps run at their own size."""
+        return None
+
+    def sync(self) -> None:
+        """End of a serving step; lazy-tensor devices run the step's graph here."""
 
 
 # ------------------------------------------------------------------------- registry

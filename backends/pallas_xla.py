@@ -25,6 +25,7 @@ that a serving loop compiles at most ``len(tokens) * len(seqs) * len(blocks)`` d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -158,6 +159,14 @@ class PallasXlaBackend(AttentionBackend):
         # out of place, then one copy into the cache itself: inside a custom op's kernel torch_xla
         # tensors run without functionalization, and an in-place update of a view is lost there
         kv_cache.copy_(flat.index_copy(0, idx, kv).view(kv_cache.shape))
+
+    def step_padder(self, max_num_tokens, max_num_seqs, max_blocks_per_seq):
+        return functools.partial(pad_step, buckets=StepBuckets.up_to(max_num_tokens, max_num_seqs, max_blocks_per_seq))
+
+    def sync(self):
+        import torch_xla
+
+        torch_xla.sync()
 
     def copy_blocks(self, kv_cache, src_to_dst):
         src = src_to_dst[:, 0].to(kv_cache.device, torch.long)

@@ -109,6 +109,7 @@ class PagedEngine:
         self.kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs)
+        self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
@@ -176,8 +177,15 @@ class PagedEngine:
             pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             if chunk.completes:
                 rows.append(len(ids) - 1)
+        num_tokens, num_rows = len(ids), len(rows)
         meta = build_metadata([(c.start, c.num_tokens, c.request.table.blocks) for c in plan], self.block_size,
-                              device=self.device)
+                              device="cpu" if self._pad else self.device)
+        if self._pad is not None:  # a bounded set of step shapes for devices that compile per shape
+            meta = self._pad(meta)
+            ids += [0] * (meta.num_tokens - num_tokens)
+            pos += [0] * (meta.num_tokens - num_tokens)
+            rows += [0] * (meta.num_seqs - num_rows)
+            meta = meta.to(self.device)
         kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
         if "position_ids" in self._kwargs:
             kwargs["position_ids"] = torch.tensor([pos], device=self.device)
@@ -190,12 +198,15 @@ class PagedEngine:
         with torch.no_grad(), paged_context(self.kv_caches, meta):
             out = self.model(**kwargs)
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
-        logits = logits[0] if "logits_to_keep" in self._kwargs else logits[0, keep]  # [R, V]
+        logits = (logits[0] if "logits_to_keep" in self._kwargs else logits[0, keep])[:num_rows]  # [R, V]
+        self.backend.sync()
+        if logits.device.type != "cpu":
+            logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
         t2 = time.perf_counter()
         finished = self._advance(plan, logits)
         t3 = time.perf_counter()
         self.stats["steps"] += 1
-        self.stats["tokens"] += len(ids)
+        self.stats["tokens"] += num_tokens
         self.stats["model_s"] += t2 - t1
         self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
         return finished
@@ -297,7 +308,8 @@ def _accepted(model: nn.Module) -> set[str]:
 def _input_names(model) -> set[str]:
     spec = model._in_spec
     try:
-        return set(spec.child(1).context)  # (args, kwargs) -> kwargs keys
+        kwargs = spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]  # torch < 2.10 has no child()
+        return set(kwargs.context)  # (args, kwargs) -> kwargs keys
     except Exception:
         return {"input_ids"}
 
