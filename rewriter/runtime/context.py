@@ -48,9 +48,24 @@ def current_context() -> Optional[PagedContext]:
 @contextlib.contextmanager
 def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata) -> Iterator[PagedContext]:
     """Run rewritten models in paged mode with these caches and this step's metadata."""
+    _check_block_size(kv_caches, metadata)
     ctx = PagedContext(tuple(kv_caches), metadata)
     token = _CURRENT.set(ctx)
     try:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata) -> None:
+    """Slots and block tables mean nothing for a cache of another block size: refuse, never misread."""
+    from pagedattn.backends import get_backend
+
+    for i, cache in enumerate(kv_caches):
+        try:
+            block_size = get_backend(cache.device).cache_geometry(cache)[1]
+        except (ValueError, NotImplementedError):  # no backend for this device: the op itself will say so
+            continue
+        if block_size != metadata.block_size:
+            raise ValueError(f"KV cache {i} has blocks of {block_size} tokens but the metadata was built for "
+                             f"{metadata.block_size}; build it with build_metadata(..., block_size={block_size})")
