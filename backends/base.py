@@ -290,6 +290,66 @@ class AttentionBackend:
         """End of a serving step; lazy-tensor devices run the step's graph here."""
 
 
+def common_reasons(config: AttentionConfig, dtypes: Sequence[torch.dtype]) -> list[str]:
+    """What no backend here can run exactly, whatever its kernels: shared by every ``supports()``."""
+    reasons = []
+    if config.dtype not in dtypes:
+        reasons.append(f"dtype {config.dtype} is not supported ({', '.join(str(d).replace('torch.', '') for d in dtypes)})")
+    if config.num_heads % config.num_kv_heads:
+        reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
+    if config.sliding_window and not config.causal:
+        reasons.append("a sliding window needs causal attention")
+    if config.head_size_v not in (None, config.head_size):
+        reasons.append("value head size differs from key head size (the cache stores one head size)")
+    return reasons
+
+
+class SplitKVBackend(AttentionBackend):
+    """The ``[2, num_blocks, block_size, num_kv_heads, head_size]`` cache (K at 0, V at 1) and its
+    maintenance: writes by ``index_copy_`` over flattened slots, block copies and swaps."""
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def cache_geometry(self, kv_cache):
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(f"{self.name}: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size], "
+                             f"got {tuple(kv_cache.shape)}")
+        _, nb, bs, hkv, d = kv_cache.shape
+        return nb, bs, hkv, d
+
+    def supports(self, config: AttentionConfig) -> list[str]:
+        return common_reasons(config, self.dtypes)
+
+    def valid_slots(self, slot_mapping: torch.Tensor) -> Optional[torch.Tensor]:
+        """Rows of ``slot_mapping`` that are not padding (-1), or None when all are."""
+        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+            return torch.nonzero(slot_mapping >= 0).flatten()
+        return None
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        nb, bs, hkv, d = self.cache_geometry(kv_cache)
+        if validation_enabled():
+            validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
+        slots = slot_mapping.long()
+        keep = self.valid_slots(slot_mapping)
+        if keep is not None:
+            key, value, slots = key.index_select(0, keep), value.index_select(0, keep), slots.index_select(0, keep)
+        kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slots, key)
+        kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slots, value)
+
+    def copy_blocks(self, kv_cache, src_to_dst):
+        pairs = src_to_dst.to(kv_cache.device, torch.long)
+        kv_cache[:, pairs[:, 1]] = kv_cache[:, pairs[:, 0]]
+
+    def swap_blocks(self, src_cache, dst_cache, src_to_dst):
+        src = src_to_dst[:, 0].to(src_cache.device, torch.long)
+        dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
+        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
+
+
 # ------------------------------------------------------------------------- registry
 
 # device type -> module path; modules register their backend class on import

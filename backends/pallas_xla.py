@@ -43,6 +43,7 @@ except ImportError as e:  # the registry turns this into "the 'xla' backend cann
 
 from pagedattn.backends import ops
 from pagedattn.backends.base import (
+    common_reasons,
     AttentionBackend,
     AttentionConfig,
     AttentionMetadata,
@@ -125,15 +126,7 @@ class PallasXlaBackend(AttentionBackend):
         return nb, bs, h2 // 2, d
 
     def supports(self, config: AttentionConfig) -> list[str]:
-        reasons = []
-        if config.dtype not in _DTYPES:
-            reasons.append(f"dtype {config.dtype} is not supported (float32, bfloat16, float16)")
-        if config.num_heads % config.num_kv_heads:
-            reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
-        if config.head_size_v not in (None, config.head_size):
-            reasons.append("value head size differs from key head size (the cache stores one head size)")
-        if config.sliding_window and not config.causal:
-            reasons.append("a sliding window needs causal attention")
+        reasons = common_reasons(config, _DTYPES)
         if self.mode != "static":
             # ragged_paged_attention masks causally and takes no bias
             if config.alibi:

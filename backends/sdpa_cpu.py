@@ -20,11 +20,9 @@ from torch import Tensor
 
 from pagedattn.backends import ops
 from pagedattn.backends.base import (
-    AttentionBackend,
-    AttentionConfig,
+    SplitKVBackend,
     register_backend,
     validate_attend,
-    validate_write,
     validation_enabled,
 )
 
@@ -121,54 +119,10 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sca
 # ------------------------------------------------------------------------ backend
 
 
-class SdpaCpuBackend(AttentionBackend):
+class SdpaCpuBackend(SplitKVBackend):
     name = "sdpa_cpu"
     device_type = "cpu"
-
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    def cache_geometry(self, kv_cache):
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise ValueError(
-                f"sdpa_cpu: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size], got {tuple(kv_cache.shape)}"
-            )
-        _, nb, bs, hkv, d = kv_cache.shape
-        return nb, bs, hkv, d
-
-    def supports(self, config: AttentionConfig) -> list[str]:
-        reasons = []
-        if config.dtype not in _SDPA_DTYPES:
-            reasons.append(f"dtype {config.dtype} is not supported (float32, bfloat16, float16)")
-        if config.num_heads % config.num_kv_heads:
-            reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
-        if config.sliding_window and not config.causal:
-            reasons.append("a sliding window needs causal attention")
-        if config.head_size_v not in (None, config.head_size):
-            reasons.append("value head size differs from key head size (the cache stores one head size)")
-        return reasons
-
-    # --- cache maintenance
-
-    def write(self, key, value, kv_cache, slot_mapping):
-        nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        if validation_enabled():
-            validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
-        slots = slot_mapping.long()
-        if slots.numel() and bool((slots < 0).any()):
-            keep = slots >= 0
-            key, value, slots = key[keep], value[keep], slots[keep]
-        kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slots, key)
-        kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slots, value)
-
-    def copy_blocks(self, kv_cache, src_to_dst):
-        src, dst = src_to_dst[:, 0].long(), src_to_dst[:, 1].long()
-        kv_cache[:, dst] = kv_cache[:, src]
-
-    def swap_blocks(self, src_cache, dst_cache, src_to_dst):
-        src = src_to_dst[:, 0].to(src_cache.device, torch.long)
-        dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
-        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device)
+    dtypes = _SDPA_DTYPES
 
     # --- attention
 

@@ -46,11 +46,10 @@ from torch import Tensor
 
 from pagedattn.backends import ops
 from pagedattn.backends.base import (
-    AttentionBackend,
+    SplitKVBackend,
     AttentionConfig,
     register_backend,
     validate_attend,
-    validate_write,
     validation_enabled,
 )
 
@@ -324,38 +323,23 @@ def _expanded(kv: Tensor, group: int) -> Tensor:
 # ------------------------------------------------------------------------ backend
 
 
-class XFormersCudaBackend(AttentionBackend):
+class XFormersCudaBackend(SplitKVBackend):
     name = "xformers_cuda"
     device_type = "cuda"
+    dtypes = _DTYPES
 
     def __init__(self):
         self.paths: Counter = Counter()  # (group kind, operator or fallback) -> calls, for tests/benchmarks
 
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     def cache_geometry(self, kv_cache):
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise ValueError(
-                f"xformers_cuda: kv_cache must be [2, num_blocks, block_size, kv_heads, head_size], got {tuple(kv_cache.shape)}"
-            )
-        _, nb, bs, hkv, d = kv_cache.shape
+        nb, bs, hkv, d = super().cache_geometry(kv_cache)
         if kv_cache[0].stride() != (bs * hkv * d, hkv * d, d, 1):
             raise ValueError("xformers_cuda: each of K and V in kv_cache must be contiguous "
                              "(allocate it with allocate_kv_cache)")
         return nb, bs, hkv, d
 
-    def supports(self, config: AttentionConfig) -> list[str]:
-        reasons = []
-        if config.dtype not in _DTYPES:
-            reasons.append(f"dtype {config.dtype} is not supported (float16, bfloat16, float32)")
-        if config.num_heads % config.num_kv_heads:
-            reasons.append(f"{config.num_heads} query heads are not a multiple of {config.num_kv_heads} kv heads")
-        if config.sliding_window and not config.causal:
-            reasons.append("a sliding window needs causal attention")
-        if config.head_size_v not in (None, config.head_size):
-            reasons.append("value head size differs from key head size (the cache stores one head size)")
-        return reasons
+    def valid_slots(self, slot_mapping):
+        return _valid_slots(slot_mapping)  # cached per step: one host sync for all layers
 
     def fallback_reasons(self, config: AttentionConfig, block_size: int = 16) -> list[str]:
         """What of ``config`` runs outside xFormers' fused kernels (exactly, but slower), and why.
@@ -384,26 +368,6 @@ class XFormersCudaBackend(AttentionBackend):
         return out
 
     # --- cache maintenance
-
-    def write(self, key, value, kv_cache, slot_mapping):
-        nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        if validation_enabled():
-            validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
-        slots = slot_mapping.long()
-        keep = _valid_slots(slot_mapping)
-        if keep is not None:
-            key, value, slots = key.index_select(0, keep), value.index_select(0, keep), slots.index_select(0, keep)
-        kv_cache[0].view(nb * bs, hkv, d).index_copy_(0, slots, key)
-        kv_cache[1].view(nb * bs, hkv, d).index_copy_(0, slots, value)
-
-    def copy_blocks(self, kv_cache, src_to_dst):
-        pairs = src_to_dst.to(kv_cache.device, torch.long)
-        kv_cache[:, pairs[:, 1]] = kv_cache[:, pairs[:, 0]]
-
-    def swap_blocks(self, src_cache, dst_cache, src_to_dst):
-        src = src_to_dst[:, 0].to(src_cache.device, torch.long)
-        dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
-        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
 
     # --- attention
 

@@ -11,15 +11,12 @@ baseline holds the same K/V contiguously ([B, Hkv, L, D]) and calls plain SDPA w
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-import pagedattn  # noqa: F401  (registers torch.ops.pagedattn)
-from pagedattn.backends import build_metadata, get_backend
+import paged_cases  # benchmarks/paged_cases.py, beside this script
 
 
 def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
@@ -35,68 +32,15 @@ def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
 
 
 def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
-    backend = get_backend("cpu")
-    need = [math.ceil(L / block_size) for L in lens]
-    num_blocks = sum(need)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, pos = [], 0
-    for n in need:
-        tables.append(perm[pos:pos + n])
-        pos += n
-    cache = backend.allocate_kv_cache(num_blocks, block_size, hkv, d, dtype)
-    max_len = max(lens)
-    k_dense = torch.zeros(batch, hkv, max_len, d, dtype=dtype)
-    v_dense = torch.zeros(batch, hkv, max_len, d, dtype=dtype)
-    for i, L in enumerate(lens):
-        k = torch.randn(L, hkv, d, generator=g).to(dtype)
-        v = torch.randn(L, hkv, d, generator=g).to(dtype)
-        k_dense[i, :, :L], v_dense[i, :, :L] = k.transpose(0, 1), v.transpose(0, 1)
-        m = build_metadata([(0, L, tables[i])], block_size)
-        torch.ops.pagedattn.write_kv_cache(k, v, cache, m.slot_mapping)
-    meta = build_metadata([(L - 1, 1, t) for L, t in zip(lens, tables)], block_size)
-    q = torch.randn(batch, hq, d, generator=g).to(dtype)
-    scale = 1 / math.sqrt(d)
-    pad_mask = (torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-
-    def paged():
-        return torch.ops.pagedattn.paged_attention(
-            q, None, None, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, True, 0, 0.0, None, hkv, d)
-
-    def contiguous():
-        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, attn_mask=pad_mask,
-                                              scale=scale, enable_gqa=True)
-
-    torch.testing.assert_close(paged().float(), contiguous()[:, :, 0].float(), atol=2e-2, rtol=2e-2)
+    lens, cache, paged, contiguous = paged_cases.decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size,
+                                                             "cpu", seed, mask_always=True)
     t_paged, t_contig = _time_pair(paged, contiguous, repeats)
     kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
     return lens, t_paged, t_contig, kv_bytes
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
-    backend = get_backend("cpu")
-    need = math.ceil(seq_len / block_size)
-    cache = backend.allocate_kv_cache(num_seqs * need, block_size, hkv, d, dtype)
-    meta = build_metadata([(0, seq_len, list(range(i * need, (i + 1) * need))) for i in range(num_seqs)], block_size)
-    T = num_seqs * seq_len
-    q = torch.randn(T, hq, d).to(dtype)
-    k = torch.randn(T, hkv, d).to(dtype)
-    v = torch.randn(T, hkv, d).to(dtype)
-
-    def step():
-        torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
-        return torch.ops.pagedattn.paged_attention(
-            q, k, v, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            1 / math.sqrt(d), True, 0, 0.0, None, hkv, d)
-
-    def contiguous():
-        qb = q.view(num_seqs, seq_len, hq, d).transpose(1, 2)
-        kb = k.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
-        vb = v.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
-        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
-
+    T, step, contiguous = paged_cases.prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, "cpu")
     t, t_c = _time_pair(step, contiguous, repeats)
     return T / t, T / t_c
 

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-import pagedattn  # noqa: F401  (registers torch.ops.pagedattn)
-from pagedattn.backends import build_metadata, get_backend
+import paged_cases  # benchmarks/paged_cases.py, beside this script
+from pagedattn.backends import get_backend
 
 
 def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
@@ -85,46 +83,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 
 def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(ctx_lo, ctx_hi + 1, (batch,), generator=g).tolist()
     backend = get_backend("cuda")
-    need = [math.ceil(L / block_size) for L in lens]
-    perm = torch.randperm(sum(need), generator=g).tolist()
-    tables, pos = [], 0
-    for n in need:
-        tables.append(perm[pos:pos + n])
-        pos += n
-    cache = backend.allocate_kv_cache(sum(need), block_size, hkv, d, dtype, "cuda")
-    max_len = max(lens)
-    k_all = torch.randn(sum(lens), hkv, d, device="cuda", dtype=dtype)
-    v_all = torch.randn(sum(lens), hkv, d, device="cuda", dtype=dtype)
-    backend.write(k_all, v_all, cache, build_metadata([(0, L, t) for L, t in zip(lens, tables)], block_size,
-                                                       device="cuda").slot_mapping)
-    k_dense = torch.zeros(batch, hkv, max_len, d, dtype=dtype, device="cuda")
-    v_dense = torch.zeros_like(k_dense)
-    row = 0
-    for i, L in enumerate(lens):
-        k_dense[i, :, :L], v_dense[i, :, :L] = k_all[row:row + L].transpose(0, 1), v_all[row:row + L].transpose(0, 1)
-        row += L
-    del k_all, v_all
-    meta = build_metadata([(L - 1, 1, t) for L, t in zip(lens, tables)], block_size, device="cuda")
-    q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
-    scale = 1 / math.sqrt(d)
-    pad_mask = None
-    if ctx_lo != ctx_hi:
-        pad_mask = (torch.arange(max_len, device="cuda")[None, :] < torch.tensor(lens, device="cuda")[:, None])
-        pad_mask = pad_mask[:, None, None, :]
-
-    def paged():
-        return torch.ops.pagedattn.paged_attention(
-            q, None, None, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, True, 0, 0.0, None, hkv, d)
-
-    def contiguous():
-        return F.scaled_dot_product_attention(q[:, :, None], k_dense, v_dense, attn_mask=pad_mask,
-                                              scale=scale, enable_gqa=True)
-
-    torch.testing.assert_close(paged().float(), contiguous()[:, :, 0].float(), atol=2e-2, rtol=2e-2)
+    lens, cache, paged, contiguous = paged_cases.decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size,
+                                                             "cuda", seed)
     t_paged, t_contig = _time_pair(paged, contiguous, repeats)
     g_paged, g_contig = gpu_seconds(paged, repeats), gpu_seconds(contiguous, repeats)
     kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
@@ -134,28 +95,7 @@ def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, s
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
-    backend = get_backend("cuda")
-    need = math.ceil(seq_len / block_size)
-    cache = backend.allocate_kv_cache(num_seqs * need, block_size, hkv, d, dtype, "cuda")
-    meta = build_metadata([(0, seq_len, list(range(i * need, (i + 1) * need))) for i in range(num_seqs)],
-                          block_size, device="cuda")
-    T = num_seqs * seq_len
-    q = torch.randn(T, hq, d, device="cuda", dtype=dtype)
-    k = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
-    v = torch.randn(T, hkv, d, device="cuda", dtype=dtype)
-
-    def step():
-        torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
-        return torch.ops.pagedattn.paged_attention(
-            q, k, v, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            1 / math.sqrt(d), True, 0, 0.0, None, hkv, d)
-
-    def contiguous():
-        qb = q.view(num_seqs, seq_len, hq, d).transpose(1, 2)
-        kb = k.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
-        vb = v.view(num_seqs, seq_len, hkv, d).transpose(1, 2)
-        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
-
+    T, step, contiguous = paged_cases.prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, "cuda")
     t, t_c = _time_pair(step, contiguous, repeats)
     g, g_c = gpu_seconds(step, repeats), gpu_seconds(contiguous, repeats)
     print(f"  kernels: paged {kernel_names(step)}; contiguous {kernel_names(contiguous)}")

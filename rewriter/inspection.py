@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from pagedattn.report import site_table
+from pagedattn.report import COLUMNS, fmt_cell, site_table
 
 log = logging.getLogger("pagedattn")
 
@@ -251,11 +251,9 @@ def render_html(report: list[dict], views: Optional[dict], title: str = "pagedat
     if summary:
         out.append("<table>" + "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(v))}</td></tr>" for k, v in summary.items())
                    + "</table>")
-    cols = ["name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi",
-            "key_padding", "reason"]
-    out.append("<h2>Attention sites</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+    out.append("<h2>Attention sites</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in COLUMNS) + "</tr>")
     for r in report:
-        cells = "".join(f"<td>{e(_cell(r.get(c)))}</td>" for c in cols)
+        cells = "".join(f"<td>{e(fmt_cell(r.get(c)))}</td>" for c in COLUMNS)
         out.append(f"<tr class='{e(r['status'])}'>{cells}</tr>")
     out.append("</table>")
     if views is not None:
@@ -289,11 +287,3 @@ def render_html(report: list[dict], views: Optional[dict], title: str = "pagedat
         out.append("</pre>")
     out.append("</body></html>")
     return "\n".join(out)
-
-
-def _cell(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)

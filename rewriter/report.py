@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 
+COLUMNS = ("name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi",
+           "key_padding", "reason")
+
+
 def site_table(report: list[dict]) -> str:
-    cols = ["name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi", "key_padding", "reason"]
-    rows = [[_fmt(r.get(c)) for c in cols] for r in report]
+    cols = COLUMNS
+    rows = [[fmt_cell(r.get(c)) for c in cols] for r in report]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
@@ -14,7 +18,7 @@ def site_table(report: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _fmt(v) -> str:
+def fmt_cell(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):

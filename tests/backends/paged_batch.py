@@ -109,3 +109,17 @@ def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, ali
         outs.append(dense_reference(b.query[row:row + n], k, v, c, scale, causal, window, softcap, alibi))
         row += n
     return torch.cat(outs)
+
+
+def check_copy_and_swap(backend, device="cpu"):
+    """copy_blocks within a cache and swap_blocks to another, in the [2, blocks, ...] layout."""
+    cache = backend.allocate_kv_cache(6, 4, 2, 8, device=device)
+    cache.normal_()
+    orig = cache.clone()
+    backend.copy_blocks(cache, torch.tensor([[0, 3], [2, 5]]))
+    assert torch.equal(cache[:, 3], orig[:, 0]) and torch.equal(cache[:, 5], orig[:, 2])
+    assert torch.equal(cache[:, 1], orig[:, 1])
+    host = torch.zeros_like(cache)
+    backend.swap_blocks(cache, host, torch.tensor([[1, 0], [4, 2]]))
+    assert torch.equal(host[:, 0], cache[:, 1]) and torch.equal(host[:, 2], cache[:, 4])
+    assert torch.all(host[:, 1] == 0)

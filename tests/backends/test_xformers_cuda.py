@@ -17,7 +17,7 @@ from pagedattn.backends import build_metadata  # noqa: E402
 from pagedattn.backends import xformers_cuda  # noqa: E402
 from pagedattn.backends.base import AttentionConfig  # noqa: E402
 
-from .paged_batch import make_batch, reference_step  # noqa: E402
+from .paged_batch import check_copy_and_swap, make_batch, reference_step  # noqa: E402
 from .test_sdpa_cpu import SHAPES  # noqa: E402
 from .xformers_emulation import install  # noqa: E402
 
@@ -241,16 +241,7 @@ def test_write_matches_cpu_backend_and_skips_padding(backend):
 
 
 def test_copy_and_swap_blocks(backend):
-    cache = backend.allocate_kv_cache(6, 4, 2, 8, device="cpu")
-    cache.normal_()
-    orig = cache.clone()
-    backend.copy_blocks(cache, torch.tensor([[0, 3], [2, 5]]))
-    assert torch.equal(cache[:, 3], orig[:, 0]) and torch.equal(cache[:, 5], orig[:, 2])
-    assert torch.equal(cache[:, 1], orig[:, 1])
-    host = torch.zeros_like(cache)
-    backend.swap_blocks(cache, host, torch.tensor([[1, 0], [4, 2]]))
-    assert torch.equal(host[:, 0], cache[:, 1]) and torch.equal(host[:, 2], cache[:, 4])
-    assert torch.all(host[:, 1] == 0)
+    check_copy_and_swap(backend)
 
 
 def test_registered_for_cuda():
