@@ -323,6 +323,17 @@ class SplitKVBackend(AttentionBackend):
     def supports(self, config: AttentionConfig) -> list[str]:
         return common_reasons(config, self.dtypes)
 
+    def attend_geometry(self, query, kv_cache, block_tables, seq_lens, query_start_loc, causal: bool,
+                        num_kv_heads: int) -> tuple[int, int, int, int]:
+        """The cache geometry for ``attend``, with the step's metadata checked when validation is on."""
+        nb, bs, hkv, d = self.cache_geometry(kv_cache)
+        if validation_enabled():
+            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
+                            seq_lens, query_start_loc, bs, num_kv_heads)
+            if causal and bool((seq_lens < query_start_loc.diff()).any()):
+                raise ValueError("paged_attention: a causal sequence has seq_len shorter than its new tokens")
+        return nb, bs, hkv, d
+
     def valid_slots(self, slot_mapping: torch.Tensor) -> Optional[torch.Tensor]:
         """Rows of ``slot_mapping`` that are not padding (-1), or None when all are."""
         if slot_mapping.numel() and bool((slot_mapping < 0).any()):

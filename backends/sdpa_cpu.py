@@ -22,8 +22,6 @@ from pagedattn.backends import ops
 from pagedattn.backends.base import (
     SplitKVBackend,
     register_backend,
-    validate_attend,
-    validation_enabled,
 )
 
 _SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,12 +126,8 @@ class SdpaCpuBackend(SplitKVBackend):
 
     def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
                scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
-        nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        if validation_enabled():
-            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
-                            seq_lens, query_start_loc, bs, num_kv_heads)
-            if causal and bool((seq_lens < query_start_loc.diff()).any()):
-                raise ValueError("paged_attention: a causal sequence has seq_len shorter than its new tokens")
+        nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
+                                              num_kv_heads)
         seqs = _plan(query_start_loc, seq_lens)
         num_heads = query.shape[1]
         out = query.new_zeros((query.shape[0], num_heads, kv_cache.shape[-1]))

@@ -49,8 +49,6 @@ from pagedattn.backends.base import (
     SplitKVBackend,
     AttentionConfig,
     register_backend,
-    validate_attend,
-    validation_enabled,
 )
 
 if importlib.util.find_spec("xformers") is None:
@@ -367,18 +365,12 @@ class XFormersCudaBackend(SplitKVBackend):
                        "tokens; decode gathers K/V from the cache instead")
         return out
 
-    # --- cache maintenance
-
     # --- attention
 
     def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
                scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
-        nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        if validation_enabled():
-            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
-                            seq_lens, query_start_loc, bs, num_kv_heads)
-            if causal and bool((seq_lens < query_start_loc.diff()).any()):
-                raise ValueError("paged_attention: a causal sequence has seq_len shorter than its new tokens")
+        nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
+                                              num_kv_heads)
         window = sliding_window if causal and sliding_window > 0 else 0
         if alibi_slopes is not None and alibi_slopes.device != query.device:
             alibi_slopes = alibi_slopes.to(query.device)  # slopes a pass kept on the host
