@@ -6,6 +6,7 @@ Sites are recorded in ``gm.meta["pagedattn_sites"]``; nothing in the graph chang
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -56,11 +57,98 @@ def match_attention(gm: GraphModule) -> PassResult:
             match(site)
         except NoMatch as e:
             site.skip(str(e))
+            if match is _match_softmax and not _attention_like(node):
+                site.attention = False
+                if not site.reason.startswith("not attention"):
+                    site.reason = f"not attention: {site.reason}"
+            elif _has_sink_logits(node):
+                site.reason = "attention sinks: extra logits concatenated to the scores (not expressible by the paged op)"
+            elif site.reason.startswith("not attention: "):
+                site.reason = "unsupported attention: " + site.reason[len("not attention: "):]
         sites.append(site)
     gm.meta["pagedattn_sites"] = sites
     for s in sites:
         log.info("site %s: %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
     return PassResult("match_attention", False, f"{sum(s.status == 'matched' for s in sites)} of {len(sites)} matched")
+
+
+# ------------------------------------------------------------- attention or not at all
+
+# ops that end a walk back from the scores: past a projection or an embedding lie other layers' results
+_PROJECTIONS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.embedding.default}
+_PASS_FORWARD = VIEW_OPS | CAST_OPS | {aten.slice.Tensor, aten.select.int, aten.clone.default, aten.contiguous.default,
+                                       aten.dropout.default, aten.transpose.int, aten.permute.default,
+                                       aten.expand.default, aten.unsqueeze.default, aten.narrow.default}
+
+
+def _is_state(node, depth: int = 6) -> bool:
+    """A parameter or buffer (through views and casts)."""
+    while isinstance(node, Node) and depth > 0:
+        if node.op == "get_attr":
+            return True
+        if node.op == "placeholder":
+            return node.name in node.graph.owning_module.meta.get("pagedattn_constant_inputs", ()) \
+                if node.graph.owning_module is not None else False
+        if node.op != "call_function" or node.target not in _PASS_FORWARD | {aten.t.default, aten.numpy_T.default}:
+            return False
+        node = node.args[0]
+        depth -= 1
+    return False
+
+
+def _activation_contraction(node: Node) -> bool:
+    """A matmul/bmm/einsum of two activations (not activation × weight)."""
+    if node.target not in CONTRACTION_OPS:
+        return False
+    ops = node.args[1] if node.target is aten.einsum.default else node.args[:2]
+    if node.target is aten.baddbmm.default:
+        ops = node.args[1:3]
+    return not any(_is_state(o) for o in ops)
+
+
+def _has_sink_logits(sm: Node, depth: int = 4) -> bool:
+    """Scores concatenated with other logits along the key dimension before the softmax (attention sinks)."""
+    frontier = [sm.args[0]]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node) or n.op != "call_function":
+                continue
+            if n.target is aten.cat.default and (n.args[1] if len(n.args) > 1 else 0) in (-1, len(shape(n) or ()) - 1):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def _attention_like(sm: Node) -> bool:
+    """Whether a softmax is attention-shaped: its scores come from (or its output feeds) a product of activations.
+
+    A softmax that is attention but could not be matched must block paged mode; one that is not
+    attention at all (an MoE router: softmax of a projection) can stay as it is.
+    """
+    seen, frontier = set(), [sm.args[0]]
+    for _ in range(24):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node) or n in seen or n.op != "call_function" or n.target in _PROJECTIONS:
+                continue
+            seen.add(n)
+            if _activation_contraction(n):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    frontier = [sm]
+    for _ in range(8):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if _activation_contraction(u):
+                    return True
+                if u.target in _PASS_FORWARD or u.target is operator.getitem:
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 # ----------------------------------------------------------------------- score path

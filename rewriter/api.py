@@ -42,7 +42,8 @@ class RewrittenModel(nn.Module):
         self.block_size = block_size
         self._example_inputs = example_inputs
         self._exported: Optional[torch.export.ExportedProgram] = None
-        self._skipped = [f"{r['name']}: {r['reason']}" for r in report if r["status"] != "rewritten"]
+        self._skipped = [f"{r['name']}: {r['reason']}" for r in report
+                         if r["status"] != "rewritten" and r.get("attention", True)]
 
     # --- running
 

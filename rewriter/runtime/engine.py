@@ -103,12 +103,66 @@ class PagedEngine:
                                                          s["head_size"], self.cache_dtype, self.device)
                           for s in specs]
         self.kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        if "position_ids" not in self._kwargs:
+            self._check_packing()
         self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs)
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0}
+
+    def _check_packing(self) -> None:
+        """A model without ``position_ids`` must not take positions from a token's index in the step.
+
+        Its steps pack several sequences into one row; if the model numbers tokens itself (learned
+        or rotary positions from ``arange(T)``), every sequence but the first would get wrong positions.
+        Checked by running a sequence alone and after another one in the same step.
+        """
+        vocab = self.vocab_size or 2
+        first = [(3 + 5 * i) % vocab for i in range(7)]
+        second = [(11 + 3 * i) % vocab for i in range(5)]
+        bs = self.block_size
+        na, nb = -(-len(first) // bs), -(-len(second) // bs)
+
+        def last_logits(seqs):
+            caches = [self.backend.allocate_kv_cache(na + nb, bs, s["num_kv_heads"], s["head_size"],
+                                                     self.cache_dtype, self.device) for s in self.cache_specs]
+            tables, start = [], 0
+            for toks in seqs:
+                n = -(-len(toks) // bs)
+                tables.append((0, len(toks), list(range(start, start + n))))
+                start += n
+            meta = build_metadata(tables, bs, device=self.device)
+            ids = [t for toks in seqs for t in toks]
+            kwargs = self._inputs(ids, None, [len(ids) - 1])
+            with torch.no_grad(), paged_context(caches, meta):
+                return self._logits(self.model(**kwargs), kwargs, [len(ids) - 1])[-1].float()
+
+        alone, packed = last_logits([second]), last_logits([first, second])
+        if not torch.allclose(alone, packed, atol=1e-4, rtol=1e-3):
+            raise ValueError(
+                "the model takes no position_ids and numbers tokens by their index in the step, so sequences "
+                "packed into one step would get wrong positions (a sequence's logits change when another one "
+                f"precedes it: max difference {float((alone - packed).abs().max()):.3g}); PagedEngine needs a "
+                "model whose forward accepts position_ids, or one without absolute positions (ALiBi)")
+
+    def _inputs(self, ids: list[int], pos: Optional[list[int]], rows: list[int]) -> dict:
+        kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
+        if "position_ids" in self._kwargs and pos is not None:
+            kwargs["position_ids"] = torch.tensor([pos], device=self.device)
+        if "use_cache" in self._kwargs:
+            kwargs["use_cache"] = False
+        if "logits_to_keep" in self._kwargs:
+            kwargs["logits_to_keep"] = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return kwargs
+
+    def _logits(self, out, kwargs: dict, rows: list[int]) -> torch.Tensor:
+        """``[R, V]`` logits of the rows that complete a sequence."""
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+        if "logits_to_keep" in kwargs:
+            return logits[0]
+        return logits[0, torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     # ----------------------------------------------------------------- requests
 
@@ -174,19 +228,11 @@ class PagedEngine:
                 rows.append(len(ids) - 1)
         meta = build_metadata([(c.start, c.num_tokens, c.request.table.blocks) for c in plan], self.block_size,
                               device=self.device)
-        kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
-        if "position_ids" in self._kwargs:
-            kwargs["position_ids"] = torch.tensor([pos], device=self.device)
-        if "use_cache" in self._kwargs:
-            kwargs["use_cache"] = False
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if "logits_to_keep" in self._kwargs:
-            kwargs["logits_to_keep"] = keep
+        kwargs = self._inputs(ids, pos, rows)
         t1 = time.perf_counter()
         with torch.no_grad(), paged_context(self.kv_caches, meta):
             out = self.model(**kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
-        logits = logits[0] if "logits_to_keep" in self._kwargs else logits[0, keep]  # [R, V]
+        logits = self._logits(out, kwargs, rows)  # [R, V]
         t2 = time.perf_counter()
         finished = self._advance(plan, logits)
         t3 = time.perf_counter()
