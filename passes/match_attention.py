@@ -170,8 +170,28 @@ def _leads_to_contraction(node, depth: int = 12) -> bool:
     return False
 
 
-def _is_neg_fill(x) -> bool:
+def _const_value(x) -> Optional[float]:
+    """A number, or a one-element constant tensor of the graph (``torch.tensor(finfo.min)``), or None."""
     v = scalar(x)
+    if v is not None:
+        return v
+    x = skip_identity(x)
+    if isinstance(x, Node) and x.op == "call_function" and x.target is aten.full.default and not x.args[0] \
+            and scalar(x.args[1]) is not None:
+        return scalar(x.args[1])  # a 0-d tensor filled in the graph
+    if isinstance(x, Node) and x.op == "call_function" and x.target is aten.lift_fresh_copy.default:
+        x = x.args[0]
+    if isinstance(x, Node) and x.op == "get_attr" and x.graph.owning_module is not None:
+        t = x.graph.owning_module
+        for part in x.target.split("."):
+            t = getattr(t, part, None)
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.numel() == 1:
+            return float(t.reshape(()))
+    return None
+
+
+def _is_neg_fill(x) -> bool:
+    v = _const_value(x)
     if v is not None:
         return v <= _NEG_LIMIT
     return False
@@ -213,6 +233,10 @@ def _match_softmax(site: AttentionSite) -> None:
                 raise NoMatch("an additive bias applied before the soft-cap")
             site.biases.append((bias, scale * (x.kwargs.get("alpha", 1) if path is a else 1)))
             x = path
+        elif (t in (aten.maximum.default, aten.max.other) and _is_neg_fill(x.args[1])) or (
+                t in (aten.clamp_min.default, aten.clamp.default) and _is_neg_fill(x.args[1])
+                and (len(x.args) < 3 or x.args[2] is None)):
+            x = x.args[0]  # scores clamped from below at a huge negative value: only -inf changes, to a mask value
         elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if not _is_neg_fill(x.args[2]):
                 raise NoMatch(f"masked_fill with {x.args[2]} is not a mask")

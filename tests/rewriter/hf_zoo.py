@@ -140,10 +140,22 @@ def _shrink(d: dict) -> dict:
         d["attention_types"] = [[kinds, 1]]  # GPT-Neo's [[kinds, repeats]]
         put(_LAYERS, len(kinds))
     # per-layer lists: keep one layer of each kind among the first two
+    picked = None
     for n, v in o.items():
         if n.endswith(("layer_types", "layers_block_type")) and isinstance(v, (list, tuple)) and len(v) > 2:
             kinds = list(dict.fromkeys(v))
             d[n] = (kinds + [v[0]] * 2)[:2] if len(kinds) <= 2 else list(v[:2])
+            picked = picked or ([v.index(k) for k in kinds] + [0])[:2] if len(kinds) <= 2 else [0, 1]
+    plc = o.get("per_layer_config")
+    if isinstance(plc, dict) and plc and all(str(k).isdigit() for k in plc):
+        width = len(next(iter(plc)))  # per-layer overrides follow the layers kept, head sizes scaled
+        keep = {}
+        for new_i, old_i in enumerate(picked or [0, 1]):
+            entry = plc.get(str(old_i).zfill(width))
+            if isinstance(entry, dict):
+                keep[str(new_i).zfill(width)] = {k: (_even(v * HEAD_DIM / hd0) if k in _HEAD_DIMS and hd0 and isinstance(v, int)
+                                                     else v) for k, v in entry.items()}
+        d["per_layer_config"] = keep
     return d
 
 
@@ -151,7 +163,23 @@ def tiny_config(arch: str):
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(arch)
-    return type(cfg).from_dict(_shrink(cfg.to_dict()))
+    small = _shrink(cfg.to_dict())
+    try:
+        return type(cfg).from_dict(small)
+    except Exception:  # a config class that does not take its own dict back: set the values in place
+        _assign(cfg, small)
+        return cfg
+
+
+def _assign(cfg, values: dict) -> None:
+    from transformers import PretrainedConfig
+
+    for k, v in values.items():
+        cur = getattr(cfg, k, None)
+        if isinstance(cur, PretrainedConfig) and isinstance(v, dict):
+            _assign(cur, v)
+        elif k in cfg.__dict__ and cur != v:
+            cfg.__dict__[k] = v
 
 
 def tiny_model(arch: str, attn_implementation: str = "eager", seed: int = 0):
@@ -197,7 +225,7 @@ def hf_generate(model, ps, new=NEW_TOKENS) -> list[list[int]]:
                      forced_eos_token_id=None, forced_bos_token_id=None, repetition_penalty=1.0,
                      no_repeat_ngram_size=0, suppress_tokens=None, begin_suppress_tokens=None, bad_words_ids=None,
                      temperature=None, top_k=None, top_p=None, max_length=None,
-                     pad_token_id=model.config.get_text_config().pad_token_id or 0).items():
+                     pad_token_id=getattr(model.config.get_text_config(), "pad_token_id", None) or 0).items():
         setattr(gc, k, v)
     out = []
     saved, model.generation_config = model.generation_config, gc  # generate fills unset values from it
