@@ -448,12 +448,14 @@ def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_trans
     q, qs = _strip_scalar(q)
     k, ks = _strip_scalar(k)
     site.scale *= qs * ks
-    if len(sq) == 3:
-        q4, k4, v4 = _recover_4d(q), _recover_4d(k), _recover_4d(v)
+    if len(sq) == 3 or len(sv) == 3:
+        # scores from a 3-D bmm may meet 4-D values after a view (and the other way round)
+        q4, k4, v4 = (x if len(shape(x)) == 4 else _recover_4d(x) for x in (q, k, v))
         if q4 is None or k4 is None or v4 is None:
             raise NoMatch("could not recover the heads of a 3-D [batch*heads, seq, dim] attention")
         q, k, v = q4, k4, v4
-        layout = layout or ("flatten",)
+        if len(shape(out)) == 3:
+            layout = layout or ("flatten",)
     elif len(sq) != 4:
         raise NoMatch(f"{len(sq)}-D attention operands")
     sq, sk, sv = shape(q), shape(k), shape(v)
