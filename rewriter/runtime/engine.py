@@ -103,8 +103,7 @@ class PagedEngine:
                                                          s["head_size"], self.cache_dtype, self.device)
                           for s in specs]
         self.kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
-        if "position_ids" not in self._kwargs:
-            self._check_packing()
+        self._check_packing()
         self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs)
         self._ids = itertools.count()
@@ -113,39 +112,55 @@ class PagedEngine:
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0}
 
     def _check_packing(self) -> None:
-        """A model without ``position_ids`` must not take positions from a token's index in the step.
+        """Refuse models whose tokens influence each other outside attention.
 
-        Its steps pack several sequences into one row; if the model numbers tokens itself (learned
-        or rotary positions from ``arange(T)``), every sequence but the first would get wrong positions.
-        Checked by running a sequence alone and after another one in the same step.
+        Steps pack several sequences into one row and split prompts into chunks across steps; only
+        attention knows where a sequence starts and what its cache holds. A model that numbers tokens
+        by their index in the step (no ``position_ids``), or that carries state along the row outside
+        attention (recurrent, convolution or linear-attention layers), would silently mix sequences.
+        Checked by running a sequence alone, after another one in the same step, and in two chunks.
         """
         vocab = self.vocab_size or 2
         first = [(3 + 5 * i) % vocab for i in range(7)]
         second = [(11 + 3 * i) % vocab for i in range(5)]
         bs = self.block_size
-        na, nb = -(-len(first) // bs), -(-len(second) // bs)
+        n0, n1 = -(-len(first) // bs), -(-len(second) // bs)
+        blocks = n0 + n1
+        tables = {0: list(range(n0)), 1: list(range(n0, blocks))}  # each sequence its own blocks
 
-        def last_logits(seqs):
-            caches = [self.backend.allocate_kv_cache(na + nb, bs, s["num_kv_heads"], s["head_size"],
+        def run(steps):
+            """steps: per step, the (sequence index, tokens) chunks; returns the last row's logits."""
+            caches = [self.backend.allocate_kv_cache(blocks, bs, s["num_kv_heads"], s["head_size"],
                                                      self.cache_dtype, self.device) for s in self.cache_specs]
-            tables, start = [], 0
-            for toks in seqs:
-                n = -(-len(toks) // bs)
-                tables.append((0, len(toks), list(range(start, start + n))))
-                start += n
-            meta = build_metadata(tables, bs, device=self.device)
-            ids = [t for toks in seqs for t in toks]
-            kwargs = self._inputs(ids, None, [len(ids) - 1])
-            with torch.no_grad(), paged_context(caches, meta):
-                return self._logits(self.model(**kwargs), kwargs, [len(ids) - 1])[-1].float()
+            done, out = {}, None
+            for step in steps:
+                specs, ids, pos = [], [], []
+                for seq, toks in step:
+                    start = done.get(seq, 0)
+                    specs.append((start, len(toks), tables[seq]))
+                    ids += toks
+                    pos += list(range(start, start + len(toks)))
+                    done[seq] = start + len(toks)
+                meta = build_metadata(specs, bs, device=self.device)
+                kwargs = self._inputs(ids, pos, [len(ids) - 1])
+                with torch.no_grad(), paged_context(caches, meta):
+                    out = self._logits(self.model(**kwargs), kwargs, [len(ids) - 1])[-1].float()
+            return out
 
-        alone, packed = last_logits([second]), last_logits([first, second])
-        if not torch.allclose(alone, packed, atol=1e-4, rtol=1e-3):
-            raise ValueError(
-                "the model takes no position_ids and numbers tokens by their index in the step, so sequences "
-                "packed into one step would get wrong positions (a sequence's logits change when another one "
-                f"precedes it: max difference {float((alone - packed).abs().max()):.3g}); PagedEngine needs a "
-                "model whose forward accepts position_ids, or one without absolute positions (ALiBi)")
+        alone = run([[(1, second)]])
+        checks = {
+            "after another sequence in the same step": run([[(0, first), (1, second)]]),
+            "in two chunks": run([[(1, second[:3])], [(1, second[3:])]]),
+        }
+        for how, got in checks.items():
+            if not torch.allclose(alone, got, atol=1e-4, rtol=1e-3):
+                why = ("it takes no position_ids and numbers tokens by their index in the step; it needs a forward "
+                       "that accepts position_ids, or no absolute positions (ALiBi)"
+                       if "position_ids" not in self._kwargs else
+                       "tokens influence each other outside attention (recurrent, convolution or linear-attention "
+                       "layers, whose state the paged KV cache does not hold)")
+                raise ValueError(f"PagedEngine cannot serve this model: a sequence's logits change when run {how} "
+                                 f"(max difference {float((alone - got).abs().max()):.3g}): {why}")
 
     def _inputs(self, ids: list[int], pos: Optional[list[int]], rows: list[int]) -> dict:
         kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
