@@ -394,7 +394,26 @@ def _check_eager(model) -> tuple[dict, dict]:
     eng = {"equal": got == ref}
     if got != ref:
         eng["first_diff"] = next(f"prompt {i}: {a} vs HF {b}" for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        try:  # the model's own forward as the tie-breaker: HF generate's cache may not match it
+            eng["equal_to_forward"] = got == _greedy_by_forward(model, ps, names)
+        except Exception as e:
+            eng["forward_error"] = _first_line(e)
     return res, eng
+
+
+def _greedy_by_forward(model, ps, names, new=NEW_TOKENS) -> list[list[int]]:
+    """Greedy decoding by running the whole sequence through the model's forward each step (no cache)."""
+    out = []
+    for p in ps:
+        ids = list(p)
+        for _ in range(new):
+            kw = {"input_ids": torch.tensor([ids])}
+            if "use_cache" in names:
+                kw["use_cache"] = False
+            with torch.no_grad():
+                ids.append(int(_logits(model(**kw))[0, -1].argmax()))
+        out.append(ids[len(p):])
+    return out
 
 
 def traceback_text() -> str:
