@@ -171,6 +171,10 @@ def _classify(gm: GraphModule, site: AttentionSite, examples: dict, constants: s
     other = [p for p in by_value if p not in pad_candidates and not _looks_like_positions(p, examples)]
     if other:
         log.debug("mask input %s: shape %s, key length %s", other[0].name, shape(other[0]), l_len)
+        v = other[0].meta.get("val")
+        if v is not None and not v.dtype.is_floating_point and v.dtype != torch.bool:
+            raise Unsupported(f"the mask depends on the token values of input '{other[0].name}' "
+                              "(data-dependent sparsity, e.g. a top-k key indexer, or a mask computed from token ids)")
         raise Unsupported(f"the mask depends on the values of input '{other[0].name}' (a caller-provided mask or bias)")
 
     def sizes_for(P: int) -> dict:

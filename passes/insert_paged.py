@@ -40,6 +40,7 @@ def insert_paged(gm: GraphModule) -> PassResult:
             meta[name] = g.placeholder(name)
         for i in reversed(range(len(sites))):
             caches.insert(0, g.placeholder(f"kv_cache_{i}"))
+    seq_q = sites[0].args[0]  # [B, H, S, D]: S is the token dimension
     for node, cache in zip(sites, caches):
         q, k, v, key_padding, scale, causal, window, softcap, alibi, hkv = node.args
         hq, d = q.meta["val"].shape[1], q.meta["val"].shape[3]
@@ -60,11 +61,85 @@ def insert_paged(gm: GraphModule) -> PassResult:
             o = g.call_function(aten.transpose.int, (o, 1, 2))  # [B, Hq, S, Dv]
         node.replace_all_uses_with(o)
         g.erase_node(node)
+    n_pos = _packed_positions(g, seq_q, meta)
     gm.meta["pagedattn_cache_inputs"] = [c.name for c in caches]
     gm.meta["pagedattn_cache_sites"] = [n.meta.get("pagedattn_site") for n in sites]
-    return PassResult("insert_paged", True, f"{len(sites)} sites paged")
+    return PassResult("insert_paged", True, f"{len(sites)} sites paged, {n_pos} token-index ranges made positions")
 
 
 def _tokens(g, x: Node, heads: int, dim: int) -> Node:
     t = g.call_function(aten.transpose.int, (x, 1, 2))  # [B, S, H, D]
     return g.call_function(aten.reshape.default, (t, [-1, heads, dim]))
+
+
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+
+
+def _token_range(n: Node, tokens) -> bool:
+    """``arange(S)`` over the token dimension (start 0, step 1)."""
+    if n.op != "call_function" or n.target not in _ARANGES:
+        return False
+    v = n.meta.get("val")
+    if v is None or v.dim() != 1 or not same_size(v.shape[0], tokens):
+        return False
+    if n.target is aten.arange.default:
+        return True
+    start = n.args[0]
+    step = n.args[2] if n.target is aten.arange.start_step else 1
+    return start == 0 and step == 1
+
+
+_POSITION_CONSUMERS = {aten.embedding.default, aten.cos.default, aten.sin.default}
+
+
+def _feeds_position_encoding(n: Node, depth: int = 40) -> bool:
+    """Whether a range reaches a position embedding lookup or rotary cos/sin (not, say, a mask left over)."""
+    seen, frontier = set(), [n]
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            for u in x.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.target in _POSITION_CONSUMERS:
+                    return True
+                nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _packed_positions(g, q: Node, meta: dict) -> int:
+    """Ranges over the token dimension that survive the rewrite number positions (learned or rotary
+    embeddings of a model that takes no ``position_ids``). In paged mode a step packs several
+    sequences, each continuing its cache: such a range becomes every token's position in its own
+    sequence, computed from the metadata (``seq_lens[i] - (query_start_loc[i+1] - t)`` for token
+    ``t`` of sequence ``i``)."""
+    qv = q.meta.get("val")
+    if qv is None:
+        return 0
+    ranges = [n for n in g.nodes if _token_range(n, qv.shape[2]) and _feeds_position_encoding(n)]
+    if not ranges:
+        return 0
+    last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
+    with g.inserting_before(last_ph.next):
+        f = g.call_function
+        slots = meta["slot_mapping"]
+        t = f(aten.sub.Tensor, (f(aten.cumsum.default, (f(aten.ones_like.default, (slots,)), 0)), 1))  # [T]
+        qsl = f(aten._to_copy.default, (meta["query_start_loc"],), {"dtype": torch.int64})
+        lens = f(aten._to_copy.default, (meta["seq_lens"],), {"dtype": torch.int64})
+        ends = f(aten.slice.Tensor, (qsl, 0, 1))
+        # padding tokens (past the last sequence) index one past the end: repeat the last entry there
+        qsl = f(aten.cat.default, ([qsl, f(aten.slice.Tensor, (qsl, 0, -1))],))
+        lens = f(aten.cat.default, ([lens, f(aten.slice.Tensor, (lens, 0, -1))],))
+        seq = f(aten.searchsorted.Tensor, (ends, t), {"right": True})
+        nxt = f(aten.index.Tensor, (qsl, [f(aten.add.Tensor, (seq, 1))]))
+        pos = f(aten.add.Tensor, (f(aten.sub.Tensor, (f(aten.index.Tensor, (lens, [seq])), nxt)), t))  # [T]
+    for n in ranges:
+        with g.inserting_before(n.next):
+            cut = g.call_function(aten.slice.Tensor, (pos, 0, 0, n.args[0] if n.target is aten.arange.default
+                                                      else n.args[1]))
+            new = g.call_function(aten._to_copy.default, (cut,), {"dtype": n.meta["val"].dtype})
+        n.replace_all_uses_with(new)
+        cut.update_arg(0, pos)
+    return len(ranges)

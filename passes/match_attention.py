@@ -6,6 +6,7 @@ Sites are recorded in ``gm.meta["pagedattn_sites"]``; nothing in the graph chang
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -56,11 +57,98 @@ def match_attention(gm: GraphModule) -> PassResult:
             match(site)
         except NoMatch as e:
             site.skip(str(e))
+            if match is _match_softmax and not _attention_like(node):
+                site.attention = False
+                if not site.reason.startswith("not attention"):
+                    site.reason = f"not attention: {site.reason}"
+            elif _has_sink_logits(node):
+                site.reason = "attention sinks: extra logits concatenated to the scores (not expressible by the paged op)"
+            elif site.reason.startswith("not attention: "):
+                site.reason = "unsupported attention: " + site.reason[len("not attention: "):]
         sites.append(site)
     gm.meta["pagedattn_sites"] = sites
     for s in sites:
         log.info("site %s: %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
     return PassResult("match_attention", False, f"{sum(s.status == 'matched' for s in sites)} of {len(sites)} matched")
+
+
+# ------------------------------------------------------------- attention or not at all
+
+# ops that end a walk back from the scores: past a projection or an embedding lie other layers' results
+_PROJECTIONS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.embedding.default}
+_PASS_FORWARD = VIEW_OPS | CAST_OPS | {aten.slice.Tensor, aten.select.int, aten.clone.default, aten.contiguous.default,
+                                       aten.dropout.default, aten.transpose.int, aten.permute.default,
+                                       aten.expand.default, aten.unsqueeze.default, aten.narrow.default}
+
+
+def _is_state(node, depth: int = 6) -> bool:
+    """A parameter or buffer (through views and casts)."""
+    while isinstance(node, Node) and depth > 0:
+        if node.op == "get_attr":
+            return True
+        if node.op == "placeholder":
+            return node.name in node.graph.owning_module.meta.get("pagedattn_constant_inputs", ()) \
+                if node.graph.owning_module is not None else False
+        if node.op != "call_function" or node.target not in _PASS_FORWARD | {aten.t.default, aten.numpy_T.default}:
+            return False
+        node = node.args[0]
+        depth -= 1
+    return False
+
+
+def _activation_contraction(node: Node) -> bool:
+    """A matmul/bmm/einsum of two activations (not activation × weight)."""
+    if node.target not in CONTRACTION_OPS:
+        return False
+    ops = node.args[1] if node.target is aten.einsum.default else node.args[:2]
+    if node.target is aten.baddbmm.default:
+        ops = node.args[1:3]
+    return not any(_is_state(o) for o in ops)
+
+
+def _has_sink_logits(sm: Node, depth: int = 4) -> bool:
+    """Scores concatenated with other logits along the key dimension before the softmax (attention sinks)."""
+    frontier = [sm.args[0]]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node) or n.op != "call_function":
+                continue
+            if n.target is aten.cat.default and (n.args[1] if len(n.args) > 1 else 0) in (-1, len(shape(n) or ()) - 1):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def _attention_like(sm: Node) -> bool:
+    """Whether a softmax is attention-shaped: its scores come from (or its output feeds) a product of activations.
+
+    A softmax that is attention but could not be matched must block paged mode; one that is not
+    attention at all (an MoE router: softmax of a projection) can stay as it is.
+    """
+    seen, frontier = set(), [sm.args[0]]
+    for _ in range(24):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, Node) or n in seen or n.op != "call_function" or n.target in _PROJECTIONS:
+                continue
+            seen.add(n)
+            if _activation_contraction(n):
+                return True
+            nxt.extend(n.all_input_nodes)
+        frontier = nxt
+    frontier = [sm]
+    for _ in range(8):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if _activation_contraction(u):
+                    return True
+                if u.target in _PASS_FORWARD or u.target is operator.getitem:
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 # ----------------------------------------------------------------------- score path
@@ -82,8 +170,28 @@ def _leads_to_contraction(node, depth: int = 12) -> bool:
     return False
 
 
-def _is_neg_fill(x) -> bool:
+def _const_value(x) -> Optional[float]:
+    """A number, or a one-element constant tensor of the graph (``torch.tensor(finfo.min)``), or None."""
     v = scalar(x)
+    if v is not None:
+        return v
+    x = skip_identity(x)
+    if isinstance(x, Node) and x.op == "call_function" and x.target is aten.full.default and not x.args[0] \
+            and scalar(x.args[1]) is not None:
+        return scalar(x.args[1])  # a 0-d tensor filled in the graph
+    if isinstance(x, Node) and x.op == "call_function" and x.target is aten.lift_fresh_copy.default:
+        x = x.args[0]
+    if isinstance(x, Node) and x.op == "get_attr" and x.graph.owning_module is not None:
+        t = x.graph.owning_module
+        for part in x.target.split("."):
+            t = getattr(t, part, None)
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.numel() == 1:
+            return float(t.reshape(()))
+    return None
+
+
+def _is_neg_fill(x) -> bool:
+    v = _const_value(x)
     if v is not None:
         return v <= _NEG_LIMIT
     return False
@@ -125,6 +233,10 @@ def _match_softmax(site: AttentionSite) -> None:
                 raise NoMatch("an additive bias applied before the soft-cap")
             site.biases.append((bias, scale * (x.kwargs.get("alpha", 1) if path is a else 1)))
             x = path
+        elif (t in (aten.maximum.default, aten.max.other) and _is_neg_fill(x.args[1])) or (
+                t in (aten.clamp_min.default, aten.clamp.default) and _is_neg_fill(x.args[1])
+                and (len(x.args) < 3 or x.args[2] is None)):
+            x = x.args[0]  # scores clamped from below at a huge negative value: only -inf changes, to a mask value
         elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if not _is_neg_fill(x.args[2]):
                 raise NoMatch(f"masked_fill with {x.args[2]} is not a mask")
@@ -336,12 +448,14 @@ def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_trans
     q, qs = _strip_scalar(q)
     k, ks = _strip_scalar(k)
     site.scale *= qs * ks
-    if len(sq) == 3:
-        q4, k4, v4 = _recover_4d(q), _recover_4d(k), _recover_4d(v)
+    if len(sq) == 3 or len(sv) == 3:
+        # scores from a 3-D bmm may meet 4-D values after a view (and the other way round)
+        q4, k4, v4 = (x if len(shape(x)) == 4 else _recover_4d(x) for x in (q, k, v))
         if q4 is None or k4 is None or v4 is None:
             raise NoMatch("could not recover the heads of a 3-D [batch*heads, seq, dim] attention")
         q, k, v = q4, k4, v4
-        layout = layout or ("flatten",)
+        if len(shape(out)) == 3:
+            layout = layout or ("flatten",)
     elif len(sq) != 4:
         raise NoMatch(f"{len(sq)}-D attention operands")
     sq, sk, sv = shape(q), shape(k), shape(v)

@@ -35,10 +35,26 @@ def _dtype_problem(site: AttentionSite) -> str:
     return ""
 
 
+def _pad_last(g, node: Node, size: int) -> Node:
+    v = val(node)
+    if v.shape[-1] == size:
+        return node
+    n = g.call_function(aten.constant_pad_nd.default, (node, [0, size - v.shape[-1]]))
+    n.meta["val"] = v.new_empty((*v.shape[:-1], size))
+    return n
+
+
 def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
     g = gm.graph
     out = site.output
+    dv = val(site.value).shape[-1]
     with g.inserting_before(out):
+        # query/key and value head sizes differ (multi-head latent attention): zero-pad the smaller to the
+        # larger, so one cache holds both; zeros add nothing to the scores, and the padded output columns
+        # are sliced off
+        size = max(val(site.query).shape[-1], dv)
+        site.query, site.key, site.value = (_pad_last(g, n, size) for n in (site.query, site.key, site.value))
+        site.head_dim = size
         alibi = None
         if site.alibi_slopes is not None:
             name = f"_pagedattn_alibi_{index}"
@@ -54,12 +70,38 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
         qv, vv = val(site.query), val(site.value)
         node.meta["val"] = qv.new_empty((*qv.shape[:-1], vv.shape[-1]))
         node.meta["pagedattn_site"] = site.name
+        if dv != size:
+            sliced = g.call_function(aten.slice.Tensor, (node, -1, 0, dv))
+            sliced.meta["val"] = qv.new_empty((*qv.shape[:-1], dv))
+            node = sliced
         result = _to_layout(g, node, site.output_layout)
+        result = _same_memory_order(g, result, val(out))
         want = val(out).dtype if val(out) is not None else None
         if want is not None and want != qv.dtype:
             result = g.call_function(aten._to_copy.default, (result,), {"dtype": want})
     out.replace_all_uses_with(result)
     site.output = result
+
+
+def _same_memory_order(g, node: Node, like) -> Node:
+    """Lay the result out in memory like the replaced value: code after it may ``view`` it in that order
+    (SDPA returns ``[B, H, S, D]`` stored as ``[B, S, H, D]``; its ``transpose(1, 2).contiguous()`` traces to nothing)."""
+    if not isinstance(like, torch.Tensor) or like.dim() < 2:
+        return node
+    try:
+        strides = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in like.stride()]
+        sizes = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in like.shape]
+    except Exception:
+        return node
+    big = [i for i in range(like.dim()) if sizes[i] > 1]  # size-1 dims do not constrain a view
+    want = sorted(big, key=lambda i: (-strides[i], i))
+    if want == big:
+        return node
+    order = [i for i in range(like.dim()) if sizes[i] <= 1] + want
+    inverse = [order.index(i) for i in range(len(order))]
+    p = g.call_function(aten.permute.default, (node, order))
+    c = g.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+    return g.call_function(aten.permute.default, (c, inverse))
 
 
 def _to_layout(g, node: Node, layout) -> Node:

@@ -58,6 +58,8 @@ class AttentionSite:
     alibi_slopes: Optional[torch.Tensor] = None
     key_padding: Optional[Node] = None
     probed_up_to: Optional[int] = None  # longest key length the mask was evaluated at
+    # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
+    attention: bool = True
 
     def skip(self, reason: str) -> "AttentionSite":
         self.status, self.reason = "skipped", reason
@@ -78,6 +80,7 @@ class AttentionSite:
             "alibi": self.alibi_slopes is not None,
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
             "mask_probed_up_to": self.probed_up_to,
+            "attention": self.attention,
         }
 
 
@@ -140,4 +143,7 @@ def scalar(x: Any) -> Optional[float]:
         return None
     if isinstance(x, (int, float)):
         return float(x)
+    if isinstance(x, Node) and x.op == "call_function" and x.target is aten.scalar_tensor.default \
+            and isinstance(x.args[0], (int, float)) and not isinstance(x.args[0], bool):
+        return float(x.args[0])  # torch.tensor(-inf) built in the graph
     return None

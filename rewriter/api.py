@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -44,7 +45,8 @@ class RewrittenModel(nn.Module):
         self._example_inputs = example_inputs
         self._exported: Optional[torch.export.ExportedProgram] = None
         self.graph_views: Optional[dict] = None  # see pagedattn.inspection.graph_views
-        self._skipped = [f"{r['name']}: {r['reason']}" for r in report if r["status"] != "rewritten"]
+        self._skipped = [f"{r['name']}: {r['reason']}" for r in report
+                         if r["status"] != "rewritten" and r.get("attention", True)]
 
     # --- running
 
@@ -287,6 +289,22 @@ def cache_specs(paged: GraphModule, sites) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def _without_hf_cache(model: nn.Module):
+    """Trace without Hugging Face's own KV cache object (pagedattn keeps the cache): some models build one
+    from ``config.use_cache`` even when their forward takes no ``use_cache`` argument."""
+    cfgs = [c for c in {id(c): c for c in (getattr(model, "config", None),
+                                           getattr(getattr(model, "config", None), "get_text_config", lambda: None)())
+                        }.values() if c is not None and getattr(c, "use_cache", None)]
+    for c in cfgs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in cfgs:
+            c.use_cache = True
+
+
 def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, target: str = "auto",
             block_size: int = 16) -> RewrittenModel:
     """Export ``model`` on an example input, find its attention and replace it with paged attention.
@@ -315,7 +333,7 @@ def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = No
     model.eval()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _without_hf_cache(model):
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False)
     except Exception as e:
         raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "

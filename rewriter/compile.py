@@ -118,7 +118,7 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
     log.info("pagedattn backend: %d of %d attention sites rewritten",
              sum(s.status == "rewritten" for s in sites), len(sites))
     compiled = _Compiled(dropin, paged, len(paged.meta.get("pagedattn_cache_inputs", [])), opts["inner"],
-                         [f"{s.name}: {s.reason}" for s in sites if s.status != "rewritten"])
+                         [f"{s.name}: {s.reason}" for s in sites if s.status != "rewritten" and s.attention])
     compiled.cache_specs = cache_specs(paged, sites)
     compiled.report = [s.report() for s in sites]
     _LAST_REPORTS.append(compiled.report)

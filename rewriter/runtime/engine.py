@@ -107,6 +107,7 @@ class PagedEngine:
                                                          s["head_size"], self.cache_dtype, self.device)
                           for s in specs]
         self.kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self._check_packing()
         self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
@@ -114,6 +115,74 @@ class PagedEngine:
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0}
+
+    def _check_packing(self) -> None:
+        """Refuse models whose tokens influence each other outside attention.
+
+        Steps pack several sequences into one row and split prompts into chunks across steps; only
+        attention knows where a sequence starts and what its cache holds. A model that numbers tokens
+        by their index in the step (no ``position_ids``), or that carries state along the row outside
+        attention (recurrent, convolution or linear-attention layers), would silently mix sequences.
+        Checked by running a sequence alone, after another one in the same step, and in two chunks.
+        """
+        vocab = self.vocab_size or 2
+        first = [(3 + 5 * i) % vocab for i in range(7)]
+        second = [(11 + 3 * i) % vocab for i in range(5)]
+        bs = self.block_size
+        n0, n1 = -(-len(first) // bs), -(-len(second) // bs)
+        blocks = n0 + n1
+        tables = {0: list(range(n0)), 1: list(range(n0, blocks))}  # each sequence its own blocks
+
+        def run(steps):
+            """steps: per step, the (sequence index, tokens) chunks; returns the last row's logits."""
+            caches = [self.backend.allocate_kv_cache(blocks, bs, s["num_kv_heads"], s["head_size"],
+                                                     self.cache_dtype, self.device) for s in self.cache_specs]
+            done, out = {}, None
+            for step in steps:
+                specs, ids, pos = [], [], []
+                for seq, toks in step:
+                    start = done.get(seq, 0)
+                    specs.append((start, len(toks), tables[seq]))
+                    ids += toks
+                    pos += list(range(start, start + len(toks)))
+                    done[seq] = start + len(toks)
+                meta = build_metadata(specs, bs, device=self.device)
+                kwargs = self._inputs(ids, pos, [len(ids) - 1])
+                with torch.no_grad(), paged_context(caches, meta):
+                    out = self._logits(self.model(**kwargs), kwargs, [len(ids) - 1])[-1].float()
+            return out
+
+        alone = run([[(1, second)]])
+        checks = {
+            "after another sequence in the same step": run([[(0, first), (1, second)]]),
+            "in two chunks": run([[(1, second[:3])], [(1, second[3:])]]),
+        }
+        for how, got in checks.items():
+            if not torch.allclose(alone, got, atol=1e-4, rtol=1e-3):
+                why = ("it takes no position_ids and numbers tokens by their index in the step; it needs a forward "
+                       "that accepts position_ids, or no absolute positions (ALiBi)"
+                       if "position_ids" not in self._kwargs else
+                       "tokens influence each other outside attention (recurrent, convolution or linear-attention "
+                       "layers, whose state the paged KV cache does not hold)")
+                raise ValueError(f"PagedEngine cannot serve this model: a sequence's logits change when run {how} "
+                                 f"(max difference {float((alone - got).abs().max()):.3g}): {why}")
+
+    def _inputs(self, ids: list[int], pos: Optional[list[int]], rows: list[int]) -> dict:
+        kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
+        if "position_ids" in self._kwargs and pos is not None:
+            kwargs["position_ids"] = torch.tensor([pos], device=self.device)
+        if "use_cache" in self._kwargs:
+            kwargs["use_cache"] = False
+        if "logits_to_keep" in self._kwargs:
+            kwargs["logits_to_keep"] = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return kwargs
+
+    def _logits(self, out, kwargs: dict, rows: list[int]) -> torch.Tensor:
+        """``[R, V]`` logits of the rows that complete a sequence."""
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+        if "logits_to_keep" in kwargs:
+            return logits[0]
+        return logits[0, torch.tensor(rows, dtype=torch.long, device=logits.device)]
 
     # ----------------------------------------------------------------- requests
 
@@ -186,19 +255,11 @@ class PagedEngine:
             pos += [0] * (meta.num_tokens - num_tokens)
             rows += [0] * (meta.num_seqs - num_rows)
             meta = meta.to(self.device)
-        kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
-        if "position_ids" in self._kwargs:
-            kwargs["position_ids"] = torch.tensor([pos], device=self.device)
-        if "use_cache" in self._kwargs:
-            kwargs["use_cache"] = False
-        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if "logits_to_keep" in self._kwargs:
-            kwargs["logits_to_keep"] = keep
+        kwargs = self._inputs(ids, pos, rows)
         t1 = time.perf_counter()
         with torch.no_grad(), paged_context(self.kv_caches, meta):
             out = self.model(**kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
-        logits = (logits[0] if "logits_to_keep" in self._kwargs else logits[0, keep])[:num_rows]  # [R, V]
+        logits = self._logits(out, kwargs, rows)[:num_rows]  # [R, V]
         self.backend.sync()
         if logits.device.type != "cpu":
             logits = logits.cpu()  # one transfer for the whole step, not one per sampled request

@@ -1,0 +1,41 @@
+"""A fast slice of the model-zoo sweep (``benchmarks/zoo.py`` runs all of transformers' causal LMs).
+
+Each architecture is built tiny from its own config, rewritten the way the engine calls it, compared
+with the original in drop-in mode, and generates greedily through ``PagedEngine`` exactly like
+Hugging Face ``generate``. The slice covers the mechanisms the sweep needed: GQA/MQA, sliding
+windows and per-layer attention kinds, soft-caps, ALiBi, partial rotary, MoE routers (softmaxes
+that are not attention), multi-head latent attention (value and key head sizes differ), learned
+positions numbered inside the model (no ``position_ids``), mask values held in graph constants, scores
+clamped at the dtype minimum, and SDPA outputs viewed in their memory order.
+"""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from .hf_zoo import _check_eager, _check_sdpa, inputs, tiny_model  # noqa: E402
+
+CI_ARCHS = [
+    "llama", "mistral", "qwen2", "gpt_neo", "qwen2_moe", "mixtral", "gemma2", "gemma3_text", "cohere2", "phi3",
+    "gpt2", "gpt_neox", "gptj", "opt", "falcon", "bloom", "mpt", "deepseek_v3", "starcoder2", "olmo2", "granite",
+    "blenderbot", "xglm",
+]
+
+
+@pytest.mark.parametrize("arch", CI_ARCHS)
+def test_zoo_arch_rewritten_and_generates_like_hf(arch):
+    model = tiny_model(arch, "eager")
+    res, engine = _check_eager(model)
+    assert "error" not in res, res
+    assert res["sites"] > 0 and res["rewritten"] == res["sites"], res
+    assert res["max_err"] < 1e-4, res
+    assert engine == {"equal": True}, engine
+
+
+@pytest.mark.parametrize("arch", ["afmoe", "gemma2", "qwen2_moe"])
+def test_zoo_sdpa_dropin(arch):
+    eager = tiny_model(arch, "eager")
+    ids, mask = inputs(eager, 2, 8, seed=1)
+    res = _check_sdpa(arch, eager, {"input_ids": ids, "attention_mask": mask, "use_cache": False})
+    assert "error" not in res, res
+    assert res["sites"] > 0 and res["rewritten"] == res["sites"] and res["max_err"] < 1e-4, res
