@@ -340,13 +340,7 @@ def _check_compile(model, example) -> dict:
     before = len(compile_reports())
     try:
         c = torch.compile(model, backend="pagedattn", options={"inner": "eager"})
-        err = 0.0
-        for pad in ((), PAD):
-            ids, mask = inputs(model, left_pad=pad)
-            with torch.no_grad():
-                ref = _logits(model(input_ids=ids, attention_mask=mask, use_cache=False))
-                out = _logits(c(input_ids=ids, attention_mask=mask, use_cache=False))
-            err = max(err, float((out.float() - ref.float()).abs()[mask.bool()].max()))
+        err = dropin_error(model, c, model)
         report = [s for r in compile_reports()[before:] for s in r]
         res = _summary(report)
         res["max_err"] = err
