@@ -173,7 +173,7 @@ def cmd_rewrite(args) -> None:
             ck = ckpt_mod.load_checkpoint(args.checkpoint, dtype, attn)
         except ckpt_mod.CheckpointError as e:
             raise CliError(str(e)) from e
-        timings["load_s"] = _lap(bar, t0)
+        timings["load_s"] = _lap(bar, t0, timings)
         bar.set_description("torch.export")
         if ck.kind == "hf":
             model = ck.model.to(target if target != "xla" else "cpu")
@@ -236,10 +236,10 @@ def cmd_rewrite(args) -> None:
         _run(out, args)
 
 
-def _lap(bar, t0: float, timings: Optional[dict] = None) -> float:
+def _lap(bar, t0: float, timings: dict) -> float:
+    """Seconds since the previous stage ended (stages are timed back to back from ``t0``)."""
     bar.update(1)
-    spent = sum((timings or {}).values())
-    return round(time.perf_counter() - t0 - spent, 3)
+    return round(time.perf_counter() - t0 - sum(timings.values()), 3)
 
 
 def _check_target(target: str) -> str:
