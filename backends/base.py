@@ -47,6 +47,7 @@ class AttentionConfig:
     alibi: bool = False
     dtype: torch.dtype = torch.float32
     head_size_v: Optional[int] = None
+    sinks: bool = False  # per-head attention-sink logits
 
     @property
     def group_size(self) -> int:
@@ -266,7 +267,7 @@ class AttentionBackend:
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
         scale: float, causal: bool, sliding_window: int, softcap: float,
-        alibi_slopes: Optional[torch.Tensor], num_kv_heads: int,
+        alibi_slopes: Optional[torch.Tensor], num_kv_heads: int, sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -358,7 +359,9 @@ class SplitKVBackend(AttentionBackend):
     def swap_blocks(self, src_cache, dst_cache, src_to_dst):
         src = src_to_dst[:, 0].to(src_cache.device, torch.long)
         dst = src_to_dst[:, 1].to(dst_cache.device, torch.long)
-        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=True)
+        # a non-blocking device-to-host copy lands in a buffer the host may read before it is written
+        non_blocking = dst_cache.device.type != "cpu"
+        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device, non_blocking=non_blocking)
 
 
 # ------------------------------------------------------------------------- registry

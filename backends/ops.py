@@ -67,6 +67,7 @@ def paged_attention(
     alibi_slopes: Optional[Tensor],
     num_kv_heads: int,
     head_size_v: int,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of every new token over its sequence's cached keys, in one call.
 
@@ -74,17 +75,24 @@ def paged_attention(
     and has ``seq_lens[i]`` keys in total (its new tokens included, causal aligned bottom-right).
     ``key``/``value`` are the new tokens' K/V (``None`` when the step has none, e.g. cross-attention
     over a cache filled once); backends may read them directly instead of the cache.
+    ``sinks`` (``[Hq]``, optional) are per-head attention-sink logits: one extra score per query
+    that joins the softmax's normalisation and contributes no value.
     Returns ``[T, Hq, head_size_v]``; rows past ``query_start_loc[-1]`` (padding) are zero.
     """
     return _backend_for(kv_cache).attend(
         query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-        scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads,
+        scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, **_sink_kw(sinks),
     )
+
+
+def _sink_kw(sinks: Optional[Tensor]) -> dict:
+    # backends without sink support keep their signature; the rewriter never routes sinks to them
+    return {} if sinks is None else {"sinks": sinks}
 
 
 @paged_attention.register_fake
 def _(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal,
-      sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v):
+      sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v, sinks=None):
     return query.new_empty((query.shape[0], query.shape[1], head_size_v))
 
 
@@ -101,9 +109,9 @@ def register_kernels(backend: AttentionBackend) -> None:
         return out
 
     def _attend(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal,
-                sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v):
+                sliding_window, softcap, alibi_slopes, num_kv_heads, head_size_v, sinks=None):
         return backend.attend(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-                              scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads)
+                              scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, **_sink_kw(sinks))
 
     write_kv_cache.register_kernel(dev)(_write)
     write_kv_cache_functional.register_kernel(dev)(_write_functional)
@@ -125,12 +133,14 @@ def attention(
     softcap: float,
     alibi_slopes: Optional[Tensor],
     num_kv_heads: int,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Dense attention as the rewriter proved a site computes: the drop-in form of a site.
 
     ``query [B, Hq, S, D]``, ``key/value [B, Hkv, L, D]``; causal masks align bottom-right (the
     ``S`` queries are the last ``S`` of ``L`` positions); ``key_padding [B, L]`` is nonzero for keys
-    that may be seen. Returns ``[B, Hq, S, Dv]``.
+    that may be seen; ``sinks [Hq]`` are attention-sink logits (see :func:`paged_attention`).
+    Returns ``[B, Hq, S, Dv]``.
     """
     import torch.nn.functional as F
 
@@ -147,7 +157,7 @@ def attention(
     if key_padding is not None:
         pad = (key_padding != 0)[:, None, None, :]  # [B, 1, 1, L]
         allowed = pad if allowed is None else allowed & pad
-    if softcap <= 0 and alibi_slopes is None:
+    if softcap <= 0 and alibi_slopes is None and sinks is None:
         if allowed is not None and allowed.shape[0] > 1:
             # rows with no visible key (fully padded queries) would give NaN; let them see key 0
             allowed = allowed.clone()
@@ -165,9 +175,14 @@ def attention(
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
         s = s.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    return torch.matmul(torch.softmax(s, -1), v.float()).to(query.dtype).contiguous()
+    if sinks is None:
+        p = torch.softmax(s, -1)
+    else:  # the sink is one more score per row that takes probability but adds no value
+        sink = sinks.float()[None, :, None, None].expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+    return torch.matmul(p, v.float()).to(query.dtype).contiguous()
 
 
 @attention.register_fake
-def _(query, key, value, key_padding, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+def _(query, key, value, key_padding, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -135,6 +135,9 @@ class PallasXlaBackend(AttentionBackend):
             if not config.causal:
                 reasons.append(f"non-causal attention: ragged_paged_attention is causal only ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
+            if config.sinks:
+                reasons.append(f"attention sinks: ragged_paged_attention takes no sink logits ({self.mode} mode); "
+                               "use PallasXlaBackend(mode='static')")
         return reasons
 
     # --- cache maintenance
@@ -174,7 +177,7 @@ class PallasXlaBackend(AttentionBackend):
     # --- attention
 
     def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
         nb, bs, hkv, dp = self.cache_geometry(kv_cache)
         d = query.shape[2]
         if validation_enabled():
@@ -183,10 +186,10 @@ class PallasXlaBackend(AttentionBackend):
             _check_head(d, dp, self.head_align, "paged_attention")
         if self.mode == "static":
             return _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  causal, sliding_window, softcap, alibi_slopes)
-        if alibi_slopes is not None or not causal:
-            raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention; "
-                             "rewrite with PallasXlaBackend(mode='static') registered")
+                                  causal, sliding_window, softcap, alibi_slopes, sinks)
+        if alibi_slopes is not None or not causal or sinks is not None:
+            raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention nor "
+                             "attention sinks; rewrite with PallasXlaBackend(mode='static') registered")
         return _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
                               sliding_window, softcap, use_kernel=self.mode == "kernel")
 
@@ -240,7 +243,7 @@ def _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, sca
 
 
 def _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal, window,
-                   softcap, alibi_slopes):
+                   softcap, alibi_slopes, sinks=None):
     """Paged attention whose every shape follows from the input shapes (no host syncs)."""
     T, hq, d = query.shape
     _, bs, h2, _ = kv_cache.shape
@@ -271,7 +274,11 @@ def _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, sca
         s = s + alibi_slopes.float().reshape(1, hkv, group, 1) * rel[:, None, None, :].float()
     ok = ok[:, None, None, :]
     s = s.masked_fill(~ok, float("-inf"))
-    p = torch.softmax(s, -1)
+    if sinks is None:
+        p = torch.softmax(s, -1)
+    else:  # one more logit per head that takes probability and adds no value
+        sink = sinks.float().reshape(1, hkv, group, 1).expand(T, hkv, group, 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
     p = torch.where(ok.any(-1, keepdim=True), p, torch.zeros_like(p))  # no visible key: zeros, not NaN
     o = torch.einsum("tkgl,tlkd->tkgd", p, v.float()).reshape(T, hq, d)
     return torch.where(real[:, None, None], o, torch.zeros_like(o)).to(query.dtype)

@@ -114,6 +114,23 @@ def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sca
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
+def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, softcap: float,
+                sinks: Tensor, num_heads: int) -> Tensor:
+    """Folded attention with per-head sink logits -> ``[..., Hq, Q, Dv]``.
+
+    A sink joins the normalisation only: ``out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)``.
+    """
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+    if mask is not None:
+        mask = mask.to(torch.float32 if softcap > 0 else q.dtype)
+        while mask.dim() < q.dim():
+            mask = mask[None]
+    o, lse = _partial_attention(q, k, v, mask, scale, softcap)  # [..., Hkv, G*Q, Dv], [..., Hkv, G*Q]
+    o, lse = _unfold_gqa(o, num_heads), _unfold_gqa(lse[..., None], num_heads)  # [..., Hq, Q, Dv], [..., Hq, Q, 1]
+    return (o.float() * torch.sigmoid(lse - sinks.float()[:, None, None])).to(q.dtype)
+
+
 # ------------------------------------------------------------------------ backend
 
 
@@ -125,7 +142,7 @@ class SdpaCpuBackend(SplitKVBackend):
     # --- attention
 
     def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
         nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
                                               num_kv_heads)
         seqs = _plan(query_start_loc, seq_lens)
@@ -137,14 +154,14 @@ class SdpaCpuBackend(SplitKVBackend):
         rest = [s for s in seqs if s.q_len > 1 and s.index not in fresh_ids]
         if single:
             self._decode(out, query, kv_cache, block_tables, single, scale, causal, sliding_window,
-                         softcap, alibi_slopes, num_kv_heads)
+                         softcap, alibi_slopes, num_kv_heads, sinks)
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, Q, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
-            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads)
+            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks)
         for s in rest:
             k, v = self._gather_one(kv_cache, block_tables[s.index], s.kv_len)
-            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads)
+            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks)
         return out
 
     @staticmethod
@@ -156,12 +173,13 @@ class SdpaCpuBackend(SplitKVBackend):
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:kv_len]
         return k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
 
-    def _one(self, out, query, s: _Seq, k, v, scale, causal, window, softcap, alibi_slopes, num_kv_heads):
+    def _one(self, out, query, s: _Seq, k, v, scale, causal, window, softcap, alibi_slopes, num_kv_heads,
+             sinks=None):
         q = query[s.start:s.start + s.q_len].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
-        plain = alibi_slopes is None and softcap <= 0 and window <= 0
+        plain = alibi_slopes is None and softcap <= 0 and window <= 0 and sinks is None
         if plain and (not causal or s.context_len == 0):
             # top-left causal equals bottom-right when there is no context: SDPA's own mask
             o = F.scaled_dot_product_attention(
@@ -173,11 +191,14 @@ class SdpaCpuBackend(SplitKVBackend):
             allowed = _allowed(q_pos, k_pos, causal, window)
             alibi = _alibi_bias(alibi_slopes, q_pos, k_pos) if alibi_slopes is not None else None
             mask = _scores_bias(allowed, alibi, num_kv_heads, group)
-            o = _unfold_gqa(_attend_folded(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap), num_heads)
+            if sinks is None:
+                o = _unfold_gqa(_attend_folded(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap), num_heads)
+            else:
+                o = _with_sinks(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap, sinks, num_heads)
         out[s.start:s.start + s.q_len] = o[0].transpose(0, 1)
 
     def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], scale, causal, window,
-                softcap, alibi_slopes, num_kv_heads):
+                softcap, alibi_slopes, num_kv_heads, sinks=None):
         # Flash-decoding on CPU. Each sequence's visible keys are cut into near-equal chunks;
         # chunks, longest first, form groups whose padded K+V fit _GATHER_BUDGET_BYTES. A group is
         # gathered by one index_select (K and V blocks together) into a reused workspace that stays
@@ -279,15 +300,19 @@ class SdpaCpuBackend(SplitKVBackend):
             outs.append(o)
             lses.append(lse)
         o = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(num_items, num_heads, -1)  # [I, Hq, Dv]
-        if num_items == len(set(rows)):  # one chunk per sequence: nothing to merge
+        if num_items == len(set(rows)) and sinks is None:  # one chunk per sequence: nothing to merge
             out.index_copy_(0, rows_t, o.to(out.dtype))
             return
         lse = torch.cat(lses).reshape(num_items, num_heads)  # [I, Hq]
         m = torch.full((out.shape[0], num_heads), float("-inf"), device=dev).scatter_reduce_(
             0, rows_t[:, None].expand_as(lse), lse, "amax")
+        if sinks is not None:  # the sink is one more chunk: its score, and no value
+            m = torch.maximum(m, sinks.float()[None])
         w = torch.exp(lse - m[rows_t])  # [I, Hq]
         num = torch.zeros(out.shape, dtype=torch.float32, device=dev).index_add_(0, rows_t, o.float() * w[..., None])
         den = torch.zeros(m.shape, device=dev).index_add_(0, rows_t, w)
+        if sinks is not None:
+            den += torch.exp(sinks.float()[None] - m)
         uniq = torch.tensor(sorted(set(rows)), device=dev)
         out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None]).to(out.dtype))
 

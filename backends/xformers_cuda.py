@@ -368,7 +368,7 @@ class XFormersCudaBackend(SplitKVBackend):
     # --- attention
 
     def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads):
+               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
         nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
                                               num_kv_heads)
         window = sliding_window if causal and sliding_window > 0 else 0
@@ -377,7 +377,7 @@ class XFormersCudaBackend(SplitKVBackend):
         plan = _plan_for(seq_lens, query_start_loc, block_tables)
         c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), scale, causal, window,
                   hkv, query.shape[1] // hkv, nb, bs, d)
-        fused = query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None
+        fused = query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None and sinks is None
         groups = plan.grouping(key is not None, causal, query.device) if fused else None
         if fused and len(groups) == 1 and isinstance(groups[0].rows, slice) and \
                 groups[0].rows == slice(0, query.shape[0]):
@@ -390,11 +390,14 @@ class XFormersCudaBackend(SplitKVBackend):
             if group.seqs:
                 if query.dtype not in _KERNEL_DTYPES:
                     why = f"{query.dtype} attention runs through PyTorch SDPA: xFormers' CUDA kernels take float16/bfloat16"
+                elif sinks is not None:
+                    why = ("attention with sinks runs as fp32 math over gathered K/V: no xFormers operator "
+                           "takes sink logits")
                 elif softcap > 0:
                     why = "soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator applies a soft-cap"
                 else:
                     why = ""  # ALiBi: set if no operator takes the tensor bias
-                self._padded(out, c, group, softcap, alibi_slopes, why)
+                self._padded(out, c, group, softcap, alibi_slopes, why, sinks)
             return out
         for group in groups:
             o = self._fused(c, group)
@@ -491,7 +494,8 @@ class XFormersCudaBackend(SplitKVBackend):
 
     # --- padded paths: ALiBi tensor bias, and the exact fallback
 
-    def _padded(self, out: Tensor, c: "_Call", g: _Group, softcap: float, alibi: Optional[Tensor], why: str):
+    def _padded(self, out: Tensor, c: "_Call", g: _Group, softcap: float, alibi: Optional[Tensor], why: str,
+                sinks: Optional[Tensor] = None):
         """Sequences padded to ``[S, Qmax]`` queries over ``[S, Lp]`` gathered keys, one batched call."""
         p = g.cache.get(("pad", c.window, c.causal))
         if p is None:
@@ -504,13 +508,13 @@ class XFormersCudaBackend(SplitKVBackend):
         k = c.kv_cache[0].index_select(0, blocks).view(S, lp, c.hkv, c.d)  # [S, Lp, Hkv, D]
         v = c.kv_cache[1].index_select(0, blocks).view(S, lp, c.hkv, c.d)
         o = None
-        if alibi is not None and softcap <= 0 and c.query.dtype in _KERNEL_DTYPES:
+        if alibi is not None and softcap <= 0 and sinks is None and c.query.dtype in _KERNEL_DTYPES:
             o, why = self._alibi_tensor_bias(c, g, p, q, k, v, alibi)
         if o is None:
             _note(why)
-            self.paths[(g.kind, "softcap_math" if softcap > 0 else "sdpa")] += 1
+            self.paths[(g.kind, "softcap_math" if softcap > 0 else "sinks_math" if sinks is not None else "sdpa")] += 1
             o = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p["allowed"],
-                                     p["rel"], alibi, c.scale, softcap, c.group)  # [S, Hq, Qmax, D]
+                                     p["rel"], alibi, c.scale, softcap, c.group, sinks)  # [S, Hq, Qmax, D]
             o = o.transpose(1, 2).reshape(S * qmax, hq, c.d)
         _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
 
@@ -584,10 +588,11 @@ def _pad_plan(c: _Call, g: _Group) -> dict:
 
 
 def _reference_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, rel: Optional[Tensor],
-                         alibi: Optional[Tensor], scale: float, softcap: float, group: int) -> Tensor:
+                         alibi: Optional[Tensor], scale: float, softcap: float, group: int,
+                         sinks: Optional[Tensor] = None) -> Tensor:
     """q ``[S, Hq, Qmax, D]``, k/v ``[S, Hkv, Lp, D]``, allowed ``[S, Qmax, Lp]`` -> ``[S, Hq, Qmax, D]``."""
     mask = allowed[:, None]  # [S, 1, Qmax, Lp]
-    if softcap <= 0:
+    if softcap <= 0 and sinks is None:
         if alibi is not None:
             bias = alibi.float()[None, :, None, None] * rel[:, None]
             mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
@@ -595,11 +600,16 @@ def _reference_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, rel: 
     k = k.repeat_interleave(group, 1) if group > 1 else k
     v = v.repeat_interleave(group, 1) if group > 1 else v
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
     if alibi is not None:
         s = s + alibi.float()[None, :, None, None] * rel[:, None]
     s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, -1), v.float()).to(q.dtype)
+    if sinks is None:
+        p = torch.softmax(s, -1)
+    else:  # one more logit per head that takes probability and adds no value
+        p = torch.softmax(torch.cat([s, sinks.float()[None, :, None, None].expand(*s.shape[:-1], 1)], -1), -1)[..., :-1]
+    return torch.matmul(p, v.float()).to(q.dtype)
 
 
 BACKEND = register_backend(XFormersCudaBackend())

@@ -48,13 +48,14 @@ def classify_mask(gm: GraphModule) -> PassResult:
     for site in sites:
         if site.status != "matched":
             continue
-        if not site.biases and not site.conds:
+        if not site.biases and not site.conds and not site.factors:
             site.mask_kind = "causal" if site.sdpa_causal else "none"
             continue
         if site.sdpa_causal:
             site.skip("SDPA with both is_causal and attn_mask")
             continue
-        key = (tuple((id(n), f) for n, f in site.biases), tuple((id(n), k) for n, k in site.conds), site.num_heads)
+        key = (tuple((id(n), f) for n, f in site.biases), tuple((id(n), k) for n, k in site.conds),
+               tuple((id(n), i, j) for n, i, j in site.factors), site.num_heads)
         if key not in memo:
             try:
                 with torch.no_grad():
@@ -156,7 +157,7 @@ def _is_arange(t: torch.Tensor) -> bool:
 
 
 def _classify(gm: GraphModule, site: AttentionSite, examples: dict, constants: set = frozenset()) -> MaskClass:
-    terms = [n for n, _ in site.biases] + [n for n, _ in site.conds]
+    terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
     mod, inputs = _extract(gm, terms)
     nodes = set(mod.graph.nodes)
     inner = {n.name: n for n in mod.graph.nodes if n.op == "placeholder"}
@@ -272,21 +273,33 @@ def _combine(outs, site: AttentionSite, S: int, L: int, batch: int) -> torch.Ten
     Each term is brought to ``[batch, H, S, L]`` on its own: terms can live at different
     layouts (ALiBi on ``[B*H, 1, L]`` scores, the causal mask on ``[B, 1, S, L]``).
     """
-    nb = len(site.biases)
-    dt = torch.float64 if L <= _ALIBI_FIT_MAX else torch.float32  # long probes only need the mask's extent
-    total = torch.zeros(batch, site.num_heads, S, L, dtype=dt)
+    nb, nc = len(site.biases), len(site.conds)
+    # long probes only settle the mask's extent: 0 / -inf in half precision keeps 4100² probes small
+    long = L > _ALIBI_FIT_MAX
+    dt = torch.float16 if long else torch.float64
     neg_inf = torch.tensor(float("-inf"), dtype=dt)
+    bias_terms, cond_terms = [], []
     for (node, factor), t in zip(site.biases, outs[:nb]):
         if t.dtype == torch.bool:
             raise Unsupported("boolean tensor added to the scores")
-        t = t.to(device="cpu", dtype=dt)
-        total = total + _to_heads(torch.where(t <= _MASKED, neg_inf, t * factor), site.num_heads, S, L, batch)
-    for (node, keep_when_true), c in zip(site.conds, outs[nb:]):
+        t = t.to(device="cpu")
+        value = torch.zeros((), dtype=dt) if long else t.to(dt) * factor
+        bias_terms.append(_to_heads(torch.where(t <= _MASKED, neg_inf, value), site.num_heads, S, L, batch))
+    for (node, keep_when_true), c in zip(site.conds, outs[nb:nb + nc]):
         c = c.cpu()
         masked = ~c.bool() if keep_when_true else c.bool()
         term = torch.zeros(masked.shape, dtype=dt).masked_fill(masked, float("-inf"))
-        total = total + _to_heads(term, site.num_heads, S, L, batch)
-    return total
+        cond_terms.append(_to_heads(term, site.num_heads, S, L, batch))
+    zero = torch.zeros(batch, site.num_heads, S, L, dtype=dt)
+    for (node, after_b, after_c), f in zip(site.factors, outs[nb + nc:]):
+        f = f.cpu()
+        if not _is_01(f):
+            raise Unsupported("the scores are multiplied by a tensor that is not a 0/1 mask")
+        later = sum(bias_terms[:after_b] + cond_terms[:after_c], zero)
+        zeroed = _to_heads((f == 0).to(dt), site.num_heads, S, L, batch) > 0
+        if bool((zeroed & torch.isfinite(later)).any()):
+            raise Unsupported("a 0/1 factor zeroes scores that no later term masks (zero is a score, not a mask)")
+    return sum(bias_terms + cond_terms, zero)
 
 
 def _to_heads(t: torch.Tensor, H: int, S: int, L: int, batch: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ def insert_paged(gm: GraphModule) -> PassResult:
             caches.insert(0, g.placeholder(f"kv_cache_{i}"))
     seq_q = sites[0].args[0]  # [B, H, S, D]: S is the token dimension
     for node, cache in zip(sites, caches):
-        q, k, v, key_padding, scale, causal, window, softcap, alibi, hkv = node.args
+        q, k, v, key_padding, scale, causal, window, softcap, alibi, hkv, sinks = (*node.args, None)[:11]
         hq, d = q.meta["val"].shape[1], q.meta["val"].shape[3]
         dv = v.meta["val"].shape[3]
         with g.inserting_before(node):
@@ -53,7 +53,7 @@ def insert_paged(gm: GraphModule) -> PassResult:
             o = g.call_function(
                 torch.ops.pagedattn.paged_attention.default,
                 (qt, kt, vt, cache, meta["block_tables"], meta["seq_lens"], meta["query_start_loc"],
-                 scale, causal, window, softcap, alibi, hkv, dv),
+                 scale, causal, window, softcap, alibi, hkv, dv, sinks),
             )
             b = g.call_function(aten.sym_size.int, (q, 0))
             s = g.call_function(aten.sym_size.int, (q, 2))

@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 from pagedattn.passes.site import (
     CAST_OPS,
     CONTRACTION_OPS,
+    IDENTITY_OPS,
     INPLACE_ALIASES,
     SDPA_OPS,
     SOFTMAX_OPS,
@@ -61,8 +62,9 @@ def match_attention(gm: GraphModule) -> PassResult:
                 site.attention = False
                 if not site.reason.startswith("not attention"):
                     site.reason = f"not attention: {site.reason}"
-            elif _has_sink_logits(node):
-                site.reason = "attention sinks: extra logits concatenated to the scores (not expressible by the paged op)"
+            elif _has_sink_logits(node) and "sink" not in site.reason:
+                site.reason = ("attention sinks in a form the paged op cannot take: extra logits concatenated to "
+                               "the scores must be one per head from model state, last, and sliced off after the softmax")
             elif site.reason.startswith("not attention: "):
                 site.reason = "unsupported attention: " + site.reason[len("not attention: "):]
         sites.append(site)
@@ -203,13 +205,15 @@ def _match_softmax(site: AttentionSite) -> None:
         raise NoMatch("softmax is not over the last dimension")
     scale, softcap = 1.0, None
     x = sm.args[0]
+    score_path: list[Node] = []  # the score nodes from the softmax input back to Q·Kᵀ
     while True:
-        x = skip_identity(x)
+        x = _skip_recording(x, score_path)
         if not isinstance(x, Node) or x.op != "call_function":
             raise NoMatch("no Q·Kᵀ product feeds the softmax")
         t = INPLACE_ALIASES.get(x.target, x.target)
         if t in CONTRACTION_OPS:
             break
+        score_path.append(x)
         if t in _SCORE_VIEWS and _keeps_last_two(x):
             x = x.args[0]
             continue
@@ -219,6 +223,7 @@ def _match_softmax(site: AttentionSite) -> None:
             if cap is not None:
                 if scale != 1.0:
                     raise NoMatch("the scores are scaled after the soft-cap")
+                _record_chain(other, cap[1], score_path)
                 softcap, x = cap[0], cap[1]
                 continue
             scale *= c
@@ -237,6 +242,23 @@ def _match_softmax(site: AttentionSite) -> None:
                 t in (aten.clamp_min.default, aten.clamp.default) and _is_neg_fill(x.args[1])
                 and (len(x.args) < 3 or x.args[2] is None)):
             x = x.args[0]  # scores clamped from below at a huge negative value: only -inf changes, to a mask value
+        elif t is aten.mul.Tensor and all(isinstance(a, Node) for a in x.args[:2]) and \
+                _leads_to_contraction(x.args[0]) != _leads_to_contraction(x.args[1]):
+            if softcap is not None:
+                raise NoMatch("the scores are multiplied by a tensor after the soft-cap")
+            a, b = x.args[:2]
+            path, factor = (a, b) if _leads_to_contraction(a) else (b, a)
+            if _const_value(factor) is not None:  # a scale held in a one-element tensor
+                scale *= _const_value(factor)
+            else:  # checked to be a 0/1 mask when classified
+                site.factors.append((factor, len(site.biases), len(site.conds)))
+            x = path
+        elif t is aten.sub.Tensor and _row_constant(x.args[1], x.args[0]):
+            x = x.args[0]  # minus the row maximum (for stability): softmax(s - c) == softmax(s)
+        elif t is aten.cat.default and _sink_concat(x) is not None:
+            if site.sinks is not None:
+                raise NoMatch("attention sinks concatenated twice")
+            x, site.sinks = _sink_concat(x)
         elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if not _is_neg_fill(x.args[2]):
                 raise NoMatch(f"masked_fill with {x.args[2]} is not a mask")
@@ -259,9 +281,134 @@ def _match_softmax(site: AttentionSite) -> None:
     qk = x
     q, kt, extra_scale = _qk_operands(site, qk)
     scale *= extra_scale
-    pv, v, layout = _find_pv(sm)
+    pv, v, layout = _find_pv(sm, drop_sink=site.sinks is not None)
+    lse_scaled = None
+    outside = [u for _, u in _outside_users(sm, score_path + [qk])]
+    if len(outside) == 1 and site.sinks is None:
+        lse_scaled = _lse_sink(outside[0], sm, pv)
+    if outside and lse_scaled is None:
+        raise NoMatch(f"the scores also feed {_op_name(outside[0])} outside the softmax: a paged step would "
+                      "compute it over the step's own keys only")
+    if lse_scaled is not None:
+        site.sinks = lse_scaled[0]
     site.scale, site.softcap = scale, softcap
     _set_operands(site, q, kt, v, pv, layout, key_is_transposed=True)
+    if lse_scaled is not None:
+        site.output = lse_scaled[1]  # the sink's rescaling of softmax·V is part of the site
+    if site.sinks is not None and shape(site.sinks) is not None and \
+            torch.Size(shape(site.sinks)).numel() != site.num_heads:
+        raise NoMatch(f"attention sinks hold {torch.Size(shape(site.sinks)).numel()} logits for "
+                      f"{site.num_heads} query heads")
+
+
+def _skip_recording(x, path: list):
+    """``skip_identity`` that records the nodes it passes."""
+    while isinstance(x, Node) and skip_identity(x) is not x:
+        path.append(x)
+        x = x.args[0]
+    return x
+
+
+def _record_chain(top: Node, bottom: Node, path: list) -> None:
+    """Record the single-input chain from ``top`` down to ``bottom`` (e.g. a soft-cap's tanh and division)."""
+    n = top
+    for _ in range(8):
+        if not isinstance(n, Node) or n is bottom:
+            return
+        path.append(n)
+        nxt = [a for a in n.all_input_nodes if scalar(a) is None and _const_value(a) is None]
+        n = nxt[0] if nxt else None
+
+
+_HARMLESS_USERS = _CHECK_OPS | {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int}
+
+
+def _outside_users(sm: Node, path: list) -> list:
+    """(node, user) pairs where a score node is read by something other than the next step to the softmax."""
+    inside = set(path) | {sm}
+    return [(n, u) for n in path for u in n.users
+            if u not in inside and u.target not in _HARMLESS_USERS and not _only_recentres(u, inside)]
+
+
+def _only_recentres(u: Node, inside: set, depth: int = 4) -> bool:
+    """``u`` (e.g. the row max) flows only into the row-constant term subtracted from the scores."""
+    if not u.users:
+        return u.target is operator.getitem  # an unread part of a tuple (the max's indices)
+    for w in u.users:
+        if w in inside:
+            if not (w.target is aten.sub.Tensor and w.args[1] is u):
+                return False
+        elif depth == 0 or not _only_recentres(w, inside, depth - 1):
+            return False
+    return True
+
+
+def _lse_sink(lse: Node, sm: Node, pv: Node):
+    """Sinks applied after the fact: ``(softmax(s)·V) * sigmoid(logsumexp(s) - sinks)`` -> (state, the product)."""
+    if lse.target is not aten.logsumexp.default or skip_identity(lse.args[0]) is not skip_identity(sm.args[0]):
+        return None
+    dims = lse.args[1] if len(lse.args) > 1 else None
+    nd = len(shape(lse.args[0]) or ())
+    if list(dims or []) not in ([-1], [nd - 1]) or (len(lse.args) > 2 and lse.args[2]):
+        return None
+    n, sink, seen_sigmoid = lse, None, False
+    for _ in range(12):
+        users = [u for u in n.users if u.target not in _CHECK_OPS]
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target is aten.sub.Tensor and u.args[0] is n and sink is None:
+            root = u.args[1]
+            while isinstance(root, Node) and root.op == "call_function" and root.target in _SINK_PATH:
+                root = root.args[0]
+            sr = shape(root)
+            if not _is_state(root) or sr is None or torch.Size(sr).numel() != (shape(lse) or (0, 0))[-2]:
+                return None
+            sink = root
+        elif u.target is aten.sigmoid.default and sink is not None:
+            seen_sigmoid = True
+        elif u.target is aten.mul.Tensor and seen_sigmoid and pv in u.args[:2] and shape(u) == shape(pv):
+            return sink, u
+        elif not (u.target in CAST_OPS or u.target in IDENTITY_OPS or
+                  (u.target is aten.unsqueeze.default and u.args[1] in (-1, len(shape(n) or ())))):
+            return None
+        n = u
+    return None
+
+
+def _row_constant(c, x) -> bool:
+    """``c`` is constant along the key dimension of the scores ``x`` (e.g. their row max): size 1 there."""
+    sc, sx = shape(c), shape(x)
+    return bool(sc and sx and len(sc) <= len(sx) and same_size(sc[-1], 1) and not same_size(sx[-1], 1))
+
+
+# ops a per-head sink parameter passes through on its way to a [B, H, S, 1] column
+_SINK_PATH = VIEW_OPS | CAST_OPS | {aten.expand.default, aten.unsqueeze.default, aten.clone.default,
+                                    aten.contiguous.default, aten.alias.default, aten.detach.default}
+
+
+def _sink_concat(cat: Node):
+    """``cat([scores, sinks], -1)`` with one sink logit per head from model state -> (scores, state node)."""
+    tensors = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    out = shape(cat)
+    if out is None or dim not in (-1, len(out) - 1) or len(tensors) != 2:
+        return None
+    scores, col = tensors
+    sc = shape(col)
+    if not sc or len(sc) < 3 or not same_size(sc[-1], 1) or not isinstance(sc[-3], int):
+        return None
+    heads, n, pre = sc[-3], col, col
+    while isinstance(n, Node) and n.op == "call_function" and n.target in _SINK_PATH:
+        if n.target is aten.expand.default:
+            pre = n.args[0]
+        n = n.args[0]
+    # views keep the flat order; before broadcasting, the heads must sit at dim -3 with all else 1
+    sp = shape(pre)
+    if not _is_state(n) or sp is None or len(sp) < 3 or sp[-3] != heads or torch.Size(sp).numel() != heads \
+            or shape(n) is None or torch.Size(shape(n)).numel() != heads:
+        return None
+    return scores, n
 
 
 def _scalar_arg(node: Node):
@@ -352,8 +499,11 @@ def _einsum_qk(node: Node):
     return ("permute", ops[0], q_perm), ("permute", ops[1], kt_perm), 1.0
 
 
-def _find_pv(sm: Node):
-    """Forward from the softmax through casts/dropout to the ·V contraction: (pv node, v, layout)."""
+def _find_pv(sm: Node, drop_sink: bool = False):
+    """Forward from the softmax through casts/dropout to the ·V contraction: (pv node, v, layout).
+
+    ``drop_sink``: the last column holds attention-sink probabilities, sliced off before ·V.
+    """
     p = sm
     while True:
         users = [u for u in p.users if u.target not in _CHECK_OPS]
@@ -368,7 +518,12 @@ def _find_pv(sm: Node):
             continue
         if u.target is aten.dropout.default:
             raise NoMatch("dropout is active on the attention probabilities (model in training mode?)")
+        if drop_sink and _drops_last_column(u, p):
+            drop_sink, p = False, u
+            continue
         break
+    if drop_sink:
+        raise NoMatch("the attention-sink column is not sliced off the probabilities before ·V")
     if u.target in (aten.matmul.default, aten.bmm.default) and u.args[0] is p:
         return u, u.args[1], None
     if u.target is aten.einsum.default and u.args[1][0] is p and len(u.args[1]) == 2:
@@ -384,6 +539,17 @@ def _find_pv(sm: Node):
         out_perm = [canon.index(c) for c in out]
         return u, ("permute", u.args[1][1], v_perm), ("permute", out_perm)
     raise NoMatch(f"softmax output feeds {_op_name(u)}, not a ·V product")
+
+
+def _drops_last_column(u: Node, p: Node) -> bool:
+    if u.target is not aten.slice.Tensor or u.args[0] is not p:
+        return False
+    sp = shape(p)
+    args = list(u.args) + [None] * (5 - len(u.args))
+    dim, start, end, step = args[1], args[2], args[3], args[4]
+    if sp is None or dim not in (-1, len(sp) - 1) or start not in (None, 0) or step not in (None, 1):
+        return False
+    return end == -1 or (end is not None and same_size(end, sp[-1] - 1))
 
 
 # ------------------------------------------------------------------------- operands

@@ -61,11 +61,15 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
             gm.register_buffer(name, site.alibi_slopes.clone())
             alibi = g.get_attr(name)
             alibi.meta["val"] = site.alibi_slopes
+        sinks = None
+        if site.sinks is not None:  # [Hq]: the state's elements are in head order (checked when matched)
+            sinks = g.call_function(aten.reshape.default, (site.sinks, [-1]))
+            sinks.meta["val"] = val(site.sinks).reshape(-1)
         node = g.call_function(
             torch.ops.pagedattn.attention.default,
             (site.query, site.key, site.value, site.key_padding, float(site.scale),
              site.mask_kind in ("causal", "sliding_window"), int(site.window or 0), float(site.softcap or 0.0),
-             alibi, int(site.num_kv_heads)),
+             alibi, int(site.num_kv_heads), sinks),
         )
         qv, vv = val(site.query), val(site.value)
         node.meta["val"] = qv.new_empty((*qv.shape[:-1], vv.shape[-1]))

@@ -48,9 +48,13 @@ class AttentionSite:
     head_dim: Optional[int] = None
     scale: Optional[float] = None
     softcap: Optional[float] = None
+    sinks: Optional[Node] = None  # state holding one attention-sink logit per query head
     # mask terms found on the score path: (node, factor) additive, (node, keep_when_true) boolean
     biases: list = field(default_factory=list)
     conds: list = field(default_factory=list)
+    # 0/1 factors on the scores: (node, biases seen, conds seen) — the terms applied after the factor
+    # (recorded before it, walking back from the softmax) must mask every score it zeroes
+    factors: list = field(default_factory=list)
     sdpa_causal: bool = False
     # filled by classification
     mask_kind: Optional[str] = None  # none | causal | sliding_window
@@ -78,6 +82,7 @@ class AttentionSite:
             "window": self.window,
             "softcap": self.softcap,
             "alibi": self.alibi_slopes is not None,
+            "sinks": self.sinks is not None,
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
             "mask_probed_up_to": self.probed_up_to,
             "attention": self.attention,

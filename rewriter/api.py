@@ -79,8 +79,17 @@ class RewrittenModel(nn.Module):
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
 
     def compile_paged(self, backend: str = "inductor") -> "RewrittenModel":
-        """Compile the paged graph (dynamic shapes: one compilation serves every batch shape)."""
-        self.graph_module = torch.compile(self.graph_module, backend=backend, dynamic=True)
+        """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
+
+        On a CPU without native bf16/fp16 GEMMs, those matmuls run in fp32 over fp32 copies of their
+        weights (:func:`pagedattn.cpu_matmul.fp32_matmuls`: several times faster there).
+        """
+        gm = self.graph_module
+        if get_backend(self.target).device_type == "cpu":
+            from pagedattn.cpu_matmul import fp32_matmuls
+
+            gm, _ = fp32_matmuls(gm)
+        self.graph_module = torch.compile(gm, backend=backend, dynamic=True)
         return self
 
     def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
@@ -216,6 +225,29 @@ def _dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
     return out
 
 
+def _with_explicit_kwargs(model: nn.Module, kwargs: dict, args_given: bool = False) -> nn.Module:
+    """``model``, or a wrapper naming every keyword it is called with when some land in ``**kwargs``.
+
+    torch.export cannot match dynamic shapes to inputs bound to ``**kwargs`` (its constraint step
+    flattens them differently from its input check); a wrapper whose signature names them all avoids it.
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if args_given or all(k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD for k in kwargs):
+        return model
+
+    def forward(self, **kw):
+        return self.model(**kw)
+
+    P = inspect.Parameter
+    forward.__signature__ = inspect.Signature(
+        [P("self", P.POSITIONAL_OR_KEYWORD)] + [P(k, P.KEYWORD_ONLY, default=None) for k in kwargs])
+    wrapper = type(type(model).__name__, (nn.Module,), {"forward": forward})()
+    wrapper.model = model
+    return wrapper.eval()
+
+
 def _flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, Any, Any]:
     gm = ep.module()
     info = gm.graph._codegen.pytree_info
@@ -243,7 +275,7 @@ def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu",
             reasons = backend.supports(AttentionConfig(
                 num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, head_size=s.head_dim, scale=s.scale,
                 causal=s.mask_kind != "none", sliding_window=s.window, softcap=s.softcap,
-                alibi=s.alibi_slopes is not None, dtype=s.query.meta["val"].dtype,
+                alibi=s.alibi_slopes is not None, sinks=s.sinks is not None, dtype=s.query.meta["val"].dtype,
                 head_size_v=s.value.meta["val"].shape[-1]))
             if reasons:
                 raise ValueError(f"backend {backend.name} cannot run site {s.name}: {'; '.join(reasons)}")
@@ -267,10 +299,10 @@ def _copy_graph_module(gm: GraphModule) -> GraphModule:
 def _log_sites(sites) -> None:
     for s in sites:
         if s.status == "rewritten":
-            log.info("site %s rewritten: %s heads / %s kv heads, head %s, scale %.4g, mask %s%s%s%s", s.name,
+            log.info("site %s rewritten: %s heads / %s kv heads, head %s, scale %.4g, mask %s%s%s%s%s", s.name,
                      s.num_heads, s.num_kv_heads, s.head_dim, s.scale, s.mask_kind,
                      f", window {s.window}" if s.window else "", f", softcap {s.softcap}" if s.softcap else "",
-                     ", alibi" if s.alibi_slopes is not None else "")
+                     ", alibi" if s.alibi_slopes is not None else "", ", sinks" if s.sinks is not None else "")
         else:
             log.info("site %s skipped: %s", s.name, s.reason)
     if sites and not any(s.status == "rewritten" for s in sites):
@@ -334,7 +366,9 @@ def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = No
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), _without_hf_cache(model):
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False)
+            traced = _with_explicit_kwargs(model, kwargs, bool(args))
+            ep = torch.export.export(traced, args, kwargs, dynamic_shapes=_dynamic_shapes(traced, args, kwargs),
+                                     strict=False)
     except Exception as e:
         raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}") from e

@@ -81,7 +81,7 @@ def _translations() -> dict:
 
     def paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale: float,
                         causal: bool, sliding_window: int, softcap: float, alibi_slopes=None, num_kv_heads: int = 1,
-                        head_size_v: int = 0):
+                        head_size_v: int = 0, sinks=None):
         i64 = 7  # onnx TensorProto.INT64
         qshape = op.Shape(query)  # [T, Hq, D]
         T = op.Slice(qshape, [0], [1])
@@ -127,7 +127,13 @@ def _translations() -> dict:
             scores = op.Add(scores, op.Mul(slopes, dist))
         neg_inf = op.Constant(value_float=-math.inf)
         scores = op.Where(op.Unsqueeze(allowed, [1, 2]), scores, neg_inf)
-        probs = op.Softmax(scores, axis=-1)
+        if sinks is None:
+            probs = op.Softmax(scores, axis=-1)
+        else:  # one more logit per head, dropped after the softmax
+            sink = op.Reshape(op.Cast(sinks, to=1), op.Constant(value_ints=[1, num_kv_heads, -1, 1]))
+            col = op.Expand(sink, op.Concat(op.Slice(op.Shape(scores), [0], [3]), op.Constant(value_ints=[1]), axis=0))
+            probs = op.Softmax(op.Concat(scores, col, axis=-1), axis=-1)
+            probs = op.Slice(probs, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), op.Constant(value_ints=[3]))
         out = op.MatMul(probs, op.Cast(op.Transpose(v_tok, perm=[0, 2, 1, 3]), to=1))  # [T, Hkv, G, Dv]
         out = op.Where(op.Unsqueeze(valid, [1, 2, 3]), out, op.Constant(value_float=0.0))
         out = op.Reshape(out, op.Concat(T, op.Constant(value_ints=[-1, head_size_v]), axis=0))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-COLUMNS = ("name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi",
+COLUMNS = ("name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi", "sinks",
            "key_padding", "reason")
 
 

@@ -1,10 +1,11 @@
-"""KV-cache block manager: reference-counted blocks, prefix caching by token-block hashes, copy-on-write."""
+"""KV-cache block manager: reference-counted blocks, prefix caching by token-block hashes, copy-on-write,
+and a host block pool that preempted sequences swap out to."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 
 class NoFreeBlocks(Exception):
@@ -17,7 +18,8 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens whose K/V are written
-    hashes: list[Optional[int]] = field(default_factory=list)  # per full block, for prefix caching
+    hashes: list[int | None] = field(default_factory=list)  # per full block, for prefix caching
+    on_host: bool = False  # swapped out: ``blocks`` are host block ids
 
 
 class BlockManager:
@@ -26,26 +28,45 @@ class BlockManager:
     Full blocks of prompt tokens are registered under a hash of (previous block's hash, tokens),
     so a later request with the same prefix reuses them. Blocks nobody references but that hold
     a cached prefix stay findable until their space is needed (least recently freed first).
+
+    ``num_host_blocks`` host blocks hold swapped-out sequences: ``swap_out`` moves a table's blocks
+    there and ``swap_in`` back. Like block copies, the data moves are queued for the engine
+    (``take_swaps``); the manager only does the bookkeeping.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._cached: dict[int, int] = {}  # hash -> block
         self._block_hash: dict[int, int] = {}  # block -> hash
-        self._evictable: "OrderedDict[int, None]" = OrderedDict()  # ref 0 but holding a cached prefix
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but holding a cached prefix
         self.prefix_hits = 0  # blocks reused through prefix caching
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for the engine
+        self.num_host_blocks = num_host_blocks
+        # host blocks need no reference counts: each belongs to exactly one swapped-out table
+        self._host_free = list(range(num_host_blocks - 1, -1, -1))
+        # host blocks swapped in since the last take_swaps: their data is read only when the engine
+        # runs the queued swaps, so they must not receive a queued swap-out before then
+        self._host_releasing: list[int] = []
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block), for the engine
+        self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block), for the engine
 
     # --- accounting
 
     @property
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_free_host(self) -> int:
+        return len(self._host_free)
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         total = table.num_cached_tokens + num_tokens
@@ -145,8 +166,12 @@ class BlockManager:
         return BlockTable(list(table.blocks), table.num_cached_tokens, list(table.hashes))
 
     def free(self, table: BlockTable) -> None:
-        for b in reversed(table.blocks):
-            self._release(b)
+        if table.on_host:
+            self._host_free.extend(reversed(table.blocks))
+            table.on_host = False
+        else:
+            for b in reversed(table.blocks):
+                self._release(b)
         table.blocks.clear()
         table.hashes.clear()
         table.num_cached_tokens = 0
@@ -154,3 +179,79 @@ class BlockManager:
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.pending_copies = self.pending_copies, []
         return out
+
+    # --- swapping
+
+    def can_swap_out(self, table: BlockTable) -> bool:
+        return not table.on_host and len(table.blocks) <= len(self._host_free)
+
+    def swap_out(self, table: BlockTable) -> list[tuple[int, int]]:
+        """Move every block of ``table`` to a host block; returns the (device, host) pairs queued.
+
+        Shared blocks are copied too: the table drops its reference (the other holders keep
+        theirs) and owns a private host copy, so nothing on the host is shared.
+        """
+        if not self.can_swap_out(table):
+            raise NoFreeBlocks
+        pairs = [(b, self._host_free.pop()) for b in table.blocks]
+        for b in reversed(table.blocks):
+            self._release(b)  # a prefix-cached block stays findable on the device until evicted
+        table.blocks = [h for _, h in pairs]
+        table.on_host = True
+        self.pending_swap_out.extend(pairs)
+        return pairs
+
+    def swap_in_blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """Device blocks a swapped-out ``table`` needs to come back and take ``num_tokens`` more."""
+        return len(table.blocks) + self.blocks_needed(table, num_tokens)
+
+    def can_swap_in(self, table: BlockTable, num_tokens: int) -> bool:
+        return table.on_host and self.swap_in_blocks_needed(table, num_tokens) <= self.num_free
+
+    def swap_in(self, table: BlockTable) -> list[tuple[int, int]]:
+        """Move ``table``'s host blocks back to device blocks; returns the (host, device) pairs queued.
+
+        A full block whose prefix is still cached on the device is shared instead of copied.
+        """
+        if not table.on_host:
+            raise ValueError("swap_in: the table is not swapped out")
+        if len(table.blocks) > self.num_free:
+            raise NoFreeBlocks
+        pairs, device = [], []
+        for i, h in enumerate(table.blocks):
+            key = table.hashes[i] if i < len(table.hashes) else None
+            b = self._share_cached(key)
+            if b is None:
+                b = self._take()
+                pairs.append((h, b))
+                self._register(key, b)
+            device.append(b)
+            self._host_releasing.append(h)
+        table.blocks = device
+        table.on_host = False
+        self.pending_swap_in.extend(pairs)
+        return pairs
+
+    def _share_cached(self, key: int | None) -> int | None:
+        """The cached device block holding the full block hashed ``key``, with one more reference."""
+        b = self._cached.get(key) if self.enable_prefix_caching and key is not None else None
+        if b is not None:
+            if self.ref[b] == 0:
+                self._evictable.pop(b, None)
+            self.ref[b] += 1
+            self.prefix_hits += 1
+        return b
+
+    def _register(self, key: int | None, b: int) -> None:
+        """Make a swapped-in full block findable by its prefix hash (when no other block is)."""
+        if self.enable_prefix_caching and key is not None and key not in self._cached:
+            self._cached[key] = b
+            self._block_hash[b] = key
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Queued (device, host) swap-outs and (host, device) swap-ins; swap-outs run first."""
+        out, self.pending_swap_out = self.pending_swap_out, []
+        into, self.pending_swap_in = self.pending_swap_in, []
+        self._host_free.extend(reversed(self._host_releasing))
+        self._host_releasing.clear()
+        return out, into

@@ -5,11 +5,48 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 from pagedattn.runtime.blocks import BlockManager, BlockTable, NoFreeBlocks
 
 log = logging.getLogger("pagedattn.runtime")
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """How requests give their blocks back when the cache runs out.
+
+    ``"recompute"`` frees a victim's blocks and recomputes its tokens later. ``"swap"`` copies them
+    to ``swap_space`` bytes of host cache and back when blocks free up (recompute when the host cache
+    is full too); ``swap_space=None`` sizes the host cache like the device cache.
+    """
+
+    mode: str = "recompute"
+    swap_space: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.mode!r}")
+        if self.swap_space is None:
+            return
+        if self.mode != "swap":
+            raise ValueError(f"swap_space={self.swap_space!r} is given but preemption_mode is {self.mode!r}: "
+                             "pass preemption_mode='swap' to use it, or leave swap_space out")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int):
+            raise TypeError(f"swap_space must be a byte count (an int, e.g. 4 * 2**30 for 4 GiB), "
+                            f"got {self.swap_space!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}: pass a byte count, "
+                             "or None to size the host cache like the device cache")
+
+    def num_host_blocks(self, bytes_per_block: int, num_device_blocks: int) -> int:
+        """Host cache blocks to allocate: none for recompute."""
+        if self.mode != "swap":
+            return 0
+        if self.swap_space is None:
+            return num_device_blocks
+        return self.swap_space // bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -20,7 +57,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: Optional[int] = None
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
 
 
@@ -33,8 +70,13 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
     finished: bool = False
-    finish_reason: Optional[str] = None
+    finish_reason: str | None = None
     num_preemptions: int = 0
+
+    @property
+    def swapped(self) -> bool:
+        """Preempted by swapping: its computed tokens' K/V wait in host blocks."""
+        return self.table.on_host
 
     @property
     def tokens(self) -> list[int]:
@@ -62,39 +104,79 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    """Running requests first (oldest first), then waiting ones, under a token budget per step.
+    """Running requests first (oldest first), then swapped-out ones, then waiting ones, under a token
+    budget per step.
 
     Prefills are chunked to fit the budget. When blocks run out, the newest running request is
-    preempted: its blocks are freed and it is recomputed later from its tokens so far.
+    preempted. With ``preemption_mode="recompute"`` its blocks are freed and it is recomputed later
+    from its tokens so far. With ``"swap"`` its blocks move to the block manager's host pool (the
+    engine copies them, see ``BlockManager.take_swaps``) and come back before any waiting request is
+    admitted; a victim that does not fit in the host pool is recomputed instead. As in vLLM, nothing
+    is swapped in during a step that preempted: that step has no room to spare.
     """
 
-    def __init__(self, blocks: BlockManager, max_num_tokens: int = 512, max_num_seqs: int = 256):
+    def __init__(self, blocks: BlockManager, max_num_tokens: int = 512, max_num_seqs: int = 256,
+                 preemption_mode: str = "recompute"):
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_tokens and max_num_seqs must be >= 1")
+        PreemptionConfig(preemption_mode)  # validates the mode
         self.blocks = blocks
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.swapped: deque[Request] = deque()  # oldest first, like waiting
+        self.num_preemptions = 0  # all preemptions: recomputes plus swap-outs
+        self.num_recomputes = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def _preempt(self, victim: Request) -> None:
-        self.blocks.free(victim.table)
-        victim.num_computed = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(victim)
+        if self.preemption_mode == "swap" and self.blocks.can_swap_out(victim.table):
+            self.blocks.swap_out(victim.table)
+            self.num_swap_outs += 1
+            # appendleft: victims go newest first, so the oldest ends up first in line again
+            self.swapped.appendleft(victim)
+            log.debug("preempted request %s (swapped out %d blocks)", victim.id, len(victim.table.blocks))
+            return
+        if self.preemption_mode == "swap":
+            log.debug("host swap space full: request %s is recomputed instead", victim.id)
+        self.blocks.free(victim.table)
+        victim.num_computed = 0
+        self.num_recomputes += 1
         self.waiting.appendleft(victim)
         log.debug("preempted request %s (recompute)", victim.id)
+
+    def _swap_in(self, budget: int, plan: list[ScheduledChunk]) -> int:
+        """Bring swapped-out requests back (oldest first) while they fit; returns the budget left."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            n = min(req.num_pending, budget)
+            if not self.blocks.can_swap_in(req.table, n):
+                break  # the oldest goes first: later ones wait rather than overtake it
+            self.blocks.swap_in(req.table)
+            self.blocks.reserve(req.table, n)  # fits: can_swap_in counted these blocks
+            self.swapped.popleft()
+            self.num_swap_ins += 1
+            self.running.append(req)
+            plan.append(ScheduledChunk(req, req.num_computed, n))
+            budget -= n
+            log.debug("swapped in request %s", req.id)
+        return budget
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_tokens
         plan: list[ScheduledChunk] = []
+        preemptions = self.num_preemptions
         for req in list(self.running):
             if budget == 0:
                 break
@@ -114,7 +196,10 @@ class Scheduler:
                 continue
             plan.append(ScheduledChunk(req, req.num_computed, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if self.num_preemptions == preemptions:
+            budget = self._swap_in(budget, plan)
+        # swapped-out requests hold computed tokens: new ones must not take the blocks they wait for
+        while not self.swapped and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.table.blocks:
                 req.num_computed = self.blocks.allocate_prompt(req.table, req.tokens)

@@ -11,7 +11,7 @@ import torch
 from pagedattn.backends import build_metadata, get_backend
 
 
-def dense_reference(q, k, v, context_len, scale, causal=True, window=0, softcap=0.0, alibi=None):
+def dense_reference(q, k, v, context_len, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None):
     """Plain matmul-softmax for one sequence in float64. q [Q, Hq, D]; k, v [L, Hkv, D]."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.double().repeat_interleave(hq // hkv, dim=1)
@@ -29,6 +29,9 @@ def dense_reference(q, k, v, context_len, scale, causal=True, window=0, softcap=
         if window > 0:
             ok = ok & (qi - kj < window)
         s = s.masked_fill(~ok[None], float("-inf"))
+    if sinks is not None:  # one more logit per head, dropped after the softmax
+        s = torch.cat([s, sinks.double()[:, None, None].expand(*s.shape[:2], 1)], -1)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
@@ -94,19 +97,19 @@ def make_batch(
     return PagedBatch(query, key, value, cache, meta, full_k, full_v, [c for c, _ in seqs], [n for _, n in seqs])
 
 
-def run_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True):
+def run_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
     torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
     return torch.ops.pagedattn.paged_attention(
         b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache,
         b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
-        scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2],
+        scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks,
     )
 
 
-def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None):
+def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None):
     outs, row = [], 0
     for c, n, k, v in zip(b.contexts, b.q_lens, b.full_k, b.full_v):
-        outs.append(dense_reference(b.query[row:row + n], k, v, c, scale, causal, window, softcap, alibi))
+        outs.append(dense_reference(b.query[row:row + n], k, v, c, scale, causal, window, softcap, alibi, sinks))
         row += n
     return torch.cat(outs)
 

@@ -40,20 +40,23 @@ def _compiles() -> int:
     return data[0] if data else 0
 
 
-def _xla_step(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, head_align=1, via_ops=False):
+def _xla_step(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, head_align=1, via_ops=False,
+              sinks=None):
     """Write the step's K/V and attend on XLA; returns (output, cache) on the CPU."""
     cache = xla_layout(b.kv_cache, head_align).to(DEV)
     m = b.meta.to(DEV)
     q, k, v = b.query.to(DEV), b.key.to(DEV), b.value.to(DEV)
     slopes = alibi.to(DEV) if alibi is not None else None
+    sinks = sinks.to(DEV) if sinks is not None else None
     if via_ops:  # the ops as a rewritten graph calls them after to_xla()
         cache.copy_(torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, m.slot_mapping))
         out = torch.ops.pagedattn.paged_attention(q, k, v, cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                                  scale, causal, window, softcap, slopes, k.shape[1], v.shape[2])
+                                                  scale, causal, window, softcap, slopes, k.shape[1], v.shape[2],
+                                                  sinks)
     else:
         backend.write(k, v, cache, m.slot_mapping)
         out = backend.attend(q, k, v, cache, m.block_tables, m.seq_lens, m.query_start_loc, scale, causal,
-                             window, softcap, slopes, k.shape[1])
+                             window, softcap, slopes, k.shape[1], **({} if sinks is None else {"sinks": sinks}))
     return out.cpu(), cpu_layout(cache, b.key.shape[2])
 
 
@@ -103,7 +106,8 @@ def test_head_layouts(heads):
 @pytest.mark.parametrize(
     "feature",
     [{"window": 8}, {"window": 1}, {"softcap": 5.0}, {"softcap": 3.0, "window": 13}, {"scale": 0.3},
-     {"alibi": True}, {"alibi": True, "window": 10}, {"causal": False}],
+     {"alibi": True}, {"alibi": True, "window": 10}, {"causal": False}, {"sinks": True},
+     {"sinks": True, "window": 8}],
     ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
 )
 def test_features_static(feature):
@@ -111,6 +115,8 @@ def test_features_static(feature):
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, pad_tokens=2)
     if feature.pop("alibi", False):
         feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
+    if feature.pop("sinks", False):
+        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
     _check(b, PallasXlaBackend("static"), **feature)
 
 
@@ -175,14 +181,16 @@ def test_supports_gives_reasons():
     ok = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, sliding_window=32, softcap=30.0)
     alibi = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, alibi=True)
     bidir = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, causal=False)
+    sinks = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, sinks=True)
     bad = AttentionConfig(num_heads=6, num_kv_heads=4, head_size=64, scale=0.1, dtype=torch.float64, head_size_v=32)
     for mode in ("kernel", "reference"):
         backend = PallasXlaBackend(mode)
         assert backend.supports(ok) == []
         assert any("ALiBi" in r for r in backend.supports(alibi))
         assert any("non-causal" in r for r in backend.supports(bidir))
+        assert any("sinks" in r for r in backend.supports(sinks))
     static = PallasXlaBackend("static")
-    assert static.supports(ok) == static.supports(alibi) == static.supports(bidir) == []
+    assert static.supports(ok) == static.supports(alibi) == static.supports(bidir) == static.supports(sinks) == []
     reasons = static.supports(bad)
     assert any("float64" in r for r in reasons) and any("multiple" in r for r in reasons)
     assert any("value head size" in r for r in reasons)

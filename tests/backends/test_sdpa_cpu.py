@@ -58,6 +58,11 @@ def test_layouts(block_size, heads, head_size):
         {"alibi": True, "window": 10},
         {"causal": False},
         {"scale": 0.3},
+        {"sinks": True},
+        {"sinks": True, "window": 8},
+        {"sinks": True, "softcap": 5.0},
+        {"sinks": True, "alibi": True},
+        {"sinks": True, "causal": False},
     ],
     ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
 )
@@ -66,7 +71,19 @@ def test_features(feature, dtype):
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype)
     if feature.pop("alibi", False):
         feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
+    if feature.pop("sinks", False):  # large enough to take a real share of every row's probability
+        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
     _check(b, dtype, **feature)
+
+
+@pytest.mark.parametrize("shape", ["all_decode", "many_blocks", "chunked"])
+def test_sinks_over_split_decode(shape, monkeypatch):
+    # long decodes are attended in chunks merged by log-sum-exp: the sink joins that merge
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 16 * 2 * 4 * 2 * 64 * 4)  # 16 blocks per group
+    b = make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, block_size=4)
+    _check(b, torch.float32, sinks=torch.linspace(-1.0, 3.0, 8))
 
 
 def test_cross_attention_over_filled_cache():

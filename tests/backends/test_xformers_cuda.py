@@ -30,11 +30,11 @@ def backend():
     return xformers_cuda.XFormersCudaBackend()
 
 
-def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True):
+def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
     backend.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
     return backend.attend(b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache,
                           b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, scale, causal,
-                          window, softcap, alibi, b.key.shape[1])
+                          window, softcap, alibi, b.key.shape[1], **({} if sinks is None else {"sinks": sinks}))
 
 
 def _check(backend, b, dtype, **kw):
@@ -79,7 +79,8 @@ def test_layouts(monkeypatch, backend, block_size, heads):
     "feature",
     [{"window": 8}, {"window": 1}, {"causal": False}, {"scale": 0.3}, {"alibi": True},
      {"alibi": True, "window": 10}, {"alibi": True, "causal": False}, {"softcap": 5.0},
-     {"softcap": 3.0, "window": 13}],
+     {"softcap": 3.0, "window": 13}, {"sinks": True}, {"sinks": True, "window": 8},
+     {"sinks": True, "alibi": True}],
     ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -88,6 +89,8 @@ def test_features(monkeypatch, backend, feature, dtype):
     feature = dict(feature)
     if feature.pop("alibi", False):
         feature["alibi"] = ALIBI8
+    if feature.pop("sinks", False):
+        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
     _check(backend, make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
 
 

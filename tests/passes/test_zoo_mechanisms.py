@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 import torch
 from torch import nn
 
@@ -122,3 +124,144 @@ def test_scores_clamped_at_dtype_minimum():
     x = torch.randn(3, 13, C)
     with torch.no_grad():
         torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+
+
+class Sinks(zoo._Base):
+    """gpt-oss attention: one learned sink logit per head joins the softmax, its column is dropped."""
+
+    def __init__(self, order="last", from_state=True, drop=True, minus_max=True):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 2.0, H))
+        self.order, self.from_state, self.drop, self.minus_max = order, from_state, drop, minus_max
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        B, T = x.shape[:2]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        s = s + torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        logit = self.sinks if self.from_state else q.mean((0, 2, 3))  # counter-example: computed from tokens
+        col = logit.reshape(1, -1, 1, 1).expand(B, -1, T, -1)
+        s = torch.cat([s, col] if self.order == "last" else [col, s], dim=-1)
+        if self.minus_max:
+            s = s - s.max(dim=-1, keepdim=True).values
+        p = s.softmax(-1)
+        if not self.drop:  # counter-example: the sink column kept, weighting a padded value
+            return self.merge(p @ torch.cat([v, v[:, :, :1]], 2))
+        p = p[..., :-1] if self.order == "last" else p[..., 1:]
+        return self.merge(p @ v)
+
+
+def test_attention_sinks_become_a_paged_argument():
+    m = Sinks().eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
+    (site,) = rm.report
+    assert site["status"] == "rewritten" and site["sinks"] and site["mask"] == "causal"
+    x = torch.randn(2, 11, C)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
+    pa, pb = _paged(rm, [a, b])
+    with torch.no_grad():
+        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({"order": "first"}, "attention sinks in a form"),
+    ({"from_state": False}, "attention sinks in a form"),
+    ({"drop": False}, "sink column is not sliced off"),
+])
+def test_sinks_counter_examples(kw, reason):
+    m = Sinks(**kw).eval()
+    sites = [r for r in pagedattn.rewrite(m, (torch.randn(1, 8, C),), block_size=4).report
+             if r["attention"]]
+    assert sites and all(r["status"] == "skipped" for r in sites), sites
+    assert reason in sites[0]["reason"], sites[0]["reason"]
+
+
+class LseSinks(zoo._Base):
+    """Granite-style sinks applied after the fact: softmax·V rescaled by sigmoid(logsumexp(s) - sink)."""
+
+    def __init__(self, with_sink=True):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 2.0, H))
+        self.with_sink = with_sink
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        s = s + torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, H, T]
+        o = s.softmax(-1) @ v
+        if self.with_sink:
+            return self.merge(o * (lse - self.sinks.view(1, -1, 1)).float().sigmoid().unsqueeze(-1))
+        return self.merge(o) + lse.mean()  # counter-example: a dense function of the scores leaves the site
+
+
+def test_sinks_applied_by_logsumexp():
+    m = LseSinks().eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
+    (site,) = rm.report
+    assert site["status"] == "rewritten" and site["sinks"]
+    x = torch.randn(2, 11, C)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
+    pa, pb = _paged(rm, [a, b])
+    with torch.no_grad():
+        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
+
+
+def test_scores_read_outside_the_softmax_are_not_rewritten():
+    (site,) = pagedattn.rewrite(LseSinks(with_sink=False).eval(), (torch.randn(2, 8, C),)).report
+    assert site["status"] == "skipped" and "outside the softmax" in site["reason"], site
+
+
+class MultiplicativeMask(zoo._Base):
+    """GPT-1: ``w * b + -1e4 * (1 - b)`` with ``b`` a 0/1 causal buffer."""
+
+    def __init__(self, variant="gpt1"):
+        super().__init__()
+        self.register_buffer("b", torch.ones(64, 64).tril()[None, None])
+        self.variant = variant
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        w = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        b = self.b[:, :, :T, :T]
+        if self.variant == "gpt1":
+            w = w * b + -1e4 * (1 - b)
+        elif self.variant == "zero_only":  # counter-example: zeroed scores still take probability
+            w = w * b
+        elif self.variant == "mask_then_zero":  # counter-example: the factor undoes the mask before it
+            w = (w + -1e4 * (1 - b)) * b
+        else:  # counter-example: a learned scale, not a mask
+            w = w * (b + 0.5) + -1e4 * (1 - b)
+        return self.merge(w.softmax(-1) @ v)
+
+
+def test_multiplicative_mask():
+    m = MultiplicativeMask().eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
+    (site,) = rm.report
+    assert site["status"] == "rewritten" and site["mask"] == "causal"
+    x = torch.randn(2, 11, C)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
+    pa, pb = _paged(rm, [a, b])
+    with torch.no_grad():
+        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("zero_only", "no later term masks"),
+    ("mask_then_zero", "no later term masks"),
+    ("scale", "not a 0/1 mask"),
+])
+def test_multiplicative_mask_counter_examples(variant, reason):
+    (site,) = pagedattn.rewrite(MultiplicativeMask(variant).eval(), (torch.randn(2, 8, C),)).report
+    assert site["status"] == "skipped" and reason in site["reason"], site

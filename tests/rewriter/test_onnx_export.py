@@ -20,16 +20,16 @@ MIXED = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1)]
 
 
 class Step(torch.nn.Module):
-    def __init__(self, scale, causal, window, softcap, alibi, num_kv_heads, head_size_v):
+    def __init__(self, scale, causal, window, softcap, alibi, num_kv_heads, head_size_v, sinks=None):
         super().__init__()
         self.cfg = (scale, causal, window, softcap)
-        self.alibi = alibi
+        self.alibi, self.sinks = alibi, sinks
         self.hkv, self.dv = num_kv_heads, head_size_v
 
     def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
         new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
         out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.cfg, self.alibi,
-                                                  self.hkv, self.dv)
+                                                  self.hkv, self.dv, self.sinks)
         return out, new
 
 
@@ -49,6 +49,8 @@ def _export(step: Step, inputs, path):
     dict(alibi=True),
     dict(causal=False),
     dict(num_kv_heads=1),
+    dict(sinks=True),
+    dict(sinks=True, window=5),
 ])
 def test_translation_matches_reference(case, tmp_path):
     hkv = case.get("num_kv_heads", 2)
@@ -56,12 +58,13 @@ def test_translation_matches_reference(case, tmp_path):
     scale = 1 / math.sqrt(16)
     causal = case.get("causal", True)
     alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if case.get("alibi") else None
-    step = Step(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 3.0]) if case.get("sinks") else None
+    step = Step(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16, sinks)
     m = b.meta
     inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
     sess = _export(step.eval(), inputs, tmp_path / "step.onnx")
     got_out, got_cache = sess.run(None, {i.name: x.numpy() for i, x in zip(sess.get_inputs(), inputs)})
-    ref = reference_step(b, scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi)
+    ref = reference_step(b, scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, sinks)
     n = ref.shape[0]
     torch.testing.assert_close(torch.from_numpy(got_out[:n]).double(), ref, atol=2e-5, rtol=2e-5)
     assert (got_out[n:] == 0).all(), "padding rows must be zero"

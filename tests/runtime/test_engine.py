@@ -54,6 +54,7 @@ SETTINGS = {
     "default": dict(),
     "chunked_prefill": dict(max_num_tokens=8),
     "preemption": dict(num_blocks=14, block_size=4),  # far too small for the whole batch
+    "swap": {"num_blocks": 14, "block_size": 4, "preemption_mode": "swap"},  # the same, preempting by swapping
     "tiny_blocks_tiny_budget": dict(block_size=4, max_num_tokens=4),
 }
 
@@ -67,6 +68,8 @@ def test_greedy_equals_hf_generate(arch, setting, models):
     assert got == ref
     if setting == "preemption":
         assert engine.scheduler.num_preemptions > 0
+    if setting == "swap":  # host space for every victim: nothing recomputed
+        assert engine.stats["swap_outs"] > 0 and engine.stats["recomputes"] == 0
     if setting != "default":
         assert engine.blocks.prefix_hits > 0  # the shared prefix was reused
 

@@ -71,3 +71,39 @@ def test_positions_from_the_row_index_are_made_per_sequence():
 
 def test_plain_model_is_served():
     PagedEngine(PlainLM().eval())
+
+
+class KwargsPositionsLM(_LM):
+    """Positions arrive through ``**kwargs`` (Hugging Face's decoder-only wrappers pass them on that way)."""
+
+    def __init__(self, honour=True):
+        super().__init__(conv=False, positions=True)
+        self.honour = honour
+
+    def forward(self, input_ids, **kwargs):
+        pos = kwargs.get("position_ids") if self.honour else None
+        return self.logits(input_ids, pos if pos is not None else torch.arange(input_ids.shape[1])[None])
+
+
+def _greedy(m, prompts, n):
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(n):
+            with torch.no_grad():
+                ids.append(int(m(torch.tensor([ids]))[0, -1].argmax()))
+        out.append(ids[len(p):])
+    return out
+
+
+def test_positions_through_kwargs_are_passed():
+    m = KwargsPositionsLM().eval()
+    engine = PagedEngine(m, block_size=4)
+    assert "position_ids" in engine._kwargs  # found by probing: shifted positions change the logits
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]
+    assert engine.generate(prompts, max_new_tokens=4) == _greedy(m, prompts, 4)
+
+
+def test_kwargs_that_ignore_positions_are_not_passed():
+    engine = PagedEngine(KwargsPositionsLM(honour=False).eval(), block_size=4)
+    assert "position_ids" not in engine._kwargs

@@ -1,0 +1,120 @@
+"""bf16/fp16 matmuls in fp32 on CPUs that have no native bf16/fp16 GEMM.
+
+PyTorch runs bf16 ``mm``/``linear`` on CPU through oneDNN only when the CPU has AVX512 (BW, VL, DQ),
+AVX-NE-CONVERT or AMX (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``; fp16 needs AVX512-FP16 or
+AMX-FP16). Elsewhere (e.g. AVX2-only CPUs) it falls back to a generic GEMM that is 3-9x slower than
+fp32 ``mm`` of the same shape, so a bf16 model runs several times slower than in fp32 (measured in
+benchmarks/RESULTS.md, "generate_cpu bf16"). Inductor emits the same ``aten.mm`` call, so compiling
+does not help.
+
+:func:`fp32_matmuls` rewrites such matmuls to what oneDNN itself does on AVX512 CPUs without BF16
+instructions: convert the operands to fp32 (exact), multiply with fp32 accumulation, round the result
+back. The graph's constant weights are converted once and kept as fp32 buffers of the returned module
+(their fp32 copies cost 4 bytes per matmul weight element on top of the original weights; converting
+them on every call would cost more than the matmul at decode sizes). Activations are converted where
+they are used, which Inductor fuses into the kernel that produces them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["native_cpu_matmul", "fp32_matmuls"]
+
+aten = torch.ops.aten
+# op -> positions of its tensor operands (a bias included)
+_MATMULS = {
+    aten.linear.default: (0, 1, 2),
+    aten.matmul.default: (0, 1),
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.addmm.default: (0, 1, 2),
+    aten.baddbmm.default: (0, 1, 2),
+}
+
+
+def native_cpu_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs ``dtype`` GEMMs natively (oneDNN), i.e. at least as fast as in fp32."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def _val(a) -> Optional[torch.Tensor]:
+    v = a.meta.get("val") if isinstance(a, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _low_precision(node: Node) -> Optional[torch.dtype]:
+    """The operands' dtype when ``node`` is a CPU matmul over bf16/fp16 that this CPU runs slowly."""
+    if node.op != "call_function" or node.target not in _MATMULS:
+        return None
+    vals = [_val(node.args[i]) for i in _MATMULS[node.target] if i < len(node.args) and node.args[i] is not None]
+    if len(vals) < 2 or any(v is None for v in vals):
+        return None
+    dtypes = {v.dtype for v in vals}
+    if len(dtypes) != 1 or any(v.device.type != "cpu" for v in vals):
+        return None
+    dtype = dtypes.pop()
+    if dtype not in (torch.bfloat16, torch.float16) or native_cpu_matmul(dtype):
+        return None
+    return dtype
+
+
+def fp32_matmuls(gm: GraphModule) -> tuple[GraphModule, int]:
+    """A module over ``gm``'s graph whose slow bf16/fp16 CPU matmuls run in fp32; ``gm`` is untouched.
+
+    Returns ``(module, number of matmuls changed)``; with none to change, ``(gm, 0)``.
+    """
+    targets = [n for n in gm.graph.nodes if _low_precision(n) is not None]
+    if not targets:
+        return gm, 0
+    g = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    g.output(g.graph_copy(gm.graph, env))
+    out = GraphModule(gm, g)
+    out.meta.update(getattr(gm, "meta", {}))
+    fp32_attrs: dict[str, Node] = {}  # original get_attr target -> get_attr of its fp32 copy
+    for old in targets:
+        node = env[old]
+        dtype = _low_precision(old)
+
+        def up(a):
+            if not isinstance(a, Node):
+                return a
+            if a.op == "get_attr":  # a constant weight: converted once
+                if a.target not in fp32_attrs:
+                    name = "_fp32_" + str(a.target).replace(".", "_")
+                    while hasattr(out, name):
+                        name += "_"
+                    out.register_buffer(name, _attr(gm, a.target).detach().float(), persistent=False)
+                    with g.inserting_after(a):
+                        fp32_attrs[a.target] = g.get_attr(name)
+                return fp32_attrs[a.target]
+            with g.inserting_before(node):
+                return g.call_function(aten.to.dtype, (a, torch.float32))
+
+        node.args = tuple(up(a) if i in _MATMULS[node.target] else a for i, a in enumerate(node.args))
+        with g.inserting_after(node):
+            back = g.call_function(aten.to.dtype, (node, dtype))
+        node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    g.lint()
+    out.recompile()
+    log.info("%d %s matmuls run in fp32: this CPU has no native GEMM for them", len(targets),
+             "/".join(sorted({str(_low_precision(n)).replace("torch.", "") for n in targets})))
+    return out, len(targets)
+
+
+def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
