@@ -169,11 +169,16 @@ class PagedEngine:
                     out = self._logits(self.model(**kwargs), kwargs, [len(ids) - 1])[-1].float()
             return out
 
-        alone = run([[(1, second)]])
-        checks = {
-            "after another sequence in the same step": run([[(0, first), (1, second)]]),
-            "in two chunks": run([[(1, second[:3])], [(1, second[3:])]]),
-        }
+        try:
+            alone = run([[(1, second)]])
+            checks = {
+                "after another sequence in the same step": run([[(0, first), (1, second)]]),
+                "in two chunks": run([[(1, second[:3])], [(1, second[3:])]]),
+            }
+        except Exception as e:  # e.g. a guard of the traced program on the step's token count
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise ValueError(f"PagedEngine cannot serve this model: a packed step (2 to 12 tokens) failed "
+                             f"({type(e).__name__}: {msg}); its traced forward does not accept every step size") from e
         # GEMMs sum in an order that depends on the step's rows; a bf16/fp16 result shows that as a few ulps
         rtol = max(1e-3, 4 * torch.finfo(self.cache_dtype).eps)
         atol = 1e-4 if rtol == 1e-3 else rtol * float(alone.abs().max())
