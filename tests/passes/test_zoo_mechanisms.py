@@ -78,6 +78,21 @@ def _paged(rm, seqs, block_size=4):
     return out.split([x.shape[1] for x in seqs], 1)
 
 
+def _rewritten_matches_eager(m):
+    """Rewrite ``m`` (one site), then compare drop-in and packed paged outputs with eager; the site's report."""
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
+    (site,) = rm.report
+    assert site["status"] == "rewritten", site
+    x = torch.randn(2, 11, C)
+    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
+    pa, pb = _paged(rm, [a, b])
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
+    return site
+
+
 def test_value_head_size_differs_from_key():
     m = LatentHeads().eval()
     rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
@@ -152,18 +167,8 @@ class Sinks(zoo._Base):
 
 
 def test_attention_sinks_become_a_paged_argument():
-    m = Sinks().eval()
-    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
-    (site,) = rm.report
-    assert site["status"] == "rewritten" and site["sinks"] and site["mask"] == "causal"
-    x = torch.randn(2, 11, C)
-    with torch.no_grad():
-        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
-    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
-    pa, pb = _paged(rm, [a, b])
-    with torch.no_grad():
-        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
+    site = _rewritten_matches_eager(Sinks().eval())
+    assert site["sinks"] and site["mask"] == "causal"
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -200,18 +205,7 @@ class LseSinks(zoo._Base):
 
 
 def test_sinks_applied_by_logsumexp():
-    m = LseSinks().eval()
-    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
-    (site,) = rm.report
-    assert site["status"] == "rewritten" and site["sinks"]
-    x = torch.randn(2, 11, C)
-    with torch.no_grad():
-        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
-    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
-    pa, pb = _paged(rm, [a, b])
-    with torch.no_grad():
-        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
+    assert _rewritten_matches_eager(LseSinks().eval())["sinks"]
 
 
 def test_scores_read_outside_the_softmax_are_not_rewritten():
@@ -244,17 +238,7 @@ class MultiplicativeMask(zoo._Base):
 
 
 def test_multiplicative_mask():
-    m = MultiplicativeMask().eval()
-    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
-    (site,) = rm.report
-    assert site["status"] == "rewritten" and site["mask"] == "causal"
-    x = torch.randn(2, 11, C)
-    with torch.no_grad():
-        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
-    a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
-    pa, pb = _paged(rm, [a, b])
-    with torch.no_grad():
-        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
+    assert _rewritten_matches_eager(MultiplicativeMask().eval())["mask"] == "causal"
 
 
 @pytest.mark.parametrize("variant, reason", [
