@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
-from torch.fx import GraphModule
+import torch
+from torch.fx import GraphModule, Node
 
 from pagedattn.passes.site import PassResult
+
+_ASSERT = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _impure(n: Node) -> bool:
+    """Side effects other than export's dtype asserts and random number use (SDPA counts as random:
+    its dropout), which fx's DCE keeps, and with them the replaced attention that eager graphs would run."""
+    if n.target is _ASSERT:
+        return False
+    try:
+        return n.is_impure(impure_random=False)
+    except TypeError:  # torch < 2.9
+        return n.is_impure()
 
 
 def remove_dead_code(gm: GraphModule) -> PassResult:
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
+    live: set[Node] = set()
+    stack = [n for n in gm.graph.nodes if _impure(n)]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in reversed(gm.graph.nodes):  # asserts about values nothing uses go with them
+        if n.target is _ASSERT and not set(n.all_input_nodes) <= live:
+            gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.target is _ASSERT or _impure(n))
     gm.graph.lint()
     gm.recompile()
     removed = before - len(gm.graph.nodes)

@@ -78,17 +78,21 @@ class RewrittenModel(nn.Module):
         refuse_if_unpaged(self._skipped)
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
 
-    def compile_paged(self, backend: str = "inductor") -> "RewrittenModel":
+    def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache") -> "RewrittenModel":
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
 
-        On a CPU without native bf16/fp16 GEMMs, those matmuls run in fp32 over fp32 copies of their
-        weights (:func:`pagedattn.cpu_matmul.fp32_matmuls`: several times faster there).
+        ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
+        in fp32 (:mod:`pagedattn.cpu_matmul`; 3-9x faster there): ``"cache"`` converts their weights
+        once and keeps the fp32 copies (4 more bytes per weight element), ``"convert"`` converts them on
+        every call (no extra memory, slower at decode sizes), ``"off"`` leaves the matmuls as they are.
         """
+        if cpu_fp32_matmuls not in ("cache", "convert", "off"):
+            raise ValueError(f"cpu_fp32_matmuls must be 'cache', 'convert' or 'off', got {cpu_fp32_matmuls!r}")
         gm = self.graph_module
-        if get_backend(self.target).device_type == "cpu":
+        if cpu_fp32_matmuls != "off":  # only matmuls traced on the CPU
             from pagedattn.cpu_matmul import fp32_matmuls
 
-            gm, _ = fp32_matmuls(gm)
+            gm, _ = fp32_matmuls(gm, cache_weights=cpu_fp32_matmuls == "cache")
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True)
         return self
 

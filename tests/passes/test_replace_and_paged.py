@@ -45,3 +45,18 @@ def test_cross_attention_stays_dense_in_paged_graph():
 def test_dead_code_pass_reports_what_it_removed():
     gm = aten_graph(zoo.NanoGPT(), zoo.example_args("nanogpt"))
     assert not remove_dead_code(gm).changed
+
+
+def test_paged_graph_drops_the_replaced_attention():
+    """fx's DCE alone keeps SDPA (random: dropout) and export's dtype asserts with what they check, so an
+    eager paged graph would still run the original attention beside the paged op."""
+    import pagedattn
+
+    from ..rewriter.hf_models import tiny_model
+
+    for attn, gone in (("sdpa", aten.scaled_dot_product_attention.default), ("eager", aten.softmax.int)):
+        m = tiny_model("llama", attn)
+        rm = pagedattn.rewrite(m, (), {"input_ids": torch.arange(8)[None] % 100, "use_cache": False})
+        t = targets(rm.graph_module)
+        assert t.count(torch.ops.pagedattn.paged_attention.default) == m.config.num_hidden_layers
+        assert gone not in t
