@@ -255,10 +255,10 @@ def _match_softmax(site: AttentionSite) -> None:
             x = path
         elif t is aten.sub.Tensor and _row_constant(x.args[1], x.args[0]):
             x = x.args[0]  # minus the row maximum (for stability): softmax(s - c) == softmax(s)
-        elif t is aten.cat.default and _sink_concat(x) is not None:
+        elif t is aten.cat.default and (sink := _sink_concat(x)) is not None:
             if site.sinks is not None:
                 raise NoMatch("attention sinks concatenated twice")
-            x, site.sinks = _sink_concat(x)
+            x, site.sinks = sink
         elif t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
             if not _is_neg_fill(x.args[2]):
                 raise NoMatch(f"masked_fill with {x.args[2]} is not a mask")
@@ -358,9 +358,7 @@ def _lse_sink(lse: Node, sm: Node, pv: Node):
             return None
         u = users[0]
         if u.target is aten.sub.Tensor and u.args[0] is n and sink is None:
-            root = u.args[1]
-            while isinstance(root, Node) and root.op == "call_function" and root.target in _SINK_PATH:
-                root = root.args[0]
+            root, _ = _sink_source(u.args[1])
             sr = shape(root)
             if not _is_state(root) or sr is None or torch.Size(sr).numel() != (shape(lse) or (0, 0))[-2]:
                 return None
@@ -387,6 +385,16 @@ _SINK_PATH = VIEW_OPS | CAST_OPS | {aten.expand.default, aten.unsqueeze.default,
                                     aten.contiguous.default, aten.alias.default, aten.detach.default}
 
 
+def _sink_source(node):
+    """Walk a sink term back through views, casts and broadcasts: (source node, the value before broadcasting)."""
+    n, pre = node, node
+    while isinstance(n, Node) and n.op == "call_function" and n.target in _SINK_PATH:
+        if n.target is aten.expand.default:
+            pre = n.args[0]
+        n = n.args[0]
+    return n, pre
+
+
 def _sink_concat(cat: Node):
     """``cat([scores, sinks], -1)`` with one sink logit per head from model state -> (scores, state node)."""
     tensors = cat.args[0]
@@ -398,11 +406,8 @@ def _sink_concat(cat: Node):
     sc = shape(col)
     if not sc or len(sc) < 3 or not same_size(sc[-1], 1) or not isinstance(sc[-3], int):
         return None
-    heads, n, pre = sc[-3], col, col
-    while isinstance(n, Node) and n.op == "call_function" and n.target in _SINK_PATH:
-        if n.target is aten.expand.default:
-            pre = n.args[0]
-        n = n.args[0]
+    heads = sc[-3]
+    n, pre = _sink_source(col)
     # views keep the flat order; before broadcasting, the heads must sit at dim -3 with all else 1
     sp = shape(pre)
     if not _is_state(n) or sp is None or len(sp) < 3 or sp[-3] != heads or torch.Size(sp).numel() != heads \
