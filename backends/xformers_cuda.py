@@ -21,8 +21,10 @@ One call splits the step's sequences into groups, each one fused-kernel call:
 
 Decode also gathers when triton_splitk cannot page it (blocks under 16 tokens, head sizes other than
 16-512 powers of two). ALiBi runs as an additive tensor bias over the sequences' gathered K/V. What
-no loaded xFormers operator can run (logit soft-cap, float32, ...) goes through PyTorch SDPA (or fp32
-math for soft-cap) over the same padded gather. Every fallback is exact and logs its reason once.
+no loaded xFormers operator can run (logit soft-cap, attention sinks, float32, ...) goes through PyTorch
+SDPA (or fp32 math for soft-cap and sinks) over the same padded gather, in batches of sequences whose
+padded scores and K/V fit ``_MATH_BUDGET_BYTES`` (decodes apart from long prefills). Every fallback
+is exact and logs its reason once.
 
 Operators are chosen by their own ``not_supported_reasons``. xFormers wheels are built against one
 torch release; on another its C++ extension does not load and xFormers refuses every CUDA operator,
@@ -496,27 +498,24 @@ class XFormersCudaBackend(SplitKVBackend):
 
     def _padded(self, out: Tensor, c: "_Call", g: _Group, softcap: float, alibi: Optional[Tensor], why: str,
                 sinks: Optional[Tensor] = None):
-        """Sequences padded to ``[S, Qmax]`` queries over ``[S, Lp]`` gathered keys, one batched call."""
-        p = g.cache.get(("pad", c.window, c.causal))
-        if p is None:
-            p = g.cache[("pad", c.window, c.causal)] = _pad_plan(c, g)
-        S, qmax, lp, hq = p["S"], p["qmax"], p["lp"], c.query.shape[1]
-        q = c.query.new_zeros((S * qmax, hq, c.d))
-        q.index_copy_(0, p["q_dst"], _take(c.query, p["rows"]))
-        q = q.view(S, qmax, hq, c.d)  # [S, Qmax, Hq, D]
-        blocks = p["blocks"].flatten()  # [S * nblk]
-        k = c.kv_cache[0].index_select(0, blocks).view(S, lp, c.hkv, c.d)  # [S, Lp, Hkv, D]
-        v = c.kv_cache[1].index_select(0, blocks).view(S, lp, c.hkv, c.d)
-        o = None
+        """Sequences padded to ``[S, Qmax]`` queries over ``[S, Lp]`` gathered keys: one batched xFormers call
+        for ALiBi, else the exact math in batches of sequences whose scores and K/V fit ``_MATH_BUDGET_BYTES``."""
         if alibi is not None and softcap <= 0 and sinks is None and c.query.dtype in _KERNEL_DTYPES:
+            p = _cached_pad_plan(c, g)
+            q, k, v = _gather_padded(c, p)
             o, why = self._alibi_tensor_bias(c, g, p, q, k, v, alibi)
-        if o is None:
-            _note(why)
-            self.paths[(g.kind, "softcap_math" if softcap > 0 else "sinks_math" if sinks is not None else "sdpa")] += 1
+            if o is not None:
+                _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
+                return
+        _note(why)
+        self.paths[(g.kind, "softcap_math" if softcap > 0 else "sinks_math" if sinks is not None else "sdpa")] += 1
+        for part in _math_batches(c, g):
+            p = _cached_pad_plan(c, part)
+            q, k, v = _gather_padded(c, p)
             o = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p["allowed"],
                                      p["rel"], alibi, c.scale, softcap, c.group, sinks)  # [S, Hq, Qmax, D]
-            o = o.transpose(1, 2).reshape(S * qmax, hq, c.d)
-        _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
+            o = o.transpose(1, 2).reshape(p["S"] * p["qmax"], -1, c.d)
+            _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
 
     def _alibi_tensor_bias(self, c, g, p, q, k, v, alibi) -> tuple[Optional[Tensor], str]:
         """ALiBi plus the masks as one additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator."""
@@ -562,6 +561,59 @@ class _Call:
         return (self.window, self.hkv, self.group, self.d, self.query.dtype)
 
 
+# fp32 scores ([S, Hq, Qmax, Lp]) and K/V ([S, Hkv, Lp, D] each) one exact-math call may hold
+_MATH_BUDGET_BYTES = 512 << 20
+
+
+def _math_batches(c: _Call, g: _Group) -> list[_Group]:
+    """``g`` itself when its padded fp32 scores and K/V fit ``_MATH_BUDGET_BYTES``, else its sequences in
+    batches that do (a sequence too large alone is a batch of its own), shortest queries first so that
+    decodes are not padded to a prefill's length. Once per step and layout."""
+    key = ("math_batches", c.query.shape[1], c.hkv, c.d, c.bs)
+    if key not in g.cache:
+        hq, bs = c.query.shape[1], c.bs
+
+        def score_bytes(idx):
+            lp = max(-(-g.kv_lens[i] // bs) * bs for i in idx)
+            return 4 * len(idx) * lp * (hq * max(g.q_lens[i] for i in idx) + 2 * c.hkv * c.d)
+
+        everything = list(range(len(g.seqs)))
+        batches = [[]]
+        if score_bytes(everything) > _MATH_BUDGET_BYTES:
+            for i in sorted(everything, key=lambda i: (g.q_lens[i], g.kv_lens[i])):
+                if batches[-1] and score_bytes(batches[-1] + [i]) > _MATH_BUDGET_BYTES:
+                    batches.append([])
+                batches[-1].append(i)
+        g.cache[key] = [g] if len(batches[0]) in (0, len(g.seqs)) else \
+            [_subgroup(g, idx, c.query.device) for idx in batches]
+    return g.cache[key]
+
+
+def _subgroup(g: _Group, idx: list[int], device) -> _Group:
+    sub = _Group(g.kind, [g.seqs[i] for i in idx], [g.starts[i] for i in idx], [g.q_lens[i] for i in idx],
+                 [g.kv_lens[i] for i in idx])
+    sub.rows = _row_index(sub, device)
+    return sub
+
+
+def _cached_pad_plan(c: _Call, g: _Group) -> dict:
+    key = ("pad", c.window, c.causal)
+    if key not in g.cache:
+        g.cache[key] = _pad_plan(c, g)
+    return g.cache[key]
+
+
+def _gather_padded(c: _Call, p: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries ``[S, Qmax, Hq, D]`` (zero rows as padding) and K/V ``[S, Lp, Hkv, D]`` gathered from the cache."""
+    S, qmax, lp, hq = p["S"], p["qmax"], p["lp"], c.query.shape[1]
+    q = c.query.new_zeros((S * qmax, hq, c.d))
+    q.index_copy_(0, p["q_dst"], _take(c.query, p["rows"]))
+    blocks = p["blocks"].flatten()  # [S * nblk]
+    k = c.kv_cache[0].index_select(0, blocks).view(S, lp, c.hkv, c.d)
+    v = c.kv_cache[1].index_select(0, blocks).view(S, lp, c.hkv, c.d)
+    return q.view(S, qmax, hq, c.d), k, v
+
+
 def _pad_plan(c: _Call, g: _Group) -> dict:
     dev = c.query.device
     S = len(g.seqs)
@@ -591,25 +643,37 @@ def _reference_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, rel: 
                          alibi: Optional[Tensor], scale: float, softcap: float, group: int,
                          sinks: Optional[Tensor] = None) -> Tensor:
     """q ``[S, Hq, Qmax, D]``, k/v ``[S, Hkv, Lp, D]``, allowed ``[S, Qmax, Lp]`` -> ``[S, Hq, Qmax, D]``."""
-    mask = allowed[:, None]  # [S, 1, Qmax, Lp]
     if softcap <= 0 and sinks is None:
+        mask = allowed[:, None]  # [S, 1, Qmax, Lp]
         if alibi is not None:
             bias = alibi.float()[None, :, None, None] * rel[:, None]
             mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-    k = k.repeat_interleave(group, 1) if group > 1 else k
-    v = v.repeat_interleave(group, 1) if group > 1 else v
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    S, hq, qmax, d = q.shape
+    hkv = k.shape[1]
+    # a KV head's queries stacked ([S, Hkv, G * Qmax, D]): K/V are never repeated per query head
+    s = torch.matmul(q.reshape(S, hkv, group * qmax, d).float(), k.float().transpose(-1, -2))
+    s = s.view(S, hkv, group, qmax, -1).mul_(scale)  # [S, Hkv, G, Qmax, Lp], updated in place from here
     if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap
+        s.div_(softcap).tanh_().mul_(softcap)
     if alibi is not None:
-        s = s + alibi.float()[None, :, None, None] * rel[:, None]
-    s = s.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        p = torch.softmax(s, -1)
-    else:  # one more logit per head that takes probability and adds no value
-        p = torch.softmax(torch.cat([s, sinks.float()[None, :, None, None].expand(*s.shape[:-1], 1)], -1), -1)[..., :-1]
-    return torch.matmul(p, v.float()).to(q.dtype)
+        s.add_(alibi.float().view(1, hkv, group, 1, 1) * rel[:, None, None])
+    s.masked_fill_(~allowed[:, None, None], float("-inf"))
+    sink = None if sinks is None else sinks.float().view(1, hkv, group, 1, 1)
+    p = _softmax_(s, sink).view(S, hkv, group * qmax, -1)
+    return torch.matmul(p, v.float()).view(S, hq, qmax, d).to(q.dtype)
+
+
+def _softmax_(s: Tensor, sink: Optional[Tensor]) -> Tensor:
+    """Softmax over the last dim of ``s``, in place; ``sink`` (broadcast to ``[..., 1]``) is one more logit
+    per row that takes probability and adds no value."""
+    m = s.amax(-1, keepdim=True)  # finite: every row allows a key
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    denom = s.sub_(m).exp_().sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + (sink - m).exp()
+    return s.div_(denom)
 
 
 BACKEND = register_backend(XFormersCudaBackend())

@@ -144,6 +144,12 @@ def _engine_run(model, prompts, lens, new, **kw):
     return got, time.perf_counter() - t0, t_setup, engine
 
 
+def _agreement(got, ref) -> tuple[int, float]:
+    """(outputs identical to ``ref``, median count of leading tokens equal to ``ref``'s)."""
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
+    return sum(a == b for a, b in zip(got, ref)), statistics.median(first)
+
+
 def generation(num_prompts, new, quick, compile_too):
     model = build_llama(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
@@ -159,8 +165,7 @@ def generation(num_prompts, new, quick, compile_too):
     t_hf = time.perf_counter() - t0
 
     got, t_eng, t_setup, engine = _engine_run(model, prompts, lens, new)
-    same = sum(a == b for a, b in zip(got, ref))
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
+    same, agree = _agreement(got, ref)
     total = num_prompts * new
     print(f"model: Llama {params / 1e6:.0f} M parameters, bfloat16, {num_prompts} prompts of 64-512 tokens "
           f"(mean {statistics.mean(lens):.0f}), {new} new tokens each, greedy")
@@ -170,12 +175,14 @@ def generation(num_prompts, new, quick, compile_too):
           f"(rewrite {t_setup:.1f} s; {engine.stats['steps']} steps, Python overhead "
           f"{100 * engine.overhead_share():.0f}% of step time)")
     print(f"engine/HF speed-up {t_hf / t_eng:.2f}x; identical outputs {same}/{num_prompts}; "
-          f"tokens agreeing before the first difference: median {statistics.median(first):.0f} of {new}")
+          f"tokens agreeing before the first difference: median {agree:.0f} of {new}")
     if compile_too:
         got_c, t_c, setup_c, eng_c = _engine_run(model, prompts, lens, new, compile=True)
         print(f"{'PagedEngine compile=True (Inductor)':34} {t_c:7.2f} {total / t_c:10.0f}   "
               f"(rewrite + compile {setup_c:.1f} s; {eng_c.stats['steps']} steps); engine/HF {t_hf / t_c:.2f}x; "
-              f"identical to eager engine {sum(a == b for a, b in zip(got_c, got))}/{num_prompts}")
+              f"identical to eager engine {_agreement(got_c, got)[0]}/{num_prompts}, to HF {_agreement(got_c, ref)[0]}"
+              f"/{num_prompts}; tokens agreeing with HF before the first difference: median "
+              f"{_agreement(got_c, ref)[1]:.0f} of {new}")
 
 
 def main(argv=None) -> None:

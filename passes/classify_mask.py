@@ -45,8 +45,12 @@ def classify_mask(gm: GraphModule) -> PassResult:
     constants: set[str] = gm.meta.get("pagedattn_constant_inputs", set())
     memo: dict[tuple, Any] = {}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    for site in sites:
+    hints = gm.meta.get("pagedattn_mask_hints")
+    for i, site in enumerate(sites):
         if site.status != "matched":
+            continue
+        if hints is not None and _single_token(site):
+            _apply_hint(site, hints, i, len(sites))
             continue
         if not site.biases and not site.conds and not site.factors:
             site.mask_kind = "causal" if site.sdpa_causal else "none"
@@ -73,6 +77,28 @@ def classify_mask(gm: GraphModule) -> PassResult:
         site.key_padding = placeholders[res.key_padding] if res.key_padding else None
     n = sum(s.mask_kind is not None for s in sites)
     return PassResult("classify_mask", False, f"{n} masks classified")
+
+
+def _single_token(site: AttentionSite) -> bool:
+    """A graph traced for one query against one key: no probe can tell a mask's extent there."""
+    sq, sk = shape(site.query), shape(site.key)
+    return not _symbols(sq[2]) and not _symbols(sk[2]) and int(sq[2]) == int(sk[2]) == 1
+
+
+def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: int) -> None:
+    """Take the mask of the same site in a multi-token trace of the same model (``rewrite(mask_hints=...)``)."""
+    if len(hints) != num_sites:
+        site.skip(f"single-token graph: its mask cannot be probed, and the multi-token trace given as hints has "
+                  f"{len(hints)} attention sites, not {num_sites}")
+        return
+    h = hints[index]
+    if h.get("status") != "rewritten":
+        site.skip(f"single-token graph: the multi-token trace left this site ({h.get('reason')})")
+    elif h.get("alibi") or h.get("key_padding"):
+        site.skip("single-token graph: ALiBi slopes and key padding cannot be probed on one token")
+    else:
+        site.mask_kind, site.window = h["mask"], h.get("window")
+        site.probed_up_to = h.get("mask_probed_up_to")
 
 
 # ----------------------------------------------------------------------- the probe

@@ -327,7 +327,17 @@ def _outside_users(sm: Node, path: list) -> list:
     """(node, user) pairs where a score node is read by something other than the next step to the softmax."""
     inside = set(path) | {sm}
     return [(n, u) for n in path for u in n.users
-            if u not in inside and u.target not in _HARMLESS_USERS and not _only_recentres(u, inside)]
+            if u not in inside and u.target not in _HARMLESS_USERS and not _only_recentres(u, inside)
+            and not _reads_metadata_only(u, n)]
+
+
+# ``x.type_as(scores)``, ``mask.expand_as(scores)`` (XLM): only the scores' dtype or shape is read
+_READS_METADATA_OF_ARG1 = {aten.type_as.default, aten.expand_as.default, aten.view_as.default,
+                           aten.reshape_as.default}
+
+
+def _reads_metadata_only(u: Node, n: Node) -> bool:
+    return u.target in _READS_METADATA_OF_ARG1 and u.args[1] is n and u.args[0] is not n
 
 
 def _only_recentres(u: Node, inside: set, depth: int = 4) -> bool:
@@ -517,6 +527,8 @@ def _find_pv(sm: Node, drop_sink: bool = False):
         u = users[0]
         if u.target in CAST_OPS or u.target in (aten.clone.default, aten.contiguous.default) or (
             u.target in _SCORE_VIEWS and _keeps_last_two(u)) or (
+            # matmul below dispatch: expand to the same shape, then a 3-D view into bmm
+            u.target is aten.expand.default and shape(u) == shape(p)) or (
             u.target is aten.dropout.default and (u.args[1] == 0 or u.args[2] is False)
         ):
             p = u
@@ -578,6 +590,8 @@ def _recover_4d(node: Node) -> Optional[Node]:
     n = skip_identity(node)
     if isinstance(n, Node) and n.target in VIEW_OPS:
         src = skip_identity(n.args[0])
+        if isinstance(src, Node) and src.target is aten.expand.default and shape(src) == shape(src.args[0]):
+            src = skip_identity(src.args[0])  # matmul below dispatch: expand to the same shape, then view
         s_src, s_dst = shape(src), shape(n)
         if s_src and len(s_src) == 4 and len(s_dst) == 3 and same_size(s_src[0] * s_src[1], s_dst[0]) \
                 and same_size(s_src[2], s_dst[1]) and same_size(s_src[3], s_dst[2]):
@@ -614,6 +628,14 @@ def _set_operands(site: AttentionSite, q, kt, v, out: Node, layout, key_is_trans
     sq, sk, sv = shape(q), shape(kt), shape(v)
     if sq is None or sk is None or sv is None:
         raise NoMatch("operand shapes are unknown")
+    if 3 in (len(sq), len(sk), len(sv)):
+        # 4-D operands flattened to 3-D for bmm (matmul below dispatch): Kᵀ itself may be one
+        q4, kt4, v4 = (x if len(shape(x)) == 4 else _recover_4d(x) for x in (q, kt, v))
+        if q4 is not None and kt4 is not None and v4 is not None:
+            q, kt, v = q4, kt4, v4
+            sq = shape(q)
+            if len(shape(out)) == 3:
+                layout = layout or ("flatten",)
     k = _transpose_back(graph, kt, out) if key_is_transposed else kt
     # scalars applied to q or k alone fold into the one scale
     q, qs = _strip_scalar(q)

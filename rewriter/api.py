@@ -45,6 +45,11 @@ class RewrittenModel(nn.Module):
         self._example_inputs = example_inputs
         self._exported: Optional[torch.export.ExportedProgram] = None
         self.graph_views: Optional[dict] = None  # see pagedattn.inspection.graph_views
+        # input sizes torch.export fixed to the example's (a forward looping over tokens in Python):
+        # {flat input index: {dim: size}}; other sizes are traced again (``_retrace``), like recompiles
+        self.static_sizes: dict[int, dict[int, int]] = {}
+        self._retrace: Optional[tuple] = None
+        self._variants: dict[tuple, "RewrittenModel"] = {}
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
 
@@ -69,6 +74,8 @@ class RewrittenModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         flat = self._flatten(args, kwargs)
+        if self.static_sizes and not _fits(flat, self.static_sizes):
+            return self._variant(flat, args, kwargs)(*args, **kwargs)
         ctx = current_context()
         if ctx is None:
             if self.dropin_module is None:
@@ -76,7 +83,24 @@ class RewrittenModel(nn.Module):
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
             return self._unflatten(self.dropin_module(*flat))
         refuse_if_unpaged(self._skipped)
+        if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
+            return self._unflatten(self.graph_module(*flat))
         return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
+
+    def _variant(self, flat: list, args, kwargs) -> "RewrittenModel":
+        """The model rewritten again for these input sizes (its traced program fixed some)."""
+        key = tuple(tuple(flat[i].shape) for i in sorted(self.static_sizes))
+        if key not in self._variants:
+            fixed = "; ".join(f"input {i} dims {sorted(d)} = {[d[k] for k in sorted(d)]}"
+                              for i, d in self.static_sizes.items())
+            if self._retrace is None:
+                raise ValueError(f"this program was traced for fixed input sizes ({fixed}; the model's forward "
+                                 "specialises them, e.g. a Python loop over the tokens) and cannot run others; "
+                                 "rewrite the model with pagedattn.rewrite() to get one that traces new sizes")
+            model, target, block_size = self._retrace
+            log.info("tracing again for input sizes %s: the traced program fixed %s", key, fixed)
+            self._variants[key] = rewrite(model, args, kwargs, target=target, block_size=block_size)
+        return self._variants[key]
 
     def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache") -> "RewrittenModel":
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
@@ -262,12 +286,17 @@ def _flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, A
 
 
 def rewrite_graph(gm: GraphModule, example_inputs: list, target: str = "cpu",
-                  constants: frozenset[int] = frozenset()) -> tuple[GraphModule, GraphModule, list]:
+                  constants: frozenset[int] = frozenset(),
+                  mask_hints: Optional[list[dict]] = None) -> tuple[GraphModule, GraphModule, list]:
     """Run the passes on a flat ATen graph: (drop-in graph, paged graph, sites).
 
-    ``constants`` are positions of inputs that hold model state (parameters, buffers).
+    ``constants`` are positions of inputs that hold model state (parameters, buffers). ``mask_hints``
+    (the report of a multi-token trace of the same model) gives the masks of a graph traced for a
+    single token, which no probe can settle.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if mask_hints is not None:
+        gm.meta["pagedattn_mask_hints"] = list(mask_hints)
     gm.meta["pagedattn_example_inputs"] = {p.name: x for p, x in zip(placeholders, example_inputs)}
     gm.meta["pagedattn_constant_inputs"] = {placeholders[i].name for i in constants}
     t0 = time.perf_counter()
@@ -342,11 +371,13 @@ def _without_hf_cache(model: nn.Module):
 
 
 def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, target: str = "auto",
-            block_size: int = 16) -> RewrittenModel:
+            block_size: int = 16, mask_hints: Optional[list[dict]] = None) -> RewrittenModel:
     """Export ``model`` on an example input, find its attention and replace it with paged attention.
 
     The example's batch and sequence sizes are not baked in: the rewritten model accepts any.
-    Use a sequence length of at least 2 (export specialises sizes of 1).
+    Use a sequence length of at least 2 (export specialises sizes of 1). A single-token example
+    needs ``mask_hints``: the ``report`` of a rewrite of the same model on a longer example, whose
+    masks it takes site by site (one query and one key show no causal mask or window).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}")
@@ -356,7 +387,11 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
     backend = get_backend(target)
     ep = export_model(model, args, kwargs)
     flat = pytree.tree_flatten((args, kwargs))[0]
-    rm = _rewrite_program(ep, flat, backend.device_type, block_size)
+    rm = _rewrite_program(ep, flat, backend.device_type, block_size, mask_hints)
+    if rm.static_sizes:
+        log.info("torch.export fixed input sizes %s of %s (its forward specialises them): other sizes "
+                 "are traced again when they come", rm.static_sizes, type(model).__name__)
+        rm._retrace = (model, target, block_size)
     # generation settings travel along (EOS ids, vocabulary) for the engine
     rm.config = getattr(model, "config", None)
     rm.generation_config = getattr(model, "generation_config", None)
@@ -389,17 +424,45 @@ def rewrite_exported(ep: torch.export.ExportedProgram, *, target: str = "auto", 
     return _rewrite_program(ep, flat, get_backend(target).device_type, block_size)
 
 
-def _rewrite_program(ep: torch.export.ExportedProgram, flat: list, device_type: str, block_size: int) -> RewrittenModel:
+def _rewrite_program(ep: torch.export.ExportedProgram, flat: list, device_type: str, block_size: int,
+                     mask_hints: Optional[list[dict]] = None) -> RewrittenModel:
     from pagedattn.inspection import graph_views
 
     gm, in_spec, out_spec = _flat_graph_module(ep)
     before = _copy_graph_module(gm)
-    dropin, paged, sites = rewrite_graph(gm, flat, device_type)
+    dropin, paged, sites = rewrite_graph(gm, flat, device_type, mask_hints=mask_hints)
     report = [s.report() for s in sites]
     rm = RewrittenModel(dropin, paged, in_spec, out_spec, report, cache_specs(paged, sites), device_type,
                         block_size, example_inputs=flat)
     rm.graph_views = graph_views(before, paged, sites)
+    rm.static_sizes = _static_sizes(ep, flat)
     return rm
+
+
+def _static_sizes(ep: torch.export.ExportedProgram, flat: list) -> dict[int, dict[int, int]]:
+    """Dimensions (of 2 or more) that export made constants although every one was asked dynamic."""
+    names = ep.graph_signature.user_inputs
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    out: dict[int, dict[int, int]] = {}
+    for i, (name, x) in enumerate(zip(names, flat)):
+        v = vals.get(name)
+        if isinstance(x, torch.Tensor) and isinstance(v, torch.Tensor):
+            dims = {d: c for d, c in enumerate(map(_constant, v.shape)) if c is not None and c >= 2 and c == x.shape[d]}
+            if dims:
+                out[i] = dims
+    return out
+
+
+def _constant(n) -> Optional[int]:
+    if isinstance(n, int):
+        return n
+    expr = n.node.expr  # a size export replaced by a number
+    return int(expr) if expr.is_number else None
+
+
+def _fits(flat: list, static: dict[int, dict[int, int]]) -> bool:
+    return all(isinstance(flat[i], torch.Tensor) and flat[i].dim() > max(d) and
+               all(flat[i].shape[k] == n for k, n in d.items()) for i, d in static.items())
 
 
 # ------------------------------------------------------------------------- export

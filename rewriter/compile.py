@@ -62,10 +62,24 @@ def _aten_graph(gm: GraphModule) -> GraphModule:
         ctx.fake_mode = fake_mode
     try:
         with fake_mode, torch.no_grad():
-            return make_fx(gm, pre_dispatch=True)(*fakes)
+            flat = make_fx(gm, pre_dispatch=True)(*fakes)
+            if _fake_constants(flat):
+                # a higher-order op run in Python at pre-dispatch (associative_scan in Jamba's Mamba scan)
+                # leaves its intermediates as fake constants: trace below dispatch instead
+                log.info("retracing a graph below dispatch: pre-dispatch tracing baked fake constants %s",
+                         _fake_constants(flat)[:3])
+                flat = make_fx(gm, pre_dispatch=False)(*fakes)
+            return flat
     finally:
         if ctx is not None:
             ctx.fake_mode = saved
+
+
+def _fake_constants(gm: GraphModule) -> list[str]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return [n.target for n in gm.graph.nodes if n.op == "get_attr"
+            and isinstance(getattr(gm, n.target, None), FakeTensor)]
 
 
 def _real(x: Any) -> Any:

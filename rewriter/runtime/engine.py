@@ -16,6 +16,8 @@ from pagedattn.backends import build_metadata, get_backend
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.context import paged_context
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
+from pagedattn.api import _without_hf_cache
+from pagedattn.runtime.state import StatefulStep, StateLayout, StatePool, find_recurrent_state
 
 log = logging.getLogger("pagedattn.runtime")
 
@@ -66,6 +68,12 @@ class PagedEngine:
     blocks as the device cache) with the backend's ``swap_blocks`` and back when blocks free up, so
     nothing is recomputed; a victim that does not fit in the host cache is recomputed. ``stats``
     counts ``preemptions``, ``recomputes``, ``swap_outs`` and ``swap_ins``.
+
+    Models with recurrent state besides attention (Hugging Face hybrids and state-space models:
+    linear attention, Mamba, short convolutions) get a state slot per request next to the paged
+    KV cache (:mod:`pagedattn.runtime.state`); their steps run one row per sequence (decode tokens
+    batched, prefill chunks a row each) and prefix caching is off, since a cached prefix carries no
+    state. Pass such a model itself, not a ``RewrittenModel``: the engine traces it with its state.
     """
 
     def __init__(self, model: nn.Module, *, target: str = "auto", block_size: int = 16,
@@ -73,7 +81,7 @@ class PagedEngine:
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: bool = False, preemption_mode: str = "recompute", swap_space: int | None = None):
-        from pagedattn.api import RewrittenModel, rewrite
+        from pagedattn.api import RewrittenModel
 
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
         self.backend = get_backend(target)
@@ -85,6 +93,10 @@ class PagedEngine:
             raise ValueError(f"the model's parameters are on {model_device} but target {target!r} runs on "
                              f"{self.device.type}: move the model first (model.to('{self.device.type}'))")
         self._eos = _eos_ids(model, eos_token_id)
+        self.state_layout: Optional[StateLayout] = None
+        self._token_steps = False  # state that advances one token per step (see _choose_state_mode)
+        self.fresh_model = None  # the first step of a sequence, where its initial state is not zeros
+        self._one_row = False  # steps run one row per call
         if isinstance(model, RewrittenModel):
             self.model, self._kwargs = model, _input_names(model)
             specs = model.cache_specs
@@ -93,10 +105,21 @@ class PagedEngine:
             specs = _compiled_cache_specs(model, self._kwargs)
         else:
             self._kwargs = _accepted(model)
-            example = _example_kwargs(self._kwargs, self.vocab_size, model_device or "cpu")
-            self.model = rewrite(model, (), example, target=target, block_size=block_size)
+            self.state_layout = find_recurrent_state(model)
+            if self.state_layout is not None:
+                self._choose_state_mode(model, target, block_size, dtype)
+            else:
+                self.model = _rewrite_plain(model, self._kwargs, target, block_size)
             specs = self.model.cache_specs
-        if not specs:
+        if self.state_layout is not None:
+            if self.backend.step_padder(max_num_tokens, max_num_seqs, 1) is not None:
+                raise ValueError(f"PagedEngine cannot serve a model with recurrent state on target {target!r}: "
+                                 "its steps run one row per sequence, which the padded step shapes of this "
+                                 "backend do not cover; use the CPU or CUDA target")
+            if enable_prefix_caching:
+                log.info("prefix caching is off: a cached prefix holds K/V but not the recurrent state")
+                enable_prefix_caching = False
+        elif not specs:
             raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
         if compile:
             if not isinstance(self.model, RewrittenModel):
@@ -104,10 +127,9 @@ class PagedEngine:
                                  "a torch.compile'd model is compiled already")
             self.model.compile_paged()
         self.cache_specs = specs
-        elem = {s["dtype"] for s in specs}
-        self.cache_dtype = dtype or getattr(torch, sorted(elem)[0])
-        bytes_per_block = sum(2 * block_size * s["num_kv_heads"] * s["head_size"] for s in specs) * \
-            torch.tensor([], dtype=self.cache_dtype).element_size()
+        self.cache_dtype = dtype or _cache_dtype(specs, self.state_layout)
+        bytes_per_block = max(1, sum(2 * block_size * s["num_kv_heads"] * s["head_size"] for s in specs) *
+                              torch.tensor([], dtype=self.cache_dtype).element_size())
         if num_blocks is None:
             num_blocks = _parse_memory(memory, bytes_per_block, self.device) if memory is not None else 2048
         self.num_blocks = int(num_blocks)
@@ -123,9 +145,12 @@ class PagedEngine:
         self.host_kv_caches = [self.backend.allocate_kv_cache(num_host_blocks, block_size, s["num_kv_heads"],
                                                               s["head_size"], self.cache_dtype, "cpu")
                                for s in specs] if num_host_blocks else []
-        self._check_packing()
+        self.states = StatePool(self.state_layout, self.device) if self.state_layout else None
+        if self.state_layout is None:
+            self._check_packing()
         self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching, num_host_blocks)
-        self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode)
+        self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode,
+                                   max_chunk=1 if self._token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
@@ -188,9 +213,102 @@ class PagedEngine:
                        "that accepts position_ids, or no absolute positions (ALiBi)"
                        if "position_ids" not in self._kwargs else
                        "tokens influence each other outside attention (recurrent, convolution or linear-attention "
-                       "layers, whose state the paged KV cache does not hold)")
+                       "layers, whose state the paged KV cache does not hold); if that state is in the model's "
+                       "Hugging Face cache, pass the model itself, not a RewrittenModel, and the engine carries it")
                 raise ValueError(f"PagedEngine cannot serve this model: a sequence's logits change when run {how} "
                                  f"(max difference {float((alone - got).abs().max()):.3g}): {why}")
+
+    def _choose_state_mode(self, model: nn.Module, target: str, block_size: int, dtype) -> None:
+        """Trace the stateful step for chunks of tokens, or else for one token per sequence and step.
+
+        Some layers read their carried state only on single-token steps (Mamba-1's selective scan
+        starts every longer chunk from zeros): their prompts then advance a token per step, in
+        batches of rows. A single-token trace shows no mask extent: its sites take their masks from
+        a multi-token trace of the model itself. A state that does not start from zeros gets a
+        second trace for the first step of each sequence, in which the model starts it itself.
+        """
+        errors, hints = [], None
+        # (tokens per row, rows): chunks in batched rows; one token per row; one token in one row per
+        # call, for models whose single-token path mixes the rows of a batch (RWKV's broadcasts them)
+        for tokens, rows in ((8, 2), (1, 2), (1, 1)):
+            try:
+                if tokens == 1 and hints is None:
+                    hints = _rewrite_plain(model, self._kwargs, target, block_size).report
+                self.model = _rewrite_stateful(model, self.state_layout, self._kwargs, target, block_size,
+                                               tokens, rows, hints)
+                if not self.state_layout.starts_from_zeros:
+                    self.fresh_model = _rewrite_stateful(model, self.state_layout, self._kwargs, target,
+                                                         block_size, tokens, rows, hints, fresh=True)
+                self.cache_specs, self._token_steps, self._one_row = self.model.cache_specs, tokens == 1, rows == 1
+                self.cache_dtype = dtype or _cache_dtype(self.cache_specs, self.state_layout)
+                self._check_state(model)
+                if errors:
+                    log.info("the model's state advances %s (%s)", "one token per step" if rows > 1 else
+                             "one token per step and call", "; ".join(errors))
+                return
+            except (ValueError, RuntimeError) as e:
+                errors.append(f"{tokens}-token steps in {rows} rows: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        raise ValueError("PagedEngine cannot serve this model with its recurrent state: " + "; ".join(errors))
+
+    def _check_state(self, model: nn.Module) -> None:
+        """Refuse a stateful model whose steps do not reproduce its own forward.
+
+        A sequence runs as one prefill row, and again as a chunk batched beside another sequence, then
+        single tokens batched with it, then a last chunk: each time its last logits must equal the
+        model's forward over the whole sequence. This catches state the Hugging Face cache does not hold.
+        """
+        vocab = self.vocab_size or 2
+        seq = [(11 + 3 * i) % vocab for i in range(9)]
+        other = [(3 + 5 * i) % vocab for i in range(6)]
+        bs = self.block_size
+        n0 = -(-len(seq) // bs)
+        tables = {0: list(range(n0)), 1: list(range(n0, n0 + -(-len(other) // bs)))}
+        blocks = n0 + len(tables[1])
+
+        def run(steps):
+            caches = [self.backend.allocate_kv_cache(blocks, bs, s["num_kv_heads"], s["head_size"],
+                                                     self.cache_dtype, self.device) for s in self.cache_specs]
+            pool, done, last = StatePool(self.state_layout, self.device, capacity=2), {}, None
+            for step in steps:
+                items = []
+                for rid, toks in step:
+                    start = done.get(rid, 0)
+                    if start == 0:
+                        pool.start(rid)
+                    items.append((rid, start, toks, tables[rid]))
+                    done[rid] = start + len(toks)
+                out = self._row_step(caches, pool, items)
+                last = next((o for (rid, *_), o in zip(items, out) if rid == 0), last)
+            return last.float()
+
+        kw = {"input_ids": torch.tensor([seq], device=self.device)}
+        if "position_ids" in self._kwargs:
+            kw["position_ids"] = torch.arange(len(seq), device=self.device)[None]
+        if "use_cache" in self._kwargs:
+            kw["use_cache"] = False
+        try:
+            with torch.no_grad(), _without_hf_cache(model):
+                ref = self._logits(model(**kw), {}, [len(seq) - 1])[-1].float()
+            chunked = [[(0, seq[:4]), (1, other[:3])], [(0, seq[4:5]), (1, other[3:4])],
+                       [(0, seq[5:6]), (1, other[4:6])], [(0, seq[6:])]]
+            if self._token_steps:
+                checks = {"a token per step, batched with another sequence": run(_token_by_token(chunked))}
+            else:
+                checks = {"as one prefill row": run([[(0, seq)]]),
+                          "in chunks and single tokens batched with another sequence": run(chunked)}
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise ValueError(f"PagedEngine cannot serve this model with its recurrent state: a step failed "
+                             f"({type(e).__name__}: {msg})") from e
+        # relative to the logits' scale: a lost state can move random-weight logits by as little as 1e-5
+        tol = max(2e-5, 8 * torch.finfo(self.cache_dtype).eps) * float(ref.abs().max())
+        for how, got in checks.items():
+            if float((ref - got).abs().max()) > tol:
+                raise ValueError(
+                    f"PagedEngine cannot serve this model: run {how}, a sequence's logits differ from the model's "
+                    f"own forward (max difference {float((ref - got).abs().max()):.3g}); its state lives outside "
+                    "the Hugging Face cache layers the engine carries")
 
     def _inputs(self, ids: list[int], pos: Optional[list[int]], rows: list[int]) -> dict:
         kwargs = {"input_ids": torch.tensor([ids], device=self.device)}
@@ -267,6 +385,25 @@ class PagedEngine:
                                    f"{len(sched.waiting) + len(sched.swapped)} requests wait for blocks "
                                    "that never free")
             return []
+        t1 = time.perf_counter()
+        if self.states is not None:
+            logits, num_tokens = self._run_rows(plan), sum(c.num_tokens for c in plan)
+        else:
+            logits, num_tokens, t1 = self._run_packed(plan)
+        self.backend.sync()
+        if logits.device.type != "cpu":
+            logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
+        t2 = time.perf_counter()
+        finished = self._advance(plan, logits)
+        t3 = time.perf_counter()
+        self.stats["steps"] += 1
+        self.stats["tokens"] += num_tokens
+        self.stats["model_s"] += t2 - t1
+        self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
+        return finished
+
+    def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
+        """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks."""
         ids, pos, rows = [], [], []
         for chunk in plan:
             toks = chunk.request.tokens[chunk.start:chunk.start + chunk.num_tokens]
@@ -287,18 +424,45 @@ class PagedEngine:
         t1 = time.perf_counter()
         with torch.no_grad(), paged_context(self.kv_caches, meta):
             out = self.model(**kwargs)
-        logits = self._logits(out, kwargs, rows)[:num_rows]  # [R, V]
-        self.backend.sync()
-        if logits.device.type != "cpu":
-            logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
-        t2 = time.perf_counter()
-        finished = self._advance(plan, logits)
-        t3 = time.perf_counter()
-        self.stats["steps"] += 1
-        self.stats["tokens"] += num_tokens
-        self.stats["model_s"] += t2 - t1
-        self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
-        return finished
+        return self._logits(out, kwargs, rows)[:num_rows], num_tokens, t1  # [R, V]
+
+    def _run_rows(self, plan: list[ScheduledChunk]) -> torch.Tensor:
+        """Stateful models: one row per sequence; ``[R, V]`` logits of the completing chunks."""
+        for c in plan:
+            if c.start == 0:  # new, or recomputed after preemption
+                self.states.start(c.request.id)
+        items = [(c.request.id, c.start, c.request.tokens[c.start:c.start + c.num_tokens], c.request.table.blocks)
+                 for c in plan]
+        last = self._row_step(self.kv_caches, self.states, items)
+        done = [row for c, row in zip(plan, last) if c.completes]
+        return torch.stack(done) if done else torch.empty(0, self.vocab_size or 1)
+
+    def _row_step(self, caches, pool: StatePool, items: list[tuple[int, int, list[int], list[int]]]) -> list:
+        """Run ``(request id, start, tokens, block table)`` items as rows: single tokens batched, longer
+        chunks one row each (the recurrence runs along a row); first steps through ``fresh_model`` where
+        there is one. Returns each item's last-token logits."""
+        groups = []
+        for first in (True, False) if self.fresh_model is not None else (None,):
+            idx = [i for i, it in enumerate(items) if first is None or (it[1] == 0) == first]
+            single = [i for i in idx if len(items[i][2]) == 1]
+            batched = [[i] for i in single] if self._one_row else [single] if single else []
+            groups += [(first, g) for g in batched + [[i] for i in idx if len(items[i][2]) > 1]]
+        out: list = [None] * len(items)
+        for first, group in groups:
+            rows = [items[i] for i in group]
+            rids = [r[0] for r in rows]
+            meta = build_metadata([(start, len(toks), table) for _, start, toks, table in rows], self.block_size,
+                                  device=self.device)
+            kwargs = {"input_ids": torch.tensor([r[2] for r in rows], device=self.device),
+                      "position_ids": torch.tensor([list(range(r[1], r[1] + len(r[2]))) for r in rows],
+                                                   device=self.device),
+                      "states": [] if first else pool.gather(rids)}
+            with torch.no_grad(), paged_context(caches, meta):
+                logits, *states = (self.fresh_model if first else self.model)(**kwargs)  # [B, V], states [B, ...]
+            pool.scatter(rids, states)
+            for i, row in zip(group, logits):
+                out[i] = row
+        return out
 
     def _move_blocks(self) -> None:
         """Run the block moves the scheduler queued, before the step reads or writes the caches.
@@ -338,6 +502,8 @@ class PagedEngine:
                 reason = "length"
             if reason:
                 self.scheduler.finish(req, reason)
+                if self.states is not None:
+                    self.states.release(req.id)
                 self._generators.pop(req.id, None)
                 res = RequestOutput(req.id, req.prompt, list(req.output), reason)
                 self._finished.append(res)
@@ -435,6 +601,47 @@ def _honours_positions(model: nn.Module, names: set[str]) -> bool:
         return isinstance(a, torch.Tensor) and not torch.equal(a, b)
     except Exception:  # a forward that refuses the keyword does not take it
         return False
+
+
+def _token_by_token(steps: list) -> list:
+    """The same chunks split into steps of one token per sequence."""
+    out = []
+    for step in steps:
+        for i in range(max(len(toks) for _, toks in step)):
+            out.append([(rid, toks[i:i + 1]) for rid, toks in step if i < len(toks)])
+    return out
+
+
+def _cache_dtype(specs: list[dict], layout: Optional[StateLayout]) -> torch.dtype:
+    elem = {s["dtype"] for s in specs} or {str(s.dtype).replace("torch.", "") for s in layout.slots}
+    return getattr(torch, sorted(elem)[0])
+
+
+def _rewrite_plain(model: nn.Module, names: set[str], target: str, block_size: int):
+    from pagedattn.api import rewrite
+
+    example = _example_kwargs(names, _vocab_size(model), _module_device(model) or "cpu")
+    return rewrite(model, (), example, target=target, block_size=block_size)
+
+
+def _rewrite_stateful(model: nn.Module, layout: StateLayout, names: set[str], target: str, block_size: int,
+                      tokens: int = 8, rows: int = 2, mask_hints: Optional[list[dict]] = None,
+                      fresh: bool = False):
+    """Rewrite the model's step with its recurrent state as inputs and outputs (see StatefulStep)."""
+    from pagedattn.api import rewrite
+
+    device = _module_device(model) or "cpu"
+    B, T = rows, tokens  # two rows: the batch dimension stays dynamic
+    ids = (torch.arange(B * T, device=device).reshape(B, T) * 5 + 3) % (_vocab_size(model) or 2)
+    example = {"input_ids": ids, "position_ids": torch.arange(T, device=device).expand(B, T).contiguous(),
+               "states": [] if fresh else [torch.zeros((B, *s.shape), dtype=s.dtype, device=device)
+                                           for s in layout.slots]}
+    log.info("recurrent state per sequence: %s (%d bytes)", ", ".join(s.name for s in layout.slots),
+             layout.bytes_per_sequence)
+    rm = rewrite(StatefulStep(model, layout, "position_ids" in names, fresh).eval(), (), example,
+                 target=target, block_size=block_size, mask_hints=mask_hints)
+    rm._retrace = None  # a step whose program fixed its sizes refuses others: the next mode is tried instead
+    return rm
 
 
 def _input_names(model) -> set[str]:

@@ -107,7 +107,8 @@ class Scheduler:
     """Running requests first (oldest first), then swapped-out ones, then waiting ones, under a token
     budget per step.
 
-    Prefills are chunked to fit the budget. When blocks run out, the newest running request is
+    Prefills are chunked to fit the budget (and ``max_chunk`` tokens of a request per step: 1 for
+    models whose state advances one token at a time). When blocks run out, the newest running request is
     preempted. With ``preemption_mode="recompute"`` its blocks are freed and it is recomputed later
     from its tokens so far. With ``"swap"`` its blocks move to the block manager's host pool (the
     engine copies them, see ``BlockManager.take_swaps``) and come back before any waiting request is
@@ -116,9 +117,12 @@ class Scheduler:
     """
 
     def __init__(self, blocks: BlockManager, max_num_tokens: int = 512, max_num_seqs: int = 256,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", max_chunk: int | None = None):
         if max_num_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_tokens and max_num_seqs must be >= 1")
+        if max_chunk is not None and max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1 or None, got {max_chunk}")
+        self.max_chunk = max_chunk or max_num_tokens  # tokens of one request per step
         PreemptionConfig(preemption_mode)  # validates the mode
         self.blocks = blocks
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
@@ -160,7 +164,7 @@ class Scheduler:
         """Bring swapped-out requests back (oldest first) while they fit; returns the budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            n = min(req.num_pending, budget)
+            n = min(req.num_pending, budget, self.max_chunk)
             if not self.blocks.can_swap_in(req.table, n):
                 break  # the oldest goes first: later ones wait rather than overtake it
             self.blocks.swap_in(req.table)
@@ -182,7 +186,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted while making room for an older request
                 continue
-            n = min(req.num_pending, budget)
+            n = min(req.num_pending, budget, self.max_chunk)
             while True:
                 try:
                     self.blocks.reserve(req.table, n)
@@ -203,7 +207,7 @@ class Scheduler:
             req = self.waiting[0]
             if not req.table.blocks:
                 req.num_computed = self.blocks.allocate_prompt(req.table, req.tokens)
-            n = min(req.num_pending, budget)
+            n = min(req.num_pending, budget, self.max_chunk)
             try:
                 self.blocks.reserve(req.table, n)
             except NoFreeBlocks:

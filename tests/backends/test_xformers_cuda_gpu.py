@@ -33,10 +33,7 @@ def _check(b, dtype, **kw):
     backend.paths.clear()
     scale = kw.pop("scale", 1 / math.sqrt(b.query.shape[-1]))
     gpu = _cuda(b)
-    if kw.get("alibi") is not None:
-        gpu_kw = dict(kw, alibi=kw["alibi"].cuda())
-    else:
-        gpu_kw = kw
+    gpu_kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}  # ALiBi slopes, sinks
     out = run_step(gpu, scale, pass_kv=gpu_kw.pop("pass_kv", True), **gpu_kw).cpu()
     kw.pop("pass_kv", None)
     ref = reference_step(b, scale, **kw)
@@ -83,6 +80,82 @@ def test_features(feature, dtype):
     if feature.pop("alibi", False):
         feature["alibi"] = ALIBI8
     _check(make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
+
+
+SINKS8 = torch.linspace(-2.0, 4.0, 8)  # large enough to take a real share of every row's probability
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", ["all_prefill", "all_decode", "mixed", "chunked", "many_blocks"])
+def test_sinks_against_softmax_with_a_sink_logit(shape, dtype):
+    # prefill, decode and cached-context rows, GQA 8/2: the exact fp32 math path over gathered K/V
+    b = make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
+    sinks = SINKS8.to(dtype)
+    paths = _check(b, dtype, sinks=sinks)
+    assert {p for _, p in paths} == {"sinks_math"}, paths
+    scale = 1 / math.sqrt(b.query.shape[-1])
+    moved = (reference_step(b, scale) - reference_step(b, scale, sinks=sinks)).abs().max()
+    assert moved > 10 * TOL[dtype], "the sinks must change the output for this check to mean anything"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "feature",
+    [{"window": 8}, {"window": 1}, {"softcap": 5.0}, {"alibi": True}, {"causal": False}, {"scale": 0.3}],
+    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_sinks_with_other_features(feature, dtype):
+    feature = dict(feature, sinks=SINKS8.to(dtype))
+    if feature.pop("alibi", False):
+        feature["alibi"] = ALIBI8
+    _check(make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1)], ids=["mha", "mqa"])
+def test_sinks_layouts(block_size, heads):
+    nh, nkv = heads
+    b = make_batch(SHAPES["mixed"], num_heads=nh, num_kv_heads=nkv, head_size=128, block_size=block_size,
+                   dtype=torch.bfloat16)
+    _check(b, torch.bfloat16, sinks=SINKS8.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("feature", [{"sinks": True}, {"softcap": 5.0}, {"dtype": torch.float32}],
+                         ids=["sinks", "softcap", "fp32"])
+def test_exact_math_in_batches_of_sequences(feature, monkeypatch):
+    # a step whose padded scores exceed the budget runs in batches of sequences, decodes apart from prefills
+    from pagedattn.backends import xformers_cuda
+
+    monkeypatch.setattr(xformers_cuda, "_MATH_BUDGET_BYTES", 700 << 10)  # the eight single-query rows fit together
+    feature = dict(feature)
+    dtype = feature.pop("dtype", torch.bfloat16)
+    if feature.pop("sinks", False):
+        feature["sinks"] = SINKS8.to(dtype)
+    b = make_batch(SHAPES["mixed"] + SHAPES["all_decode"], num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
+    _check(b, dtype, **feature)
+    (group,) = xformers_cuda._LOCAL.plan.groups[("all",)]
+    (batches,) = [v for k, v in group.cache.items() if k[0] == "math_batches"]
+    assert len(batches) > 1 and any(set(g.q_lens) == {1} for g in batches), [g.q_lens for g in batches]
+    assert sorted(i for g in batches for i in g.seqs) == group.seqs
+
+
+def test_sinks_memory_is_bounded_for_a_long_mixed_step():
+    # 16 decodes over 2-4k tokens beside a 128-token chunk: padded together, the step's fp32 scores
+    # [17, 64, 128, 4096] take 2.3 GB per copy (HEAD's backend peaked at 7.7 GiB on an H100); in batches,
+    # with K/V never repeated per query head, far less
+    g = torch.Generator().manual_seed(0)
+    seqs = [(int(torch.randint(2048, 4096, (1,), generator=g)), 1) for _ in range(16)] + [(3968, 128)]
+    b = make_batch(seqs, num_heads=64, num_kv_heads=8, head_size=64, dtype=torch.bfloat16, generator=g)
+    sinks = torch.linspace(-2.0, 4.0, 64).to(torch.bfloat16)
+    gpu = _cuda(b)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run_step(gpu, 0.125, sinks=sinks.cuda())
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 1 << 30, f"{peak / 2 ** 30:.2f} GiB"
+    torch.testing.assert_close(out.cpu().double(), reference_step(b, 0.125, sinks=sinks), atol=3e-2, rtol=3e-2)
 
 
 def test_float32_through_sdpa():

@@ -94,3 +94,30 @@ class Strided(zoo._Base):
 def test_arbitrary_mask_is_skipped():
     (site,) = classified(Strided(), zoo.example_args("nanogpt"))
     assert site.status == "skipped" and "arbitrary mask" in site.reason
+
+
+def _single_token(name, hints):
+    gm = aten_graph(zoo.ATTENTION[name][0](), zoo.example_args(name, T=1))  # one query, one key: T static
+    if hints is not None:
+        gm.meta["pagedattn_mask_hints"] = hints
+    match_attention(gm)
+    classify_mask(gm)
+    return gm.meta["pagedattn_sites"]
+
+
+def test_single_token_graph_takes_the_mask_of_its_hint():
+    # one query against one key shows no window: the multi-token trace's site says what it is
+    (long,) = classified(zoo.ATTENTION["sliding_window"][0](), zoo.example_args("sliding_window"))
+    hint = {"status": "rewritten", "mask": long.mask_kind, "window": long.window, "alibi": False}
+    (site,) = _single_token("sliding_window", [hint])
+    assert (site.status, site.mask_kind, site.window) == ("matched", "sliding_window", 100)
+
+
+@pytest.mark.parametrize("hints, reason", [
+    ([], "has 0 attention sites, not 1"),
+    ([{"status": "skipped", "reason": "arbitrary mask"}], "left this site (arbitrary mask)"),
+    ([{"status": "rewritten", "mask": "causal", "window": None, "alibi": True}], "ALiBi"),
+])
+def test_single_token_graph_without_a_usable_hint_is_left(hints, reason):
+    (site,) = _single_token("sliding_window", hints)
+    assert site.status == "skipped" and reason in site.reason

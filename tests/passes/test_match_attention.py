@@ -72,3 +72,40 @@ def test_counter_examples(cls, reason):
     match_attention(gm)
     (site,) = gm.meta["pagedattn_sites"]
     assert site.status == "skipped" and reason in site.reason
+
+
+class ScoresMetadataRead(zoo._Base):
+    """XLM's spelling: the mask expanded to the scores' shape, the probabilities cast to their dtype."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        s = q @ k.transpose(-1, -2) * 0.25
+        T = x.shape[1]
+        mask = (torch.arange(T)[None, :] > torch.arange(T)[:, None]).expand_as(s)
+        s = s.masked_fill(mask, float("-inf"))
+        p = torch.softmax(s.float(), -1).type_as(s)
+        return self.merge(p @ v)
+
+
+class ScoresValueRead(zoo._Base):
+    """Counter-example: the scores' values leave the softmax path (their row sums feed the output)."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        s = q @ k.transpose(-1, -2) * 0.25
+        p = torch.softmax(s, -1)
+        return self.merge(p @ v) + s.sum(-1, keepdim=True).transpose(1, 2).mean()
+
+
+def test_scores_read_for_their_shape_or_dtype_only_still_match():
+    gm = aten_graph(ScoresMetadataRead(), zoo.example_args("nanogpt"))
+    match_attention(gm)
+    (site,) = gm.meta["pagedattn_sites"]
+    assert site.status == "matched", site.reason
+
+
+def test_scores_read_for_their_values_are_refused():
+    gm = aten_graph(ScoresValueRead(), zoo.example_args("nanogpt"))
+    match_attention(gm)
+    (site,) = gm.meta["pagedattn_sites"]
+    assert site.status == "skipped" and "outside the softmax" in site.reason

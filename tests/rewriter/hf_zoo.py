@@ -10,6 +10,7 @@ routing, partial rotary, attention sinks. ``check(arch)`` runs one architecture 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import time
 import traceback
@@ -50,6 +51,11 @@ _HEAD_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", 
 # (heads, head size, expansion) triples of state-space blocks: heads * head size = expansion * hidden
 _SSM_HEADS = (("num_heads", "head_dim", "expand"), ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
               ("n_mamba_heads", "mamba_headdim", "mamba_expand"))
+# (heads, head size, inner width) of state-space blocks whose inner width is a field of its own
+_SSM_WIDTH = (("mamba_n_heads", "mamba_d_head", "mamba_d_ssm"),)
+# sizes of a sparse-attention token indexer (Qwen4-Exp's QSA): one key head, a budget of 4 blocks of 2
+_INDEXER = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+            "indexer_compress_ratio": 2}
 _NOT_WIDTH = ("vocab", "chunk", "batch", "patch", "window", "kernel", "conv", "block", "state", "position", "cache",
               "rank", "bucket", "image", "num_", "group", "max_", "seq")
 
@@ -62,12 +68,76 @@ def _even(x: float) -> int:
     return max(2, int(round(x / 2)) * 2)
 
 
+def _layer_numbers(n: str, v, layers) -> bool:
+    """Whether ``v`` lists layer numbers (Zamba2's hybrid_layer_ids, Llama 4's moe_layers), not a value per layer."""
+    return (isinstance(v, list) and bool(v) and ("layer" in n or "idx" in n) and bool(layers)
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < layers for x in v)
+            and all(a < b for a, b in zip(v, v[1:])))
+
+
+def _pick_layers(o: dict, layers0: Optional[int], most: int = 4) -> Optional[list[int]]:
+    """Indices of the layers to keep: the fewest layers (at most ``most``, else the first two) that hold
+    every kind of layer of the per-layer kind lists (``*layer_types``, ``layers_block_type``) and of the
+    per-layer flags with two values (Llama 4's ``no_rope_layers``), two layers where all are alike.
+    Layers that reuse an earlier layer's keys and values (the last ``num_kv_shared_layers``) keep one of
+    each kind on both sides of that boundary, and Zamba's ``hybrid`` layers, which all run one shared
+    block, keep two, so that the sharing stays. None where the config has no per-layer kinds."""
+    lists = [v for n, v in o.items() if n.endswith(("layer_types", "layers_block_type"))
+             and isinstance(v, (list, tuple)) and len(v) > 2 and len(v) == (layers0 or len(v))]
+    if not lists:
+        return None
+    n_kinds = len(lists)
+    lists += [v for n, v in o.items() if isinstance(v, list) and len(v) == len(lists[0]) and v not in lists
+              and not _layer_numbers(n, v, len(v)) and len(set(map(str, v))) == 2]
+    sig = [tuple(map(str, s)) for s in zip(*lists)]  # each layer's kinds
+
+    def cover(lo, hi):
+        firsts = sorted(sig.index(k, lo) for k in dict.fromkeys(sig[lo:hi]))
+        if len(firsts) == 1:
+            return list(range(lo, min(lo + 2, hi)))
+        need = {(j, k) for i in firsts for j, k in enumerate(sig[i])}
+        for size in range(2, min(most, len(firsts)) + 1):
+            for pick in itertools.combinations(firsts, size):
+                if {(j, k) for i in pick for j, k in enumerate(sig[i])} == need:
+                    return list(pick)
+        return [lo, lo + 1]
+
+    shared = o.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < len(sig):
+        boundary = len(sig) - shared
+        picked = cover(0, boundary)
+        kind = [s[:n_kinds] for s in sig]  # sharing goes by layer type
+        picked += [kind.index(kind[i], boundary) for i in picked if kind[i] in kind[boundary:]]
+        return sorted(dict.fromkeys(picked))
+    picked = cover(0, len(sig))
+    blocks = o.get("layers_block_type")
+    if isinstance(blocks, list) and blocks.count("hybrid") > 1 and sum(blocks[i] == "hybrid" for i in picked) == 1:
+        picked = sorted(picked + [next(i for i, b in enumerate(blocks) if b == "hybrid" and i not in picked)])
+    return picked
+
+
 def _shrink(d: dict) -> dict:
     """A shrunk copy of a config dict (sub-config dicts recursively)."""
     d = dict(d)
-    for name, sub in list(d.items()):
-        if isinstance(sub, dict) and "model_type" in sub:
-            d[name] = _shrink(sub)
+    subs = {n: sub for n, sub in d.items() if isinstance(sub, dict) and "model_type" in sub}
+    rope = d.get("rope_parameters")
+    for name, sub in subs.items():
+        if (sub.get("model_type") == "" and isinstance(rope, dict) and "rope_theta" in rope
+                and not any("rope" in k for k in sub) and any("head" in k or "attn" in k for k in sub)):
+            # a group of the parent's attention parameters, no model of its own (DBRX's attn_config): the
+            # modelling code reads the RoPE base from it, where checkpoints store it
+            sub = {**sub, "rope_theta": rope["rope_theta"]}
+            if "clip_qkv" in sub and sub["clip_qkv"] is None:
+                sub["clip_qkv"] = 8.0  # DBRX's attention clamps q, k, v whether it is set or not
+        d[name] = _shrink(sub)
+    for name, sub in subs.items():  # widths named after a sibling sub-config (BLT's hidden_size_global)
+        for other, osub in subs.items():
+            h_old = _first(osub, _HIDDEN)
+            if other == name or not other.endswith("_config") or not h_old:
+                continue
+            for k, v in sub.items():
+                if other[:-len("_config")] in k and v == h_old and ("size" in k or "dim" in k):
+                    d[name][k] = _first(d[other], _HIDDEN)
     o = dict(d)
     hidden0, heads0 = _first(o, _HIDDEN), _first(o, _HEADS)
     kv0 = _first(o, _KV_HEADS)
@@ -85,9 +155,28 @@ def _shrink(d: dict) -> dict:
                      (("n_shared_experts",), 1)):
         for n in names:
             if n in o and o[n] is None:
-                if n in _TOPK + ("n_shared_experts",) and not any(isinstance(o.get(e), int) for e in _EXPERTS):
+                # routing counts only where the experts are set (or were just given a count above)
+                if n in _TOPK + ("n_shared_experts",) and not any(isinstance(d.get(e), int) for e in _EXPERTS):
                     continue
                 d[n] = v
+    # a sparse-attention indexer whose sizes the default config leaves all unset although its default
+    # layers use it (Qwen4-Exp's `indexed_attention`): a small one, its budget shorter than the probes
+    if all(n in o and o[n] is None for n in _INDEXER):
+        d.update(_INDEXER)
+    # layer kinds left unset where the config does not derive them (LFM2-MoE): for a short-convolution
+    # hybrid (`conv_*` fields) one convolution and one attention layer, else attention
+    if "layer_types" in o and o["layer_types"] is None and _first(o, _LAYERS):
+        kinds = ["conv" if any(k.startswith("conv_") for k in o) else "full_attention", "full_attention"]
+        o["layer_types"] = (kinds * _first(o, _LAYERS))[:_first(o, _LAYERS)]
+    # per-layer-type RoPE left empty by the default config (Cohere Compass): default RoPE for each type,
+    # with M-RoPE sections for the new head size (the modelling code's default, [22, 22, 20] of 64
+    # frequencies, fits a head size of 128 only)
+    if o.get("rope_parameters") == {} and isinstance(o.get("layer_types"), list):
+        half = HEAD_DIM // 2
+        t = round(half * 20 / 64)
+        d["rope_parameters"] = {k: {"rope_type": "default", "rope_theta": 10000.0,
+                                    "mrope_section": [(half - t) // 2, half - t - (half - t) // 2, t]}
+                                for k in dict.fromkeys(o["layer_types"])}
     put(_LAYERS, 2)
     put(_HIDDEN, HIDDEN)
     put(_HEADS, HEADS)
@@ -108,6 +197,9 @@ def _shrink(d: dict) -> dict:
         if all(isinstance(o.get(n), int) for n in (h, hd)) and hidden0 and o[h] * o[hd] == o.get(ex, 0) * hidden0:
             d[h] = HEADS
             d[hd] = o[ex] * HIDDEN // HEADS
+    for h, hd, width in _SSM_WIDTH:
+        if all(isinstance(o.get(n), int) for n in (h, hd, width)) and o[h] * o[hd] == o[width]:
+            d[h], d[hd], d[width] = HEADS, HEAD_DIM, HEADS * HEAD_DIM
     # other widths that are multiples of the hidden size stay such multiples
     handled = set(_HIDDEN + _FFN + _SMALL_FFN + _HEAD_DIMS)
     for n, v in o.items():
@@ -131,21 +223,27 @@ def _shrink(d: dict) -> dict:
             d[n] = _WINDOW
     if "is_decoder" in d:
         d["is_decoder"] = True
-    layers0 = _first(o, _LAYERS)
-    for n, v in o.items():  # other per-layer lists (widths, flags): the first two layers
-        if isinstance(v, list) and layers0 and len(v) == layers0 and layers0 > 2 and not n.endswith("layer_types"):
-            d[n] = [_first({"x": x}, ["x"]) and (FFN if n in _FFN else x) for x in v[:2]] if n in _FFN else v[:2]
+    layers0 = _first(o, _LAYERS) or next((len(v) for n, v in o.items() if n.endswith("layers_block_type")
+                                          and isinstance(v, list)), None)  # Nemotron-H: from its pattern
+    picked = _pick_layers(o, layers0)
+    if picked:
+        put(_LAYERS, len(picked))
+    for n, v in o.items():
+        if picked and _layer_numbers(n, v, layers0 or len(picked)):  # layer numbers: those of the layers kept
+            d[n] = [j for j, i in enumerate(picked) if i in v]
+        elif isinstance(v, list) and layers0 and len(v) == layers0 and layers0 > 2:  # a value per layer
+            d[n] = [FFN if n in _FFN and isinstance(v[i], int) else v[i] for i in (picked or [0, 1])]
+    shared = o.get("num_kv_shared_layers")
+    if picked and isinstance(shared, int) and 0 < shared <= layers0:
+        d["num_kv_shared_layers"] = sum(i >= layers0 - shared for i in picked)
     if isinstance(o.get("attention_types"), list) and all(isinstance(t, list) and len(t) == 2 for t in o["attention_types"]):
         kinds = list(dict.fromkeys(k for t in o["attention_types"] for k in t[0]))
         d["attention_types"] = [[kinds, 1]]  # GPT-Neo's [[kinds, repeats]]
         put(_LAYERS, len(kinds))
-    # per-layer lists: keep one layer of each kind among the first two
-    picked = None
-    for n, v in o.items():
-        if n.endswith(("layer_types", "layers_block_type")) and isinstance(v, (list, tuple)) and len(v) > 2:
-            kinds = list(dict.fromkeys(v))
-            d[n] = (kinds + [v[0]] * 2)[:2] if len(kinds) <= 2 else list(v[:2])
-            picked = picked or ([v.index(k) for k in kinds] + [0])[:2] if len(kinds) <= 2 else [0, 1]
+    # hybrids that place attention every `period` layers from `offset`: keep one of each in two layers
+    if isinstance(o.get("attn_layer_period"), int) and isinstance(o.get("attn_layer_offset"), int) \
+            and o["attn_layer_offset"] >= 2:
+        d["attn_layer_period"], d["attn_layer_offset"] = 2, 1
     plc = o.get("per_layer_config")
     if isinstance(plc, dict) and plc and all(str(k).isdigit() for k in plc):
         width = len(next(iter(plc)))  # per-layer overrides follow the layers kept, head sizes scaled
@@ -156,6 +254,14 @@ def _shrink(d: dict) -> dict:
                 keep[str(new_i).zfill(width)] = {k: (_even(v * HEAD_DIM / hd0) if k in _HEAD_DIMS and hd0 and isinstance(v, int)
                                                      else v) for k, v in entry.items()}
         d["per_layer_config"] = keep
+    # widths set as factors of the hidden size, rounded up to multiples of 64 by the config but not by
+    # the layers (xLSTM's qk_dim): a hidden size whose factors are such multiples already
+    if isinstance(o.get("qk_dim_factor"), float):
+        for n in ("hidden_size", "embedding_dim"):
+            if isinstance(d.get(n), int):
+                d[n] = 2 * HIDDEN
+    if isinstance(o.get("num_blocks"), int) and isinstance(d.get("num_hidden_layers"), int):
+        d["num_blocks"] = d["num_hidden_layers"]  # another name for the layer count
     return d
 
 
@@ -163,6 +269,11 @@ def tiny_config(arch: str):
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(arch)
+    if "text_config" in getattr(cfg, "sub_configs", {}) and getattr(cfg, "text_config", 0) is None:
+        try:  # a text config left unset (Gemma 4's assistant heads): the default one its class makes from {}
+            cfg = AutoConfig.for_model(arch, text_config={})
+        except Exception:
+            pass
     small = _shrink(cfg.to_dict())
     try:
         return type(cfg).from_dict(small)
@@ -178,7 +289,7 @@ def _assign(cfg, values: dict) -> None:
         cur = getattr(cfg, k, None)
         if isinstance(cur, PretrainedConfig) and isinstance(v, dict):
             _assign(cur, v)
-        elif k in cfg.__dict__ and cur != v:
+        elif (k in cfg.__dict__ and cur != v) or not hasattr(cfg, k):  # or one _shrink adds (a sub-config's rope_theta)
             cfg.__dict__[k] = v
 
 
@@ -364,6 +475,8 @@ def _check_eager(model) -> tuple[dict, dict]:
     except Exception as e:
         return {"error": _first_line(e), "export_failed": "torch.export could not trace" in str(e)}, {}
     res = _summary(rm.report)
+    from pagedattn.api import _without_hf_cache
+
     try:  # drop-in, called the way the engine calls it: [1, T] tokens, explicit positions
         ids, _ = inputs(model, 1, 13)
         kw = {"input_ids": ids}
@@ -373,19 +486,27 @@ def _check_eager(model) -> tuple[dict, dict]:
             kw["use_cache"] = False
         if "logits_to_keep" in names:
             kw["logits_to_keep"] = torch.arange(13)
-        with torch.no_grad():
+        with torch.no_grad(), _without_hf_cache(model):  # also where use_cache comes from the config
             res["max_err"] = float((_logits(rm(**kw)).float() - _logits(model(**kw)).float()).abs().max())
     except Exception as e:
         res["error"] = "drop-in run: " + _first_line(e)
-    if res["sites"] == 0:
+    from pagedattn.runtime.state import find_recurrent_state
+
+    try:
+        stateful = find_recurrent_state(model) is not None
+    except Exception as e:
+        return res, {"error": "state probe: " + _first_line(e)}
+    if res["sites"] == 0 and not stateful:
         return res, {}
+    res["state"] = stateful
     ps = prompts(model)
     try:
         ref = hf_generate(model, ps)
     except Exception as e:  # the model's own forward stays the oracle when HF's generation loop fails on it
         ref, hf_error = None, "HF generate: " + _first_line(e)
     try:
-        got = pagedattn.PagedEngine(rm, block_size=4).generate(ps, max_new_tokens=NEW_TOKENS)
+        # a model with recurrent state goes in itself: the engine traces it with its state as inputs
+        got = pagedattn.PagedEngine(model if stateful else rm, block_size=4).generate(ps, max_new_tokens=NEW_TOKENS)
     except Exception as e:
         return res, {"error": _first_line(e)}
     if ref is None:
@@ -406,6 +527,8 @@ def _check_eager(model) -> tuple[dict, dict]:
 
 def _greedy_by_forward(model, ps, names, new=NEW_TOKENS) -> list[list[int]]:
     """Greedy decoding by running the whole sequence through the model's forward each step (no cache)."""
+    from pagedattn.api import _without_hf_cache
+
     out = []
     for p in ps:
         ids = list(p)
@@ -413,7 +536,7 @@ def _greedy_by_forward(model, ps, names, new=NEW_TOKENS) -> list[list[int]]:
             kw = {"input_ids": torch.tensor([ids])}
             if "use_cache" in names:
                 kw["use_cache"] = False
-            with torch.no_grad():
+            with torch.no_grad(), _without_hf_cache(model):  # also where use_cache comes from the config
                 ids.append(int(_logits(model(**kw))[0, -1].argmax()))
         out.append(ids[len(p):])
     return out

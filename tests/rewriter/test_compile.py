@@ -142,3 +142,30 @@ def test_decode_time_does_not_grow_with_cache_size():
             times[id(caches)].append(time.perf_counter() - t0)
     t_small, t_large = (sorted(times[id(x)])[12] for x in (small, large))
     assert t_large < t_small * 1.10 + 2e-4, f"decode step {t_small * 1e3:.2f} ms -> {t_large * 1e3:.2f} ms with 8x blocks"
+
+
+class ScanThenAttention(zoo.NanoGPT):
+    """A parallel scan (Jamba's Mamba path under torch.compile) before the attention: pre-dispatch tracing
+    runs the higher-order op in Python and would bake its intermediates into the graph as fake constants."""
+
+    def forward(self, x):
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+
+        _, h = associative_scan(combine, (torch.sigmoid(x), x), dim=1, combine_mode="generic")
+        return super().forward(h)
+
+
+def test_graph_with_a_scan_is_traced_below_dispatch():
+    torch._dynamo.reset()
+    m = ScanThenAttention().eval()
+    x = zoo.example_args("nanogpt")[0]
+    before = len(compile_reports())
+    c = torch.compile(m, backend="pagedattn", options={"inner": "eager"})
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), m(x), atol=2e-5, rtol=0)
+    reports = [s for r in compile_reports()[before:] for s in r]
+    assert [s["status"] for s in reports] == ["rewritten"], reports  # the matmul below dispatch, matched
+    torch._dynamo.reset()

@@ -151,3 +151,30 @@ def test_save_and_load_in_a_fresh_process(rewritten, tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "LOADED-OK" in r.stdout, r.stderr[-3000:]
+
+
+class TokenLoop(zoo.NanoGPT):
+    """A forward that loops over the tokens in Python (Mamba-1's scan): torch.export fixes the length."""
+
+    def forward(self, x):
+        acc, outs = torch.zeros_like(x[:, 0]), []
+        for t in range(x.shape[1]):
+            acc = 0.5 * acc + x[:, t]
+            outs.append(acc)
+        return super().forward(torch.stack(outs, 1))
+
+
+def test_sizes_the_trace_fixed_are_traced_again():
+    m = TokenLoop().eval()
+    rm = pagedattn.rewrite(m, zoo.example_args("nanogpt"))  # [2, 8, C]
+    assert rm.static_sizes == {0: {1: 8, 2: zoo.C}}  # the length, and the width the weights fix
+    x = zoo.example_args("nanogpt", T=5)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=ATOL, rtol=0)
+        rm(zoo.example_args("nanogpt", T=5, seed=1)[0])  # the same sizes: the same variant
+    assert len(rm._variants) == 1
+    (variant,) = rm._variants.values()
+    assert variant.report[0]["status"] == "rewritten"
+    rm._retrace = None  # a loaded program has no model to trace again
+    with pytest.raises(ValueError, match="traced for fixed input sizes"):
+        rm(zoo.example_args("nanogpt", T=6)[0])

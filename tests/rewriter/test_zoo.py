@@ -7,7 +7,8 @@ windows and per-layer attention kinds, soft-caps, ALiBi, partial rotary, MoE rou
 that are not attention), multi-head latent attention (value and key head sizes differ), learned
 positions numbered inside the model (no ``position_ids``), mask values held in graph constants, scores
 clamped at the dtype minimum, SDPA outputs viewed in their memory order, attention sinks (concatenated
-logits, or a log-sum-exp rescaling), multiplicative 0/1 masks, and position ids taken through ``**kwargs``.
+logits, or a log-sum-exp rescaling), multiplicative 0/1 masks, position ids taken through ``**kwargs``,
+and recurrent state carried beside the paged cache (hybrids and state-space models).
 """
 
 import pytest
@@ -31,6 +32,21 @@ def test_zoo_arch_rewritten_and_generates_like_hf(arch):
     assert res["sites"] > 0 and res["rewritten"] == res["sites"], res
     assert res["max_err"] < 1e-4, res
     assert engine == {"equal": True}, engine
+
+
+# hybrids and state-space models: a state slot per request beside the paged cache (pagedattn.runtime.state);
+# LFM2-MoE (short convolutions), Jamba (Mamba-1, read one token per step; attention masks from hints),
+# MiniMax (its own cache class), Mamba-2 (no attention at all)
+STATE_ARCHS = ["lfm2_moe", "jamba", "minimax", "mamba2"]
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_zoo_model_with_state_generates_like_hf(arch):
+    model = tiny_model(arch, "eager")
+    res, engine = _check_eager(model)
+    assert res["state"] and "error" not in res, res
+    assert res["rewritten"] == res["sites"] and (res["sites"] > 0) == (arch != "mamba2"), res
+    assert engine.get("equal") or engine.get("equal_to_forward"), engine
 
 
 @pytest.mark.parametrize("arch", ["afmoe", "gemma2", "qwen2_moe", "granitemoe"])

@@ -1,0 +1,105 @@
+"""PagedEngine on an NVIDIA GPU: swap preemption through the xFormers backend and a model with
+attention sinks (gpt_oss), token for token against Hugging Face generate. Skipped without a GPU."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA is not available)"),
+]
+pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
+
+from pagedattn import PagedEngine  # noqa: E402
+from pagedattn.backends import get_backend  # noqa: E402
+
+from ..backends.test_xformers_cuda_gpu import _hf_generate, _prompts, _tiny  # noqa: E402
+from ..rewriter import hf_zoo  # noqa: E402
+from ..rewriter.hf_models import tiny_model  # noqa: E402
+from .test_engine import _prompts as _short_prompts  # noqa: E402
+from .test_engine import _reference  # noqa: E402
+from .test_engine_swap import NEW as SWAP_NEW  # noqa: E402
+from .test_engine_swap import _bytes_per_block  # noqa: E402
+
+NEW = 12
+
+
+def _assert_swapped_without_recompute(engine):
+    stats = engine.stats
+    assert stats["swap_outs"] > 0 and stats["swap_ins"] == stats["swap_outs"], stats
+    assert stats["recomputes"] == 0 and stats["preemptions"] == stats["swap_outs"], stats
+    assert engine.blocks.num_free_host == engine.blocks.num_host_blocks
+
+
+@pytest.fixture(scope="module")
+def llama_fp16():
+    model = _tiny("llama", torch.float16, "cuda")  # head size 64: triton_splitk pages decode at 16-token blocks
+    return model, _hf_generate(model, _prompts(), NEW)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("max_num_tokens", [16, 128])  # chunked prefill, or whole prompts
+def test_swap_preemption_fp16_matches_hf_generate(llama_fp16, prefix_caching, max_num_tokens):
+    model, ref = llama_fp16
+    backend = get_backend("cuda")
+    backend.paths.clear()
+    # 6 blocks of 16 tokens for seven prompts of 2-70 tokens: requests are swapped out and back
+    engine = PagedEngine(model, target="cuda", num_blocks=6, block_size=16, max_num_tokens=max_num_tokens,
+                         enable_prefix_caching=prefix_caching, preemption_mode="swap")
+    assert engine.host_kv_caches[0].device.type == "cpu" and engine.kv_caches[0].device.type == "cuda"
+    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    _assert_swapped_without_recompute(engine)
+    assert any(kind == "decode" and op.startswith("triton_splitK") for kind, op in backend.paths), backend.paths
+
+
+def test_swap_preemption_fp32_matches_cpu_generate():
+    # fp32 (the SDPA fallback) with 4-token blocks; too little swap space for every victim: some recompute
+    cpu_model = tiny_model("llama", "eager")
+    ref = _reference(cpu_model, _short_prompts(), SWAP_NEW)
+    model = cpu_model.to("cuda")
+    full = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap")
+    assert full.generate(_short_prompts(), max_new_tokens=SWAP_NEW) == ref
+    _assert_swapped_without_recompute(full)
+    small = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap",
+                        swap_space=4 * _bytes_per_block(full))
+    assert small.generate(_short_prompts(), max_new_tokens=SWAP_NEW) == ref
+    assert small.stats["swap_outs"] > 0 and small.stats["recomputes"] > 0
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    model = hf_zoo.tiny_model("gpt_oss", "eager")  # sinks on every layer, alternating sliding-window layers
+    ps = hf_zoo.prompts(model)
+    return model, ps, hf_zoo.hf_generate(model, ps)
+
+
+@pytest.mark.parametrize("setting", [{}, {"num_blocks": 8, "preemption_mode": "swap"}], ids=["default", "swap"])
+def test_gpt_oss_sinks_on_gpu_match_cpu_generate(gpt_oss, setting):
+    model, ps, ref = gpt_oss
+    backend = get_backend("cuda")
+    backend.paths.clear()
+    engine = PagedEngine(model.to("cuda"), target="cuda", block_size=4, **setting)
+    try:
+        assert engine.generate(ps, max_new_tokens=hf_zoo.NEW_TOKENS) == ref
+    finally:
+        model.to("cpu")
+    assert {p for _, p in backend.paths} == {"sinks_math"}, backend.paths
+    if setting:
+        _assert_swapped_without_recompute(engine)
+
+
+@pytest.mark.parametrize("make", ["lfm2", "mamba"])
+def test_models_with_state_on_gpu_match_cpu_generate(make):
+    # recurrent state slots on the GPU beside the xFormers caches: LFM2 (conv state, chunked prefill and
+    # preemption by recompute), Mamba-1 (state read a token per step, no attention at all)
+    from . import test_engine_state as state_tests
+
+    cpu_model, ref = getattr(state_tests, make).__wrapped__()
+    model = cpu_model.to("cuda")
+    engine = PagedEngine(model, target="cuda", block_size=4, num_blocks=20, max_num_tokens=8)
+    try:
+        assert engine.states.tensors[0].device.type == "cuda"
+        assert engine.generate(state_tests._prompts(), max_new_tokens=state_tests.NEW) == ref
+    finally:
+        cpu_model.to("cpu")
+    assert engine.stats["preemptions"] > 0 and engine.states.slot_of == {}
