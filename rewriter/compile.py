@@ -63,11 +63,11 @@ def _aten_graph(gm: GraphModule) -> GraphModule:
     try:
         with fake_mode, torch.no_grad():
             flat = make_fx(gm, pre_dispatch=True)(*fakes)
-            if _fake_constants(flat):
+            baked = _fake_constants(flat)
+            if baked:
                 # a higher-order op run in Python at pre-dispatch (associative_scan in Jamba's Mamba scan)
                 # leaves its intermediates as fake constants: trace below dispatch instead
-                log.info("retracing a graph below dispatch: pre-dispatch tracing baked fake constants %s",
-                         _fake_constants(flat)[:3])
+                log.info("retracing a graph below dispatch: pre-dispatch tracing baked fake constants %s", baked[:3])
                 flat = make_fx(gm, pre_dispatch=False)(*fakes)
             return flat
     finally:

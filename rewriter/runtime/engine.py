@@ -126,6 +126,8 @@ class PagedEngine:
                 raise ValueError("compile=True applies to models the engine rewrites or a RewrittenModel; "
                                  "a torch.compile'd model is compiled already")
             self.model.compile_paged()
+            if self.fresh_model is not None:  # the first steps of sequences whose state the model starts
+                self.fresh_model.compile_paged()
         self.cache_specs = specs
         self.cache_dtype = dtype or _cache_dtype(specs, self.state_layout)
         bytes_per_block = max(1, sum(2 * block_size * s["num_kv_heads"] * s["head_size"] for s in specs) *
