@@ -1,14 +1,41 @@
-"""Paged attention ops and the per-device backends that implement them."""
+"""Paged attention ops and the per-device backends that implement them.
+
+``params`` and ``metadata`` hold what a call carries (per site, per step); ``reference`` states the
+semantics once; ``ops`` defines ``torch.ops.pagedattn.*``; ``base`` the backend interface and the
+per-device defaults; ``sdpa_cpu``, ``xformers_cuda`` and ``pallas_xla`` implement it.
+"""
 
 from pagedattn.backends import ops  # noqa: F401  (defines torch.ops.pagedattn.*)
-from pagedattn.backends.base import (  # noqa: F401
+from pagedattn.backends.base import (
     AttentionBackend,
-    AttentionConfig,
+    active_backend,
+    get_backend,
+    register_backend,
+    use_backend,
+)
+from pagedattn.backends.metadata import (
+    METADATA_FIELDS,
     AttentionMetadata,
     SequenceSpec,
     build_metadata,
-    get_backend,
     set_validation,
     validation_enabled,
 )
-from pagedattn.backends import sdpa_cpu  # noqa: F401  (registers the CPU kernels)
+from pagedattn.backends.params import AttentionConfig, AttentionParams, CacheSpec
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionConfig",
+    "AttentionMetadata",
+    "AttentionParams",
+    "CacheSpec",
+    "METADATA_FIELDS",
+    "SequenceSpec",
+    "active_backend",
+    "build_metadata",
+    "get_backend",
+    "register_backend",
+    "set_validation",
+    "use_backend",
+    "validation_enabled",
+]

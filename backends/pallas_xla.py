@@ -37,23 +37,17 @@ try:
     import torch_xla.experimental.custom_kernel  # defines torch.ops.xla.*
 except ImportError as e:  # the registry turns this into "the 'xla' backend cannot be loaded"
     raise ImportError(
-        f"pagedattn's XLA backend needs torch_xla built for torch {torch.__version__.split('+')[0]} "
-        f"(pip install torch_xla=={torch.__version__.split('+')[0]}; see README 'XLA (torch_xla)'): {e}"
+        f"pagedattn's XLA backend needs torch_xla, which is built for exactly one torch release "
+        f"(torch_xla 2.9.0 needs torch 2.9.0; this is torch {torch.__version__.split('+')[0]}): install a matching "
+        f"pair, e.g. pip install torch==2.9.0 torch_xla==2.9.0 (see README 'XLA (torch_xla)'): {e}"
     ) from e
 
-from pagedattn.backends import ops
-from pagedattn.backends.base import (
-    common_reasons,
-    AttentionBackend,
-    AttentionConfig,
-    AttentionMetadata,
-    register_backend,
-    validate_attend,
-    validate_write,
-    validation_enabled,
-)
+from pagedattn.backends import reference
+from pagedattn.backends.base import AttentionBackend, common_reasons, register_backend
+from pagedattn.backends.metadata import AttentionMetadata, validate_attend, validate_write
+from pagedattn.backends.params import AttentionConfig, AttentionParams
 
-__all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu", "to_xla", "OpenXlaPerShape"]
+__all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KERNEL_HEAD_ALIGN = 128  # lanes of a TPU vector register
@@ -129,24 +123,33 @@ class PallasXlaBackend(AttentionBackend):
         reasons = common_reasons(config, _DTYPES)
         if self.mode != "static":
             # ragged_paged_attention masks causally and takes no bias
-            if config.alibi:
+            if config.params.alibi_slopes is not None:
                 reasons.append(f"ALiBi: ragged_paged_attention takes no positional bias ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
-            if not config.causal:
+            if not config.params.causal:
                 reasons.append(f"non-causal attention: ragged_paged_attention is causal only ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
-            if config.sinks:
+            if config.params.sinks is not None:
                 reasons.append(f"attention sinks: ragged_paged_attention takes no sink logits ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
         return reasons
 
     # --- cache maintenance
 
+    def check_write(self, key, value, kv_cache, slot_mapping):
+        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
+        validate_write(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
+        _check_head(key.shape[2], dp, self.head_align, "write_kv_cache")
+
+    def check_attend(self, query, kv_cache, metadata, params):
+        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
+        d = query.shape[2]
+        validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
+                        params.causal)
+        _check_head(d, dp, self.head_align, "paged_attention")
+
     def write(self, key, value, kv_cache, slot_mapping):
         nb, bs, hkv, dp = self.cache_geometry(kv_cache)
-        if validation_enabled():
-            validate_write(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
-            _check_head(key.shape[2], dp, self.head_align, "write_kv_cache")
         T = key.shape[0]
         kv = torch.stack((key, value), dim=2).reshape(T, 2 * hkv, key.shape[2])  # [T, 2Hkv, D]: K, V interleaved
         kv = _pad_last(kv, dp)
@@ -176,22 +179,13 @@ class PallasXlaBackend(AttentionBackend):
 
     # --- attention
 
-    def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
-        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
-        d = query.shape[2]
-        if validation_enabled():
-            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, block_tables,
-                            seq_lens, query_start_loc, bs, num_kv_heads)
-            _check_head(d, dp, self.head_align, "paged_attention")
+    def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         if self.mode == "static":
-            return _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  causal, sliding_window, softcap, alibi_slopes, sinks)
-        if alibi_slopes is not None or not causal or sinks is not None:
-            raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention nor "
-                             "attention sinks; rewrite with PallasXlaBackend(mode='static') registered")
-        return _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                              sliding_window, softcap, use_kernel=self.mode == "kernel")
+            return _attend_static(query, kv_cache, metadata, params)
+        if params.alibi_slopes is not None or not params.causal or params.sinks is not None:
+            raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention "
+                             "nor attention sinks; rewrite with PallasXlaBackend(mode='static')")
+        return _attend_ragged(query, kv_cache, metadata, params, use_kernel=self.mode == "kernel")
 
 
 def _check_head(d: int, dp: int, align: int, op: str) -> None:
@@ -227,150 +221,46 @@ def _num_seqs(query_start_loc: Tensor) -> Tensor:
     return (query_start_loc[1:] > query_start_loc[:-1]).sum().to(torch.int32).reshape(1)
 
 
-def _attend_ragged(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap, use_kernel):
+def _attend_ragged(query, kv_cache, metadata: AttentionMetadata, params: AttentionParams, use_kernel: bool):
     T, _, d = query.shape
     dp = kv_cache.shape[-1]
+    qsl = metadata.query_start_loc
     out = torch.ops.xla.ragged_paged_attention(
-        _pad_last(query, dp), kv_cache, seq_lens.to(torch.int32), block_tables.to(torch.int32),
-        query_start_loc.to(torch.int32), _num_seqs(query_start_loc), sm_scale=scale,
-        sliding_window=window if window > 0 else None, soft_cap=softcap if softcap > 0 else None,
+        _pad_last(query, dp), kv_cache, metadata.seq_lens.to(torch.int32), metadata.block_tables.to(torch.int32),
+        qsl.to(torch.int32), _num_seqs(qsl), sm_scale=params.scale,
+        sliding_window=params.window or None, soft_cap=params.softcap if params.softcap > 0 else None,
         use_kernel=use_kernel,
     )[..., :d]
     if out.shape[0] < T:  # the reference path returns only the real tokens' rows
         out = torch.cat((out, out.new_zeros((T - out.shape[0], *out.shape[1:]))))
     rows = torch.arange(T, device=query.device)
-    return torch.where((rows < query_start_loc[-1])[:, None, None], out, torch.zeros_like(out))
+    return torch.where((rows < qsl[-1])[:, None, None], out, torch.zeros_like(out))
 
 
-def _attend_static(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, causal, window,
-                   softcap, alibi_slopes, sinks=None):
-    """Paged attention whose every shape follows from the input shapes (no host syncs)."""
+def _attend_static(query, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+    """Paged attention whose every shape follows from the input shapes (no host syncs): each token
+    attends over its sequence's gathered pages with the reference's semantics."""
     T, hq, d = query.shape
     _, bs, h2, _ = kv_cache.shape
-    hkv, group = h2 // 2, hq // (h2 // 2)
+    hkv = h2 // 2
+    block_tables, qsl = metadata.block_tables, metadata.query_start_loc
     S, P = block_tables.shape
     dev = query.device
     t = torch.arange(T, device=dev)
-    seq = (t[:, None] >= query_start_loc[None, 1:]).sum(1)  # [T] the token's sequence; S for padding
+    seq = (t[:, None] >= qsl[None, 1:]).sum(1)  # [T] the token's sequence; S for padding
     real = seq < S
     seq = seq.clamp(max=S - 1)
-    kv_len = seq_lens[seq].long()  # [T]
-    q_pos = kv_len - (query_start_loc[1:][seq].long() - t)  # [T] position of the token in its sequence
+    kv_len = metadata.seq_lens[seq].long()  # [T]
+    q_pos = kv_len - (qsl[1:][seq].long() - t)  # [T] position of the token in its sequence
     kv = kv_cache[block_tables[seq].long()]  # [T, P, bs, 2Hkv, Dp]
     kv = kv.reshape(T, P * bs, hkv, 2, kv.shape[-1])[..., :d]
-    k, v = kv[..., 0, :], kv[..., 1, :]  # [T, L, Hkv, D]
-    q = query.reshape(T, hkv, group, d)
-    s = torch.einsum("tkgd,tlkd->tkgl", q.float(), k.float()) * scale  # [T, Hkv, G, L]
-    if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap
-    k_pos = torch.arange(P * bs, device=dev)[None, :]  # [1, L]
-    rel = k_pos - q_pos[:, None]  # [T, L] key position minus query position
-    ok = k_pos < kv_len[:, None]
-    if causal:
-        ok = ok & (rel <= 0)
-        if window > 0:
-            ok = ok & (rel > -window)
-    if alibi_slopes is not None:
-        s = s + alibi_slopes.float().reshape(1, hkv, group, 1) * rel[:, None, None, :].float()
-    ok = ok[:, None, None, :]
-    s = s.masked_fill(~ok, float("-inf"))
-    if sinks is None:
-        p = torch.softmax(s, -1)
-    else:  # one more logit per head that takes probability and adds no value
-        sink = sinks.float().reshape(1, hkv, group, 1).expand(T, hkv, group, 1)
-        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
-    p = torch.where(ok.any(-1, keepdim=True), p, torch.zeros_like(p))  # no visible key: zeros, not NaN
-    o = torch.einsum("tkgl,tlkd->tkgd", p, v.float()).reshape(T, hq, d)
-    return torch.where(real[:, None, None], o, torch.zeros_like(o)).to(query.dtype)
-
-
-# ------------------------------------------------------------------ moving a model
-
-
-def to_xla(model: torch.nn.Module, device: Optional[torch.device] = None, openxla: bool = False) -> torch.nn.Module:
-    """Move a rewritten model (traced on the CPU) to the XLA device, in place.
-
-    Besides parameters and buffers, traced graphs carry device literals (``arange(...,
-    device=cpu)``, tensor-metadata asserts); in every ``GraphModule`` inside ``model`` those naming
-    the CPU are pointed at ``device`` (default: torch_xla's current device).
-
-    ``openxla=False``: the graphs run op by op as lazy tensors; cache writes become functional
-    (see :func:`_functional_cache_writes`). ``openxla=True``: the paged graph of a
-    ``RewrittenModel`` is handed to ``torch.compile(backend="openxla")``, whose AOT
-    functionalization handles the in-place writes; Dynamo compiles once per step shape, so bucket
-    the steps (:func:`pad_step`) and keep their number under ``torch._dynamo.config.recompile_limit``.
-    """
-    if openxla and not isinstance(getattr(model, "graph_module", None), torch.fx.GraphModule):
-        raise TypeError("to_xla(openxla=True) takes a RewrittenModel (pagedattn.rewrite); for a model of your "
-                        "own use torch.compile(model, backend='pagedattn', options={'target': 'xla'})")
-    device = torch.device(device or torch_xla.device())
-    cpu = torch.device("cpu")
-
-    def retarget(a):
-        if isinstance(a, torch.device) and a == cpu:
-            return device
-        if isinstance(a, (list, tuple)):
-            return type(a)(retarget(x) for x in a)
-        if isinstance(a, dict):
-            return {k: retarget(v) for k, v in a.items()}
-        return a
-
-    for gm in model.modules():
-        if isinstance(gm, torch.fx.GraphModule):
-            for node in gm.graph.nodes:
-                node.args, node.kwargs = retarget(node.args), retarget(node.kwargs)
-            if not openxla:
-                _functional_cache_writes(gm.graph)
-            gm.recompile()
-    model.to(device)
-    # materialise what the move left pending, or the first step's graph differs from later ones
-    torch_xla.sync()
-    if openxla:
-        # static shapes: one graph per bucketed step shape, not a dynamic-shape graph openxla cannot run
-        model.graph_module = torch.compile(model.graph_module, backend="openxla", dynamic=False)
-    return model
-
-
-def _functional_cache_writes(graph: torch.fx.Graph) -> None:
-    """``write_kv_cache(k, v, cache, slots)`` -> ``cache.copy_(write_kv_cache_functional(...))``.
-
-    torch_xla runs eager ops through C++ functionalization, which rejects custom ops that mutate
-    an argument; the functional op plus an ATen ``copy_`` is functionalized (XLA traces it as an
-    update of the cache buffer, not a copy).
-    """
-    write = torch.ops.pagedattn.write_kv_cache
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (write, write.default):
-            continue
-        key, value, cache, slots = node.args
-        with graph.inserting_after(node):
-            new = graph.call_function(torch.ops.pagedattn.write_kv_cache_functional.default, (key, value, cache, slots))
-        with graph.inserting_after(new):
-            graph.call_function(torch.ops.aten.copy_.default, (cache, new))
-        graph.erase_node(node)
-
-
-class OpenXlaPerShape:
-    """A graph compiled by torch_xla's ``openxla`` Dynamo backend once per input-shape signature.
-
-    For graphs run where Dynamo does not trace (a backend's graph called from inside compiled
-    code runs eagerly, and eager torch_xla rejects the in-place cache write): the backend is
-    called directly, its AOT functionalization handles the write, and shapes are keyed here as
-    Dynamo's guards would (XLA graphs are static: bucket the steps).
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.gm = gm
-        self.compiled: dict[tuple, object] = {}
-
-    def __call__(self, *args):
-        key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else a for a in args)
-        fn = self.compiled.get(key)
-        if fn is None:
-            from torch._dynamo import lookup_backend
-
-            fn = self.compiled[key] = lookup_backend("openxla")(self.gm, list(args))
-        return fn(*args)
+    k, v = kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)  # [T, Hkv, L, D]
+    k_pos = torch.arange(P * bs, device=dev)[None]  # [1, L]
+    present = k_pos < kv_len[:, None]  # [T, L]
+    o = reference.dense_attention(query[:, :, None], k, v, params, q_pos[:, None], k_pos, present,
+                                  exact=True)  # [T, Hq, 1, D]
+    o = o.reshape(T, hq, d)
+    return torch.where(real[:, None, None], o, torch.zeros_like(o))
 
 
 # -------------------------------------------------------------------- static shapes
@@ -431,4 +321,3 @@ def pad_step(meta: AttentionMetadata, buckets: StepBuckets) -> AttentionMetadata
 
 
 BACKEND = register_backend(PallasXlaBackend())
-ops.register_kernels(BACKEND)

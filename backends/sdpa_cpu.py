@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedattn.backends import ops
-from pagedattn.backends.base import (
-    SplitKVBackend,
-    register_backend,
-)
+from pagedattn.backends import reference
+from pagedattn.backends.base import SplitKVBackend, register_backend
+from pagedattn.backends.metadata import AttentionMetadata
+from pagedattn.backends.params import AttentionParams
 
 _SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,25 +44,6 @@ def _plan(query_start_loc: Tensor, seq_lens: Tensor) -> list[_Seq]:
     return [_Seq(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(len(lens))]
 
 
-# ------------------------------------------------------------------------- masks
-
-
-def _allowed(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int) -> Optional[Tensor]:
-    """Boolean ``[Q, L]`` of keys each query may see, or None when it sees them all."""
-    if not causal:
-        return None
-    diff = q_pos[:, None] - k_pos[None, :]  # [Q, L] distance back from the query
-    ok = diff >= 0
-    if window > 0:
-        ok = ok & (diff < window)
-    return ok
-
-
-def _alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    # [H, Q, L]; (j - i) * slope is <= 0 in the causal region
-    return slopes.float()[:, None, None] * (k_pos[None, None, :] - q_pos[None, :, None]).float()
-
-
 def _fold_gqa(q: Tensor, num_kv_heads: int) -> Tensor:
     # [..., Hq, Q, D] -> [..., Hkv, G * Q, D]
     *lead, hq, qlen, d = q.shape
@@ -76,57 +56,33 @@ def _unfold_gqa(o: Tensor, num_heads: int) -> Tensor:
     return o.reshape(*lead, num_heads, gq // (num_heads // hkv), dv)
 
 
-def _scores_bias(
-    allowed: Optional[Tensor], alibi: Optional[Tensor], num_kv_heads: int, group: int
-) -> Optional[Tensor]:
-    """The additive or boolean mask for folded queries: ``[..., Hkv or 1, G * Q, L]``."""
-    if alibi is None:
+def _folded_mask(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, group: int) -> Optional[Tensor]:
+    """The reference's mask (and ALiBi bias) for folded queries: boolean ``[G*Q, L]`` or additive
+    float ``[Hkv, G*Q, L]``; None when every key is visible and there is no bias."""
+    allowed = reference.visible(q_pos, k_pos, params)  # [Q, L]
+    if params.alibi_slopes is None:
         if allowed is None:
             return None
-        return allowed.tile(group, 1) if group > 1 else allowed  # [G*Q, L]
-    # alibi: [..., Hq, Q, L] float
-    *lead, hq, qlen, L = alibi.shape
-    bias = alibi
+        return allowed.tile(group, 1) if group > 1 else allowed
+    bias = reference.alibi_bias(params.alibi_slopes, q_pos, k_pos)  # [Hq, Q, L]
     if allowed is not None:
         bias = bias.masked_fill(~allowed, float("-inf"))
-    return bias.reshape(*lead, num_kv_heads, group * qlen, L)
+    return bias.reshape(params.num_kv_heads, group * q_pos.shape[-1], k_pos.shape[-1])
 
 
-def _attend_folded(
-    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, softcap: float
-) -> Tensor:
-    """q ``[..., Hkv, G*Q, D]``, k/v ``[..., Hkv, L, D]`` -> ``[..., Hkv, G*Q, Dv]``."""
-    if softcap > 0:
-        return _math_attention(q, k, v, mask, scale, softcap)
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, softcap: float) -> Tensor:
-    # exact path for what SDPA cannot express (soft-cap): fp32 scores, tanh cap, then the mask
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    p = torch.softmax(s, dim=-1)
-    return torch.matmul(p, v.float()).to(q.dtype)
-
-
-def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, softcap: float,
-                sinks: Tensor, num_heads: int) -> Tensor:
+def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, sinks: Tensor,
+                num_heads: int) -> Tensor:
     """Folded attention with per-head sink logits -> ``[..., Hq, Q, Dv]``.
 
     A sink joins the normalisation only: ``out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)``.
     """
     if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     if mask is not None:
-        mask = mask.to(torch.float32 if softcap > 0 else q.dtype)
+        mask = mask.to(q.dtype)
         while mask.dim() < q.dim():
             mask = mask[None]
-    o, lse = _partial_attention(q, k, v, mask, scale, softcap)  # [..., Hkv, G*Q, Dv], [..., Hkv, G*Q]
+    o, lse = _partial_attention(q, k, v, mask, scale, 0.0)  # [..., Hkv, G*Q, Dv], [..., Hkv, G*Q]
     o, lse = _unfold_gqa(o, num_heads), _unfold_gqa(lse[..., None], num_heads)  # [..., Hq, Q, Dv], [..., Hq, Q, 1]
     return (o.float() * torch.sigmoid(lse - sinks.float()[:, None, None])).to(q.dtype)
 
@@ -141,27 +97,22 @@ class SdpaCpuBackend(SplitKVBackend):
 
     # --- attention
 
-    def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
-        nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
-                                              num_kv_heads)
-        seqs = _plan(query_start_loc, seq_lens)
-        num_heads = query.shape[1]
-        out = query.new_zeros((query.shape[0], num_heads, kv_cache.shape[-1]))
+    def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+        seqs = _plan(metadata.query_start_loc, metadata.seq_lens)
+        out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
         fresh = [s for s in seqs if key is not None and s.q_len > 1 and s.kv_len == s.q_len]
         single = [s for s in seqs if s.q_len == 1]
         fresh_ids = {s.index for s in fresh}
         rest = [s for s in seqs if s.q_len > 1 and s.index not in fresh_ids]
         if single:
-            self._decode(out, query, kv_cache, block_tables, single, scale, causal, sliding_window,
-                         softcap, alibi_slopes, num_kv_heads, sinks)
+            self._decode(out, query, kv_cache, metadata.block_tables, single, params)
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, Q, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
-            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks)
+            self._one(out, query, s, k, v, params)
         for s in rest:
-            k, v = self._gather_one(kv_cache, block_tables[s.index], s.kv_len)
-            self._one(out, query, s, k, v, scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks)
+            k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s.kv_len)
+            self._one(out, query, s, k, v, params)
         return out
 
     @staticmethod
@@ -173,32 +124,34 @@ class SdpaCpuBackend(SplitKVBackend):
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:kv_len]
         return k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
 
-    def _one(self, out, query, s: _Seq, k, v, scale, causal, window, softcap, alibi_slopes, num_kv_heads,
-             sinks=None):
+    def _one(self, out, query, s: _Seq, k, v, params: AttentionParams):
+        """One sequence's queries over its keys ``[Hkv, L, D]``."""
         q = query[s.start:s.start + s.q_len].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]
         num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
-        plain = alibi_slopes is None and softcap <= 0 and window <= 0 and sinks is None
-        if plain and (not causal or s.context_len == 0):
+        group = num_heads // params.num_kv_heads
+        plain = params.alibi_slopes is None and params.softcap <= 0 and not params.window and params.sinks is None
+        q_pos = reference.query_positions(s.kv_len, s.q_len, q.device)
+        k_pos = torch.arange(s.kv_len, device=q.device)
+        if plain and (not params.causal or s.context_len == 0):
             # top-left causal equals bottom-right when there is no context: SDPA's own mask
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1
-            )  # [Hq, Q, Dv]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=params.causal, scale=params.scale,
+                                               enable_gqa=group > 1)  # [1, Hq, Q, Dv]
+        elif params.softcap > 0:  # no SDPA kernel caps scores: the reference's exact math
+            o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None])
         else:
-            q_pos = torch.arange(s.context_len, s.kv_len, device=q.device)
-            k_pos = torch.arange(s.kv_len, device=q.device)
-            allowed = _allowed(q_pos, k_pos, causal, window)
-            alibi = _alibi_bias(alibi_slopes, q_pos, k_pos) if alibi_slopes is not None else None
-            mask = _scores_bias(allowed, alibi, num_kv_heads, group)
-            if sinks is None:
-                o = _unfold_gqa(_attend_folded(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap), num_heads)
+            mask = _folded_mask(q_pos, k_pos, params, group)
+            qf = _fold_gqa(q, params.num_kv_heads)
+            if params.sinks is None:
+                if mask is not None and mask.dtype != torch.bool:
+                    mask = mask.to(q.dtype)
+                o = _unfold_gqa(F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=params.scale),
+                                num_heads)
             else:
-                o = _with_sinks(_fold_gqa(q, num_kv_heads), k, v, mask, scale, softcap, sinks, num_heads)
+                o = _with_sinks(qf, k, v, mask, params.scale, params.sinks, num_heads)
         out[s.start:s.start + s.q_len] = o[0].transpose(0, 1)
 
-    def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], scale, causal, window,
-                softcap, alibi_slopes, num_kv_heads, sinks=None):
+    def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], params: AttentionParams):
         # Flash-decoding on CPU. Each sequence's visible keys are cut into near-equal chunks;
         # chunks, longest first, form groups whose padded K+V fit _GATHER_BUDGET_BYTES. A group is
         # gathered by one index_select (K and V blocks together) into a reused workspace that stays
@@ -213,14 +166,15 @@ class SdpaCpuBackend(SplitKVBackend):
         # (up to ~40% slower at 1024-token contexts on a 2-core EPYC VM).
         nb, bs, _, d = self.cache_geometry(kv_cache)
         dev = query.device
-        num_heads = query.shape[1]
+        num_heads, num_kv_heads = query.shape[1], params.num_kv_heads
         group = num_heads // num_kv_heads
+        scale, softcap, alibi_slopes, sinks = params.scale, params.softcap, params.alibi_slopes, params.sinks
         block_bytes = 2 * bs * num_kv_heads * d * kv_cache.element_size()  # K and V
         budget = max(1, _GATHER_BUDGET_BYTES // block_bytes)  # blocks gathered per group
         chunk = max(1, budget // max(1, torch.get_num_threads()))  # blocks per chunk, at most
         spans = []  # (blocks, seq, first block, first visible key): a sequence's keys in equal chunks
         for s in seqs:
-            lo = max(0, s.kv_len - window) if causal and window > 0 else 0
+            lo = reference.earliest_visible_key(s.kv_len - 1, params)
             first = lo // bs
             total = -(-s.kv_len // bs) - first
             parts = -(-total // chunk)
@@ -234,7 +188,7 @@ class SdpaCpuBackend(SplitKVBackend):
         for n, s, first, lo in spans:
             los.append(lo)  # visible keys [lo, hi) of blocks first .. first + n
             his.append(min((first + n) * bs, s.kv_len))
-            ends.append(s.kv_len - 1)
+            ends.append(s.kv_len - 1)  # the query's position
             firsts.append(first)
             sizes.append(n)
             seq_rows.append(s.index)
@@ -271,10 +225,13 @@ class SdpaCpuBackend(SplitKVBackend):
         bias = None
         if alibi_slopes is not None or any(masked):
             k_pos = first_t[:, None] * bs + torch.arange(n_max * bs, device=dev)  # [I, Lp] absolute
-            ok = (k_pos >= torch.tensor(los, device=dev)[:, None]) & (k_pos < torch.tensor(his, device=dev)[:, None])
+            q_pos = torch.tensor(ends, device=dev)[:, None]  # [I, 1]
+            ok = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
+            vis = reference.visible(q_pos, k_pos, params)  # [I, 1, Lp]
+            if vis is not None:
+                ok = ok & vis[:, 0]
             if alibi_slopes is not None:
-                rel = (k_pos - torch.tensor(ends, device=dev)[:, None]).float()
-                bias = alibi_slopes.float().view(1, num_kv_heads, group, 1) * rel[:, None, None, :]
+                bias = reference.alibi_bias(alibi_slopes, q_pos, k_pos).view(num_items, num_kv_heads, group, -1)
             else:
                 bias = torch.zeros((num_items, 1, 1, n_max * bs), device=dev)
             bias = bias.masked_fill_(~ok[:, None, None, :], float("-inf"))
@@ -331,8 +288,7 @@ def _kv_views(ws: Tensor, g: int, span: int, chunk_stride: int, k_off: int, v_of
 def _partial_attention(q, k, v, bias, scale, softcap) -> tuple[Tensor, Tensor]:
     """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks) or None."""
     if softcap > 0:
-        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        s = torch.tanh(s / softcap) * softcap
+        s = reference.apply_softcap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
         if bias is not None:
             s = s + bias
         return torch.matmul(torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
@@ -358,4 +314,3 @@ def _workspace(kv_cache: Tensor, num_blocks: int) -> Tensor:
 
 
 BACKEND = register_backend(SdpaCpuBackend())
-ops.register_kernels(BACKEND)

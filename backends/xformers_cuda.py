@@ -34,6 +34,7 @@ through. xFormers is imported lazily, on the first attention call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -43,15 +44,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from pagedattn.backends import ops
-from pagedattn.backends.base import (
-    SplitKVBackend,
-    AttentionConfig,
-    register_backend,
-)
+from pagedattn.backends import reference
+from pagedattn.backends.base import SplitKVBackend, register_backend
+from pagedattn.backends.metadata import AttentionMetadata
+from pagedattn.backends.params import AttentionConfig, AttentionParams
 
 if importlib.util.find_spec("xformers") is None:
     raise ImportError("the CUDA backend needs xFormers: pip install 'pagedattn[cuda]' (or xformers)")
@@ -350,10 +348,10 @@ class XFormersCudaBackend(SplitKVBackend):
         out = []
         if config.dtype not in _KERNEL_DTYPES:
             out.append(f"dtype {config.dtype}: xFormers' CUDA kernels take float16/bfloat16; PyTorch SDPA runs it")
-        if config.softcap:
+        if config.params.softcap > 0:
             out.append("logit soft-cap: no xFormers operator applies one (0.0.35's flash op fixes softcap=0); "
                        "fp32 math over the gathered K/V runs it")
-        if config.alibi:
+        if config.params.alibi_slopes is not None:
             out.append("ALiBi: no xFormers operator takes slopes with paged keys; an additive tensor bias over "
                        "the gathered K/V runs it (cutlass or triton_splitk), else PyTorch SDPA")
         if config.head_size % 8 or config.head_size > 256:
@@ -369,18 +367,18 @@ class XFormersCudaBackend(SplitKVBackend):
 
     # --- attention
 
-    def attend(self, query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
-               scale, causal, sliding_window, softcap, alibi_slopes, num_kv_heads, sinks=None):
-        nb, bs, hkv, d = self.attend_geometry(query, kv_cache, block_tables, seq_lens, query_start_loc, causal,
-                                              num_kv_heads)
-        window = sliding_window if causal and sliding_window > 0 else 0
+    def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+        nb, bs, hkv, d = self.cache_geometry(kv_cache)
+        block_tables = metadata.block_tables
+        alibi_slopes, sinks, softcap = params.alibi_slopes, params.sinks, params.softcap
         if alibi_slopes is not None and alibi_slopes.device != query.device:
             alibi_slopes = alibi_slopes.to(query.device)  # slopes a pass kept on the host
-        plan = _plan_for(seq_lens, query_start_loc, block_tables)
-        c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), scale, causal, window,
-                  hkv, query.shape[1] // hkv, nb, bs, d)
+            params = dataclasses.replace(params, alibi_slopes=alibi_slopes)
+        plan = _plan_for(metadata.seq_lens, metadata.query_start_loc, block_tables)
+        c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), params, hkv, query.shape[1] // hkv,
+                  nb, bs, d)
         fused = query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None and sinks is None
-        groups = plan.grouping(key is not None, causal, query.device) if fused else None
+        groups = plan.grouping(key is not None, params.causal, query.device) if fused else None
         if fused and len(groups) == 1 and isinstance(groups[0].rows, slice) and \
                 groups[0].rows == slice(0, query.shape[0]):
             o = self._fused(c, groups[0])  # one group covering every row: its output is the answer
@@ -391,20 +389,22 @@ class XFormersCudaBackend(SplitKVBackend):
             group = plan.all_seqs(query.device)
             if group.seqs:
                 if query.dtype not in _KERNEL_DTYPES:
-                    why = f"{query.dtype} attention runs through PyTorch SDPA: xFormers' CUDA kernels take float16/bfloat16"
+                    why = (f"{query.dtype} attention runs through PyTorch SDPA: xFormers' CUDA kernels take "
+                           "float16/bfloat16")
                 elif sinks is not None:
                     why = ("attention with sinks runs as fp32 math over gathered K/V: no xFormers operator "
                            "takes sink logits")
                 elif softcap > 0:
-                    why = "soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator applies a soft-cap"
+                    why = ("soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator "
+                           "applies a soft-cap")
                 else:
                     why = ""  # ALiBi: set if no operator takes the tensor bias
-                self._padded(out, c, group, softcap, alibi_slopes, why, sinks)
+                self._padded(out, c, group, why)
             return out
         for group in groups:
             o = self._fused(c, group)
             if o is None:  # no operator takes it: the exact padded path, reason logged
-                self._padded(out, c, group, 0.0, None, group.cache[("why", c.shape_key)])
+                self._padded(out, c, group, group.cache[("why", c.shape_key)])
             else:
                 _put(out, group.rows, o)
         return out
@@ -458,7 +458,8 @@ class XFormersCudaBackend(SplitKVBackend):
             # each sequence's keys start where its window does; built through the unpaged form's
             # make_paged (the paged class's from_seqlens trips on its own length check in 0.0.35)
             row = tables.shape[1] * c.bs
-            starts = [i * row + max(0, L - c.window) for i, L in enumerate(g.kv_lens)] + [len(g.kv_lens) * row]
+            starts = [i * row + reference.earliest_visible_key(L - 1, c.params) for i, L in enumerate(g.kv_lens)] \
+                + [len(g.kv_lens) * row]
             paged = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
                 g.q_lens, starts, [min(L, c.window) for L in g.kv_lens], device=dev,
             ).make_paged(tables, c.bs, row, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask)
@@ -483,7 +484,7 @@ class XFormersCudaBackend(SplitKVBackend):
             _note(f"{g.kind} attention with a sliding window gathers the keys in reach from the cache before "
                   "attending: xFormers' paged biases have no local-attention form")
         # keys gathered into contiguous runs; a window needs only its reach
-        lo = [max(0, ctx + 1 - c.window) if c.window else 0 for ctx in g.contexts]
+        lo = [reference.earliest_visible_key(ctx, c.params) for ctx in g.contexts]  # the first query's reach
         index = _seq_slots(tables, lo, g.kv_lens, c.bs)
         k_lens = [L - s for L, s in zip(g.kv_lens, lo)]
         if c.causal:
@@ -496,32 +497,39 @@ class XFormersCudaBackend(SplitKVBackend):
 
     # --- padded paths: ALiBi tensor bias, and the exact fallback
 
-    def _padded(self, out: Tensor, c: "_Call", g: _Group, softcap: float, alibi: Optional[Tensor], why: str,
-                sinks: Optional[Tensor] = None):
+    def _padded(self, out: Tensor, c: "_Call", g: _Group, why: str):
         """Sequences padded to ``[S, Qmax]`` queries over ``[S, Lp]`` gathered keys: one batched xFormers call
-        for ALiBi, else the exact math in batches of sequences whose scores and K/V fit ``_MATH_BUDGET_BYTES``."""
-        if alibi is not None and softcap <= 0 and sinks is None and c.query.dtype in _KERNEL_DTYPES:
-            p = _cached_pad_plan(c, g)
-            q, k, v = _gather_padded(c, p)
-            o, why = self._alibi_tensor_bias(c, g, p, q, k, v, alibi)
+        for ALiBi, else the reference's exact attention in batches of sequences whose scores and K/V fit
+        ``_MATH_BUDGET_BYTES``."""
+        p = c.params
+        if p.alibi_slopes is not None and p.softcap <= 0 and p.sinks is None and c.query.dtype in _KERNEL_DTYPES:
+            plan = _cached_pad_plan(c, g)
+            q, k, v = _gather_padded(c, plan)
+            o, why = self._alibi_tensor_bias(c, g, plan, q, k, v)
             if o is not None:
-                _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
+                _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
                 return
         _note(why)
-        self.paths[(g.kind, "softcap_math" if softcap > 0 else "sinks_math" if sinks is not None else "sdpa")] += 1
+        self.paths[(g.kind, "softcap_math" if p.softcap > 0 else "sinks_math" if p.sinks is not None else "sdpa")] += 1
         for part in _math_batches(c, g):
-            p = _cached_pad_plan(c, part)
-            q, k, v = _gather_padded(c, p)
-            o = _reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p["allowed"],
-                                     p["rel"], alibi, c.scale, softcap, c.group, sinks)  # [S, Hq, Qmax, D]
-            o = o.transpose(1, 2).reshape(p["S"] * p["qmax"], -1, c.d)
-            _put(out, p["rows"], o.index_select(0, p["q_dst"]).to(out.dtype))
+            plan = _cached_pad_plan(c, part)
+            q, k, v = _gather_padded(c, plan)
+            o = reference.dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p,
+                                          plan["q_pos"], plan["k_pos"], plan["present"])  # [S, Hq, Qmax, D]
+            o = o.transpose(1, 2).reshape(plan["S"] * plan["qmax"], -1, c.d)
+            _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
 
-    def _alibi_tensor_bias(self, c, g, p, q, k, v, alibi) -> tuple[Optional[Tensor], str]:
+    def _alibi_tensor_bias(self, c, g, plan, q, k, v) -> tuple[Optional[Tensor], str]:
         """ALiBi plus the masks as one additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator."""
-        S, qmax, lp = p["S"], p["qmax"], p["lp"]
-        bias = alibi.float().view(1, c.hkv, c.group, 1, 1) * p["rel"][:, None, None]
-        bias = bias.masked_fill_(~p["allowed"][:, None, None], float("-inf")).to(c.query.dtype)
+        S, qmax, lp = plan["S"], plan["qmax"], plan["lp"]
+        allowed = plan["present"][:, None, :]
+        vis = reference.visible(plan["q_pos"], plan["k_pos"], c.params)
+        if vis is not None:
+            allowed = allowed & vis
+        allowed = allowed | plan["pad_rows"]  # [S, Qmax, Lp]
+        bias = reference.alibi_bias(c.params.alibi_slopes, plan["q_pos"], plan["k_pos"])  # [S, Hq, Qmax, Lp]
+        bias = bias.view(S, c.hkv, c.group, qmax, lp).masked_fill_(~allowed[:, None, None], float("-inf"))
+        bias = bias.to(c.query.dtype)
         qg = q.view(S, qmax, c.hkv, c.group, c.d)
         kg = k[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
         vg = v[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
@@ -542,19 +550,31 @@ class XFormersCudaBackend(SplitKVBackend):
 
 @dataclass(frozen=True)
 class _Call:
+    """One attend call's operands and the cache geometry."""
+
     query: Tensor
     key: Optional[Tensor]
     value: Optional[Tensor]
     kv_cache: Tensor
     block_tables: Tensor
-    scale: float
-    causal: bool
-    window: int
+    params: AttentionParams
     hkv: int
     group: int
     nb: int
     bs: int
     d: int
+
+    @property
+    def scale(self) -> float:
+        return self.params.scale
+
+    @property
+    def causal(self) -> bool:
+        return self.params.causal
+
+    @property
+    def window(self) -> int:
+        return self.params.window
 
     @property
     def shape_key(self) -> tuple:
@@ -623,58 +643,14 @@ def _pad_plan(c: _Call, g: _Group) -> dict:
     tables = c.block_tables.index_select(0, torch.tensor(g.seqs, device=dev))[:, :nblk].long()
     q_dst = torch.tensor([s * qmax + j for s, n in enumerate(g.q_lens) for j in range(n)], device=dev)
     j = torch.arange(qmax, device=dev)
-    ctx = torch.tensor(g.contexts, device=dev)
-    q_pos = ctx[:, None] + j[None]  # [S, Qmax]
-    k_pos = torch.arange(lp, device=dev)
-    rel = (k_pos[None, None, :] - q_pos[:, :, None]).float()  # [S, Qmax, Lp]
-    allowed = k_pos[None, None, :] < torch.tensor(g.kv_lens, device=dev)[:, None, None]
-    if c.causal:
-        allowed = allowed & (rel <= 0)
-        if c.window:
-            allowed = allowed & (rel > -c.window)
+    q_pos = torch.tensor(g.contexts, device=dev)[:, None] + j[None]  # [S, Qmax]
+    k_pos = torch.arange(lp, device=dev)[None]  # [1, Lp]
+    present = k_pos < torch.tensor(g.kv_lens, device=dev)[:, None]  # [S, Lp]: keys of the sequence
     real = j[None, :] < torch.tensor(g.q_lens, device=dev)[:, None]  # [S, Qmax]
-    # padded query rows see key 0 only, so no row is empty (their output is dropped)
-    allowed = allowed | (~real[:, :, None] & (k_pos == 0)[None, None, :])
+    # padded query rows see key 0 in a kernel's bias (their output is dropped): no row is empty
+    pad_rows = ~real[:, :, None] & (k_pos == 0)[:, None, :]  # [S, Qmax, Lp]
     return {"S": S, "qmax": qmax, "lp": lp, "blocks": tables, "q_dst": q_dst, "rows": g.rows,
-            "rel": rel, "allowed": allowed}
-
-
-def _reference_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, rel: Optional[Tensor],
-                         alibi: Optional[Tensor], scale: float, softcap: float, group: int,
-                         sinks: Optional[Tensor] = None) -> Tensor:
-    """q ``[S, Hq, Qmax, D]``, k/v ``[S, Hkv, Lp, D]``, allowed ``[S, Qmax, Lp]`` -> ``[S, Hq, Qmax, D]``."""
-    if softcap <= 0 and sinks is None:
-        mask = allowed[:, None]  # [S, 1, Qmax, Lp]
-        if alibi is not None:
-            bias = alibi.float()[None, :, None, None] * rel[:, None]
-            mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-    S, hq, qmax, d = q.shape
-    hkv = k.shape[1]
-    # a KV head's queries stacked ([S, Hkv, G * Qmax, D]): K/V are never repeated per query head
-    s = torch.matmul(q.reshape(S, hkv, group * qmax, d).float(), k.float().transpose(-1, -2))
-    s = s.view(S, hkv, group, qmax, -1).mul_(scale)  # [S, Hkv, G, Qmax, Lp], updated in place from here
-    if softcap > 0:
-        s.div_(softcap).tanh_().mul_(softcap)
-    if alibi is not None:
-        s.add_(alibi.float().view(1, hkv, group, 1, 1) * rel[:, None, None])
-    s.masked_fill_(~allowed[:, None, None], float("-inf"))
-    sink = None if sinks is None else sinks.float().view(1, hkv, group, 1, 1)
-    p = _softmax_(s, sink).view(S, hkv, group * qmax, -1)
-    return torch.matmul(p, v.float()).view(S, hq, qmax, d).to(q.dtype)
-
-
-def _softmax_(s: Tensor, sink: Optional[Tensor]) -> Tensor:
-    """Softmax over the last dim of ``s``, in place; ``sink`` (broadcast to ``[..., 1]``) is one more logit
-    per row that takes probability and adds no value."""
-    m = s.amax(-1, keepdim=True)  # finite: every row allows a key
-    if sink is not None:
-        m = torch.maximum(m, sink)
-    denom = s.sub_(m).exp_().sum(-1, keepdim=True)
-    if sink is not None:
-        denom = denom + (sink - m).exp()
-    return s.div_(denom)
+            "q_pos": q_pos, "k_pos": k_pos, "present": present, "pad_rows": pad_rows}
 
 
 BACKEND = register_backend(XFormersCudaBackend())
-ops.register_kernels(BACKEND)

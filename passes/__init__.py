@@ -1,23 +1,51 @@
 """FX passes that find attention and replace it with paged attention.
 
-A pass takes a ``GraphModule`` and returns a :class:`PassResult`; what passes learn about
-attention sites travels in ``gm.meta["pagedattn_sites"]``.
+A pass is a callable ``(GraphModule, PassContext) -> PassReport``: it changes the graph in place
+and records what it learns in the typed :class:`PassContext`. A pipeline is a tuple of passes;
+:func:`run_pipeline` runs one, linting the graph after each pass.
+
+    model graph --CANONICAL_PIPELINE--> canonical pagedattn::attention nodes (the drop-in graph)
+                --PAGED_PIPELINE-->     KV-cache writes + pagedattn::paged_attention,
+                                        caches and metadata as graph inputs (the paged graph)
+
+Passes that serve one runtime are applied where it needs them: ``FunctionalCacheWrites`` (XLA,
+ONNX) and ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs).
 """
 
 from pagedattn.passes.classify_mask import classify_mask
 from pagedattn.passes.cleanup import remove_dead_code
-from pagedattn.passes.insert_paged import METADATA_INPUTS, insert_paged
+from pagedattn.passes.context import PagedSite, PassContext, PassReport
+from pagedattn.passes.fp32_matmuls import Fp32Matmuls, native_cpu_matmul
+from pagedattn.passes.functional_cache_writes import FunctionalCacheWrites
+from pagedattn.passes.insert_paged import insert_paged
 from pagedattn.passes.match_attention import match_attention
+from pagedattn.passes.packed_positions import packed_positions
+from pagedattn.passes.pipeline import Pass, PassError, run_pipeline
 from pagedattn.passes.replace_attention import replace_attention
-from pagedattn.passes.site import AttentionSite, PassResult
+from pagedattn.passes.site import AttentionSite
 
 # model graph -> graph with canonical pagedattn::attention nodes (the drop-in form)
 CANONICAL_PIPELINE = (match_attention, classify_mask, replace_attention, remove_dead_code)
 # canonical graph -> KV-cache writes + paged attention, caches and metadata as inputs
-PAGED_PIPELINE = (insert_paged, remove_dead_code)
+PAGED_PIPELINE = (insert_paged, packed_positions, remove_dead_code)
 
-__all__ = ["CANONICAL_PIPELINE", "PAGED_PIPELINE", "METADATA_INPUTS", "AttentionSite", "PassResult", "run_pipeline"]
-
-
-def run_pipeline(gm, pipeline) -> list[PassResult]:
-    return [p(gm) for p in pipeline]
+__all__ = [
+    "CANONICAL_PIPELINE",
+    "PAGED_PIPELINE",
+    "AttentionSite",
+    "Fp32Matmuls",
+    "FunctionalCacheWrites",
+    "PagedSite",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "PassReport",
+    "classify_mask",
+    "insert_paged",
+    "match_attention",
+    "native_cpu_matmul",
+    "packed_positions",
+    "remove_dead_code",
+    "replace_attention",
+    "run_pipeline",
+]

@@ -16,14 +16,14 @@ from typing import Any, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from pagedattn.passes.site import AttentionSite, PassResult, aten, same_size, shape
+from pagedattn.passes.context import PassContext, PassReport
+from pagedattn.passes.site import MASK_LIMIT, AttentionSite, aten, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
 
 PROBE_SIZES = (13, 64, 257, 4100)  # beyond common sliding windows (4096)
 _PAD = 3  # left padding of the second row in the padding probe
-_MASKED = -9999.0
-_ALIBI_FIT_MAX = 300  # bias values are fitted on probes up to this key length  # additive values at or below this are masks (HF uses finfo.min, old code -1e4)
+_ALIBI_FIT_MAX = 300  # bias values are fitted on probes up to this key length
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,10 @@ class Unsupported(Exception):
     pass
 
 
-def classify_mask(gm: GraphModule) -> PassResult:
-    sites: list[AttentionSite] = gm.meta.get("pagedattn_sites", [])
-    examples: dict[str, Any] = gm.meta.get("pagedattn_example_inputs", {})
-    constants: set[str] = gm.meta.get("pagedattn_constant_inputs", set())
+def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
+    sites, examples, constants, hints = ctx.sites, ctx.example_inputs, ctx.constant_inputs, ctx.mask_hints
     memo: dict[tuple, Any] = {}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    hints = gm.meta.get("pagedattn_mask_hints")
     for i, site in enumerate(sites):
         if site.status != "matched":
             continue
@@ -76,7 +73,7 @@ def classify_mask(gm: GraphModule) -> PassResult:
         site.probed_up_to = res.probed_up_to
         site.key_padding = placeholders[res.key_padding] if res.key_padding else None
     n = sum(s.mask_kind is not None for s in sites)
-    return PassResult("classify_mask", False, f"{n} masks classified")
+    return PassReport("classify_mask", False, f"{n} masks classified")
 
 
 def _single_token(site: AttentionSite) -> bool:
@@ -310,7 +307,7 @@ def _combine(outs, site: AttentionSite, S: int, L: int, batch: int) -> torch.Ten
             raise Unsupported("boolean tensor added to the scores")
         t = t.to(device="cpu")
         value = torch.zeros((), dtype=dt) if long else t.to(dt) * factor
-        bias_terms.append(_to_heads(torch.where(t <= _MASKED, neg_inf, value), site.num_heads, S, L, batch))
+        bias_terms.append(_to_heads(torch.where(t <= MASK_LIMIT, neg_inf, value), site.num_heads, S, L, batch))
     for (node, keep_when_true), c in zip(site.conds, outs[nb:nb + nc]):
         c = c.cpu()
         masked = ~c.bool() if keep_when_true else c.bool()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from pagedattn.passes.site import PassResult
+from pagedattn.passes.context import PassContext, PassReport
 
 _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
@@ -21,7 +21,7 @@ def _impure(n: Node) -> bool:
         return n.is_impure()
 
 
-def remove_dead_code(gm: GraphModule) -> PassResult:
+def remove_dead_code(gm: GraphModule, ctx: PassContext) -> PassReport:
     before = len(gm.graph.nodes)
     live: set[Node] = set()
     stack = [n for n in gm.graph.nodes if _impure(n)]
@@ -34,7 +34,5 @@ def remove_dead_code(gm: GraphModule) -> PassResult:
         if n.target is _ASSERT and not set(n.all_input_nodes) <= live:
             gm.graph.erase_node(n)
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.target is _ASSERT or _impure(n))
-    gm.graph.lint()
-    gm.recompile()
     removed = before - len(gm.graph.nodes)
-    return PassResult("remove_dead_code", removed > 0, f"{removed} nodes removed")
+    return PassReport("remove_dead_code", removed > 0, f"{removed} nodes removed")

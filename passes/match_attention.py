@@ -1,6 +1,6 @@
 """Find attention structurally: from each softmax back to Q·Kᵀ and forward to ·V; and SDPA calls.
 
-Sites are recorded in ``gm.meta["pagedattn_sites"]``; nothing in the graph changes here.
+Sites are recorded in the pass context (``ctx.sites``); nothing in the graph changes here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from pagedattn.passes.context import PassContext, PassReport
 from pagedattn.passes.site import (
+    MASK_LIMIT,
     CAST_OPS,
     CONTRACTION_OPS,
     IDENTITY_OPS,
@@ -21,7 +23,6 @@ from pagedattn.passes.site import (
     SOFTMAX_OPS,
     VIEW_OPS,
     AttentionSite,
-    PassResult,
     aten,
     same_size,
     scalar,
@@ -31,7 +32,6 @@ from pagedattn.passes.site import (
 
 log = logging.getLogger("pagedattn.passes")
 
-_NEG_LIMIT = -1e4
 _CHECK_OPS = {aten._assert_tensor_metadata.default}
 _SCORE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
@@ -39,14 +39,14 @@ _SCORE_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
 def _keeps_last_two(node: Node) -> bool:
     """A view that only splits or merges leading dims, e.g. [B*H, S, L] <-> [B, H, S, L]."""
     a, b = shape(node.args[0]), shape(node)
-    return bool(a and b and len(a) >= 2 and len(b) >= 2 and same_size(a[-1], b[-1]) and same_size(a[-2], b[-2]))  # a fill value at or below this is a mask, not data
+    return bool(a and b and len(a) >= 2 and len(b) >= 2 and same_size(a[-1], b[-1]) and same_size(a[-2], b[-2]))
 
 
 class NoMatch(Exception):
     """This softmax is not an attention the tool can express; the message says why."""
 
 
-def match_attention(gm: GraphModule) -> PassResult:
+def match_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     matchers = {**{op: _match_softmax for op in SOFTMAX_OPS}, **{op: _match_sdpa for op in SDPA_OPS}}
     sites = []
     for node in gm.graph.nodes:
@@ -55,10 +55,10 @@ def match_attention(gm: GraphModule) -> PassResult:
             continue
         site = AttentionSite(name=f"attn_{len(sites)}:{node.name}", anchor=node)
         try:
-            match(site)
+            match(site, ctx.constant_inputs)
         except NoMatch as e:
             site.skip(str(e))
-            if match is _match_softmax and not _attention_like(node):
+            if match is _match_softmax and not _attention_like(node, ctx.constant_inputs):
                 site.attention = False
                 if not site.reason.startswith("not attention"):
                     site.reason = f"not attention: {site.reason}"
@@ -68,10 +68,10 @@ def match_attention(gm: GraphModule) -> PassResult:
             elif site.reason.startswith("not attention: "):
                 site.reason = "unsupported attention: " + site.reason[len("not attention: "):]
         sites.append(site)
-    gm.meta["pagedattn_sites"] = sites
+    ctx.sites = sites
     for s in sites:
         log.info("site %s: %s%s", s.name, s.status, f" ({s.reason})" if s.reason else "")
-    return PassResult("match_attention", False, f"{sum(s.status == 'matched' for s in sites)} of {len(sites)} matched")
+    return PassReport("match_attention", False, f"{sum(s.status == 'matched' for s in sites)} of {len(sites)} matched")
 
 
 # ------------------------------------------------------------- attention or not at all
@@ -83,14 +83,13 @@ _PASS_FORWARD = VIEW_OPS | CAST_OPS | {aten.slice.Tensor, aten.select.int, aten.
                                        aten.expand.default, aten.unsqueeze.default, aten.narrow.default}
 
 
-def _is_state(node, depth: int = 6) -> bool:
+def _is_state(node, constants: frozenset[str], depth: int = 6) -> bool:
     """A parameter or buffer (through views and casts)."""
     while isinstance(node, Node) and depth > 0:
         if node.op == "get_attr":
             return True
         if node.op == "placeholder":
-            return node.name in node.graph.owning_module.meta.get("pagedattn_constant_inputs", ()) \
-                if node.graph.owning_module is not None else False
+            return node.name in constants
         if node.op != "call_function" or node.target not in _PASS_FORWARD | {aten.t.default, aten.numpy_T.default}:
             return False
         node = node.args[0]
@@ -98,14 +97,14 @@ def _is_state(node, depth: int = 6) -> bool:
     return False
 
 
-def _activation_contraction(node: Node) -> bool:
+def _activation_contraction(node: Node, constants: frozenset[str]) -> bool:
     """A matmul/bmm/einsum of two activations (not activation × weight)."""
     if node.target not in CONTRACTION_OPS:
         return False
     ops = node.args[1] if node.target is aten.einsum.default else node.args[:2]
     if node.target is aten.baddbmm.default:
         ops = node.args[1:3]
-    return not any(_is_state(o) for o in ops)
+    return not any(_is_state(o, constants) for o in ops)
 
 
 def _has_sink_logits(sm: Node, depth: int = 4) -> bool:
@@ -123,7 +122,7 @@ def _has_sink_logits(sm: Node, depth: int = 4) -> bool:
     return False
 
 
-def _attention_like(sm: Node) -> bool:
+def _attention_like(sm: Node, constants: frozenset[str]) -> bool:
     """Whether a softmax is attention-shaped: its scores come from (or its output feeds) a product of activations.
 
     A softmax that is attention but could not be matched must block paged mode; one that is not
@@ -136,7 +135,7 @@ def _attention_like(sm: Node) -> bool:
             if not isinstance(n, Node) or n in seen or n.op != "call_function" or n.target in _PROJECTIONS:
                 continue
             seen.add(n)
-            if _activation_contraction(n):
+            if _activation_contraction(n, constants):
                 return True
             nxt.extend(n.all_input_nodes)
         frontier = nxt
@@ -145,7 +144,7 @@ def _attention_like(sm: Node) -> bool:
         nxt = []
         for n in frontier:
             for u in n.users:
-                if _activation_contraction(u):
+                if _activation_contraction(u, constants):
                     return True
                 if u.target in _PASS_FORWARD or u.target is operator.getitem:
                     nxt.append(u)
@@ -195,11 +194,11 @@ def _const_value(x) -> Optional[float]:
 def _is_neg_fill(x) -> bool:
     v = _const_value(x)
     if v is not None:
-        return v <= _NEG_LIMIT
+        return v <= MASK_LIMIT
     return False
 
 
-def _match_softmax(site: AttentionSite) -> None:
+def _match_softmax(site: AttentionSite, constants: frozenset[str]) -> None:
     sm = site.anchor
     if sm.args[1] not in (-1, len(shape(sm) or ()) - 1):
         raise NoMatch("softmax is not over the last dimension")
@@ -255,7 +254,7 @@ def _match_softmax(site: AttentionSite) -> None:
             x = path
         elif t is aten.sub.Tensor and _row_constant(x.args[1], x.args[0]):
             x = x.args[0]  # minus the row maximum (for stability): softmax(s - c) == softmax(s)
-        elif t is aten.cat.default and (sink := _sink_concat(x)) is not None:
+        elif t is aten.cat.default and (sink := _sink_concat(x, constants)) is not None:
             if site.sinks is not None:
                 raise NoMatch("attention sinks concatenated twice")
             x, site.sinks = sink
@@ -285,7 +284,7 @@ def _match_softmax(site: AttentionSite) -> None:
     lse_scaled = None
     outside = [u for _, u in _outside_users(sm, score_path + [qk])]
     if len(outside) == 1 and site.sinks is None:
-        lse_scaled = _lse_sink(outside[0], sm, pv)
+        lse_scaled = _lse_sink(outside[0], sm, pv, constants)
     if outside and lse_scaled is None:
         raise NoMatch(f"the scores also feed {_op_name(outside[0])} outside the softmax: a paged step would "
                       "compute it over the step's own keys only")
@@ -353,7 +352,7 @@ def _only_recentres(u: Node, inside: set, depth: int = 4) -> bool:
     return True
 
 
-def _lse_sink(lse: Node, sm: Node, pv: Node):
+def _lse_sink(lse: Node, sm: Node, pv: Node, constants: frozenset[str]):
     """Sinks applied after the fact: ``(softmax(s)·V) * sigmoid(logsumexp(s) - sinks)`` -> (state, the product)."""
     if lse.target is not aten.logsumexp.default or skip_identity(lse.args[0]) is not skip_identity(sm.args[0]):
         return None
@@ -370,7 +369,7 @@ def _lse_sink(lse: Node, sm: Node, pv: Node):
         if u.target is aten.sub.Tensor and u.args[0] is n and sink is None:
             root, _ = _sink_source(u.args[1])
             sr = shape(root)
-            if not _is_state(root) or sr is None or torch.Size(sr).numel() != (shape(lse) or (0, 0))[-2]:
+            if not _is_state(root, constants) or sr is None or torch.Size(sr).numel() != (shape(lse) or (0, 0))[-2]:
                 return None
             sink = root
         elif u.target is aten.sigmoid.default and sink is not None:
@@ -405,7 +404,7 @@ def _sink_source(node):
     return n, pre
 
 
-def _sink_concat(cat: Node):
+def _sink_concat(cat: Node, constants: frozenset[str]):
     """``cat([scores, sinks], -1)`` with one sink logit per head from model state -> (scores, state node)."""
     tensors = cat.args[0]
     dim = cat.args[1] if len(cat.args) > 1 else 0
@@ -420,7 +419,7 @@ def _sink_concat(cat: Node):
     n, pre = _sink_source(col)
     # views keep the flat order; before broadcasting, the heads must sit at dim -3 with all else 1
     sp = shape(pre)
-    if not _is_state(n) or sp is None or len(sp) < 3 or sp[-3] != heads or torch.Size(sp).numel() != heads \
+    if not _is_state(n, constants) or sp is None or len(sp) < 3 or sp[-3] != heads or torch.Size(sp).numel() != heads \
             or shape(n) is None or torch.Size(shape(n)).numel() != heads:
         return None
     return scores, n
@@ -688,7 +687,7 @@ def _transpose_back(graph, kt: Node, before: Node) -> Node:
     return n
 
 
-def _match_sdpa(site: AttentionSite) -> None:
+def _match_sdpa(site: AttentionSite, constants: frozenset[str]) -> None:
     n = site.anchor
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
     args = dict(zip(names, n.args))

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from torch.fx import GraphModule, Node
 
-from pagedattn.passes.site import AttentionSite, PassResult, aten, val
+from pagedattn.passes.canonical import attention_node
+from pagedattn.passes.context import PassContext, PassReport
+from pagedattn.passes.site import AttentionSite, aten, val
 
 log = logging.getLogger("pagedattn.passes")
 
 
-def replace_attention(gm: GraphModule) -> PassResult:
-    sites: list[AttentionSite] = gm.meta.get("pagedattn_sites", [])
+def replace_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     done = 0
-    for i, site in enumerate(sites):
+    for i, site in enumerate(ctx.sites):
         if site.status != "matched" or site.mask_kind is None:
             continue
         reason = _dtype_problem(site)
@@ -25,7 +27,7 @@ def replace_attention(gm: GraphModule) -> PassResult:
         _replace(gm, site, i)
         site.status = "rewritten"
         done += 1
-    return PassResult("replace_attention", done > 0, f"{done} sites replaced")
+    return PassReport("replace_attention", done > 0, f"{done} sites replaced")
 
 
 def _dtype_problem(site: AttentionSite) -> str:
@@ -65,12 +67,8 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
         if site.sinks is not None:  # [Hq]: the state's elements are in head order (checked when matched)
             sinks = g.call_function(aten.reshape.default, (site.sinks, [-1]))
             sinks.meta["val"] = val(site.sinks).reshape(-1)
-        node = g.call_function(
-            torch.ops.pagedattn.attention.default,
-            (site.query, site.key, site.value, site.key_padding, float(site.scale),
-             site.mask_kind in ("causal", "sliding_window"), int(site.window or 0), float(site.softcap or 0.0),
-             alibi, int(site.num_kv_heads), sinks),
-        )
+        params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size))
+        node = attention_node(g, site.query, site.key, site.value, site.key_padding, params)
         qv, vv = val(site.query), val(site.value)
         node.meta["val"] = qv.new_empty((*qv.shape[:-1], vv.shape[-1]))
         node.meta["pagedattn_site"] = site.name

@@ -8,7 +8,13 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from pagedattn.backends.params import AttentionParams
+
 aten = torch.ops.aten
+
+# a fill value or an additive term at or below this is a mask, not data (Hugging Face masks with
+# finfo.min, older code with -1e4 or -10000)
+MASK_LIMIT = -1e4
 
 # ops that only re-label or copy data without changing values
 IDENTITY_OPS = {
@@ -65,6 +71,13 @@ class AttentionSite:
     # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
     attention: bool = True
 
+    def params(self) -> AttentionParams:
+        """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""
+        return AttentionParams(
+            scale=float(self.scale), causal=self.mask_kind in ("causal", "sliding_window"),
+            sliding_window=int(self.window or 0), softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi_slopes,
+            num_kv_heads=int(self.num_kv_heads), head_size_v=int(self.value.meta["val"].shape[-1]), sinks=self.sinks)
+
     def skip(self, reason: str) -> "AttentionSite":
         self.status, self.reason = "skipped", reason
         return self
@@ -87,15 +100,6 @@ class AttentionSite:
             "mask_probed_up_to": self.probed_up_to,
             "attention": self.attention,
         }
-
-
-@dataclass
-class PassResult:
-    """What one pass changed."""
-
-    name: str
-    changed: bool
-    detail: str = ""
 
 
 def val(node: Any) -> Any:

@@ -151,8 +151,11 @@ def cmd_rewrite(args) -> None:
     import torch
 
     from pagedattn import checkpoint as ckpt_mod
-    from pagedattn.api import _rewrite_program, export_model
-    from pagedattn.runtime.engine import _accepted, _example_kwargs
+    from pagedattn.adapter import accepted_inputs, example_inputs
+    from pagedattn.api import rewrite_program
+    from pagedattn.backends import get_backend
+    from pagedattn.program import ModelInfo
+    from pagedattn.tracing import export_model
 
     out = os.path.abspath(args.out)
     if os.path.exists(out) and not args.force:
@@ -177,7 +180,7 @@ def cmd_rewrite(args) -> None:
         bar.set_description("torch.export")
         if ck.kind == "hf":
             model = ck.model.to(target if target != "xla" else "cpu")
-            kwargs = _example_kwargs(_accepted(model), getattr(ck.config, "vocab_size", None))
+            kwargs = example_inputs(accepted_inputs(model), ModelInfo.of(model).vocab_size)
             kwargs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             try:
                 ep = export_model(model, (), kwargs)
@@ -194,11 +197,10 @@ def cmd_rewrite(args) -> None:
         timings["export_s"] = _lap(bar, t0, timings)
         bar.set_description("passes")
         try:
-            rm = _rewrite_program(ep, flat, target, args.block_size)
+            rm = rewrite_program(ep, flat, get_backend(target), args.block_size,
+                                 info=ModelInfo.of(ck.model) if ck.kind == "hf" else None)
         except ValueError as e:
             raise CliError(f"{e}", 1) from e
-        if ck.kind == "hf":
-            rm.config, rm.generation_config = ck.model.config, getattr(ck.model, "generation_config", None)
         timings["passes_s"] = _lap(bar, t0, timings)
         n_rw = sum(r["status"] == "rewritten" for r in rm.report)
         if not rm.report or n_rw == 0:
@@ -294,7 +296,7 @@ def _report_info(args, ck, rm, target: str, timings: dict) -> dict:
     return {
         "checkpoint": args.checkpoint, "kind": ck.kind, "architecture": ck.architecture, "target": target,
         "block_size": args.block_size, "dtype": args.dtype, "sites": len(rm.report), "rewritten": n_rw,
-        "skipped": len(rm.report) - n_rw, "cache_specs": rm.cache_specs, "tokenizer": ck.tokenizer is not None,
+        "skipped": len(rm.report) - n_rw, "cache_specs": [s.to_json() for s in rm.cache_specs], "tokenizer": ck.tokenizer is not None,
         "default_prompt": DEMO_PROMPT if demo else None, "timings": timings, "versions": versions,
     }
 

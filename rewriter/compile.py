@@ -9,22 +9,27 @@ compiler: ``"inductor"`` (default; it re-inplaces the cache write) or ``"eager"`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.fx import GraphModule
 
-from pagedattn.api import cache_specs, rewrite_graph
-from pagedattn.backends import get_backend
+from pagedattn.backends import AttentionBackend, get_backend, use_backend
+from pagedattn.driver import RewriteResult, rewrite_graph
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 
 log = logging.getLogger("pagedattn")
 
+__all__ = ["pagedattn_backend", "CompiledGraph", "compiled_graphs", "resolve_options"]
+
 DEFAULT_OPTIONS = {"inner": "inductor", "target": "auto", "block_size": 16}
 
 
-def _options(options: Optional[dict]) -> dict:
+def resolve_options(options: Optional[dict]) -> dict:
+    """The backend's options with their defaults; a clear error for unknown ones."""
     opts = dict(DEFAULT_OPTIONS)
     unknown = set(options or {}) - set(opts)
     if unknown:
@@ -92,66 +97,73 @@ def _inner_compile(gm: GraphModule, inner: str) -> Callable:
     if inner == "eager":
         return gm
     if inner == "openxla":  # XLA compiles per shape: pad steps to buckets (pagedattn.backends.pallas_xla)
-        from pagedattn.backends.pallas_xla import OpenXlaPerShape
+        from pagedattn.xla import OpenXlaPerShape
 
         return OpenXlaPerShape(gm)
     return torch.compile(gm, backend="inductor", dynamic=True)
 
 
-class _Compiled:
-    """What the backend returns to Dynamo."""
+class CompiledGraph:
+    """What the backend returns to Dynamo for one graph: its drop-in and paged forms, compiled lazily.
 
-    def __init__(self, dropin: GraphModule, paged: GraphModule, num_sites: int, inner: str, skipped: list[str]):
-        self.dropin, self.paged = dropin, paged
-        self.num_sites, self.inner, self.skipped = num_sites, inner, skipped
+    Carries what it found: ``report`` (one row per site) and ``cache_specs`` (one per paged site).
+    """
+
+    def __init__(self, result: RewriteResult, backend: AttentionBackend, inner: str):
+        self.dropin, self.paged = result.dropin, result.paged
+        self.report, self.cache_specs, self.skipped = result.report, result.cache_specs, result.skipped
+        self.backend, self.inner = backend, inner
         self._dropin_fn: Optional[Callable] = None
         self._paged_fn: Optional[Callable] = None
 
+    @property
+    def num_sites(self) -> int:
+        return len(self.cache_specs)
+
     def __call__(self, *args):
+        seen = _COLLECTING.get()
+        if seen is not None and not any(g is self for g in seen):
+            seen.append(self)
         ctx = current_context()
         if ctx is not None:
             refuse_if_unpaged(self.skipped)
         if ctx is None or self.num_sites == 0:
             if self._dropin_fn is None:
                 self._dropin_fn = _inner_compile(self.dropin, self.inner)
-            out = self._dropin_fn(*args)
-        else:
-            if self._paged_fn is None:
-                self._paged_fn = _inner_compile(self.paged, self.inner)
-            out = self._paged_fn(*args, *ctx.graph_inputs(self.num_sites))
-        return out
+            return self._dropin_fn(*args)
+        if self._paged_fn is None:
+            self._paged_fn = _inner_compile(self.paged, self.inner)
+        with use_backend(ctx.backend or self.backend):
+            return self._paged_fn(*args, *ctx.graph_inputs(self.num_sites))
 
 
 def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[dict] = None, **_: Any):
     """The Dynamo backend registered as ``"pagedattn"``."""
-    opts = _options(options)
+    opts = resolve_options(options)
     backend = get_backend(opts["target"])
     real = [_real(x) for x in example_inputs]
     flat = _aten_graph(gm)
-    dropin, paged, sites = rewrite_graph(flat, real, backend.device_type, constants=_module_state(gm))
+    result = rewrite_graph(flat, real, backend, constants=frozenset(_module_state(gm)))
     log.info("pagedattn backend: %d of %d attention sites rewritten",
-             sum(s.status == "rewritten" for s in sites), len(sites))
-    compiled = _Compiled(dropin, paged, len(paged.meta.get("pagedattn_cache_inputs", [])), opts["inner"],
-                         [f"{s.name}: {s.reason}" for s in sites if s.status != "rewritten" and s.attention])
-    compiled.cache_specs = cache_specs(paged, sites)
-    compiled.report = [s.report() for s in sites]
-    _LAST_REPORTS.append(compiled.report)
-    if compiled.cache_specs:
-        _LAST_SPECS[:] = compiled.cache_specs
-    return compiled
+             sum(s.status == "rewritten" for s in result.sites), len(result.sites))
+    return CompiledGraph(result, backend, opts["inner"])
 
 
-# reports of the graphs compiled in this process, newest last (for inspection and tests)
-_LAST_REPORTS: list = []
+_COLLECTING: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("pagedattn_compiled", default=None)
 
 
-_LAST_SPECS: list = []
+@contextlib.contextmanager
+def compiled_graphs() -> Iterator[list[CompiledGraph]]:
+    """Collect the graphs compiled with ``backend="pagedattn"`` that run inside (compiled there or before),
+    in the order they first run::
 
-
-def compile_reports() -> list:
-    return list(_LAST_REPORTS)
-
-
-def last_cache_specs() -> list[dict]:
-    """Cache layout (one entry per rewritten site) of the newest graph compiled with paged attention."""
-    return list(_LAST_SPECS)
+        with pagedattn.compile.compiled_graphs() as graphs:
+            compiled_model(**inputs)
+        reports = [g.report for g in graphs]
+    """
+    seen: list[CompiledGraph] = []
+    token = _COLLECTING.set(seen)
+    try:
+        yield seen
+    finally:
+        _COLLECTING.reset(token)

@@ -26,11 +26,11 @@ _SKIPPED_RADIUS = 2
 # ----------------------------------------------------------------------------- graph -> data
 
 
-def graph_views(before: GraphModule, after: GraphModule, sites) -> dict:
+def graph_views(before: GraphModule, after: GraphModule, sites, paged_sites=()) -> dict:
     """The code of both graphs and, per site, the nodes around it in each (JSON-able)."""
     b_nodes = {n.name: n for n in before.graph.nodes}
     a_nodes = {n.name: n for n in after.graph.nodes}
-    cores = _replacement_nodes(after)
+    cores = _replacement_nodes(after, {p.cache_input: p.site for p in paged_sites})
     views = {}
     for s in sites:
         seeds = _seeds(s, b_nodes)
@@ -44,10 +44,9 @@ def graph_views(before: GraphModule, after: GraphModule, sites) -> dict:
     return {"before_code": before.code.strip(), "after_code": after.code.strip(), "sites": views}
 
 
-def _replacement_nodes(gm: GraphModule) -> dict[str, Node]:
+def _replacement_nodes(gm: GraphModule, cache_sites: dict[str, str]) -> dict[str, Node]:
     """Site name -> the node that now computes it (paged attention, or canonical attention left dense)."""
     out = {}
-    cache_sites = dict(zip(gm.meta.get("pagedattn_cache_inputs", []), gm.meta.get("pagedattn_cache_sites", [])))
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.name in cache_sites:
             for u in n.users:

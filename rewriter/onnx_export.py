@@ -17,7 +17,11 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
-from pagedattn.passes import METADATA_INPUTS
+from pagedattn.backends import METADATA_FIELDS, build_metadata
+from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
+from pagedattn.passes.canonical import is_cache_write
+from pagedattn.serialization import example_sequences
+from pagedattn.tracing import copy_graph_module, flat_graph_module
 
 log = logging.getLogger("pagedattn")
 
@@ -29,30 +33,13 @@ OPSET = 18
 
 def functional_graph(gm: GraphModule, num_caches: int) -> GraphModule:
     """A copy of the flat paged graph whose cache writes are functional and whose new caches are outputs."""
-    g = torch.fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
-    new_caches = []
     for i in range(num_caches):
-        cache = placeholders[f"kv_cache_{i}"]
-        writes = [u for u in cache.users if u.target is torch.ops.pagedattn.write_kv_cache.default]
-        if len(writes) != 1:
-            raise ValueError(f"kv_cache_{i} is written {len(writes)} times; expected once")
-        w = writes[0]
-        with g.inserting_before(w):
-            fresh = g.call_function(torch.ops.pagedattn.write_kv_cache_functional.default, w.args)
-        fresh.meta["val"] = cache.meta.get("val")
-        # reads of the cache after the write see the written cache
-        order = {n: k for k, n in enumerate(g.nodes)}
-        for u in list(cache.users):
-            if u is not w and u is not fresh and order[u] > order[w]:
-                u.replace_input_with(cache, fresh)
-        g.erase_node(w)
-        new_caches.append(fresh)
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    g.output(tuple(outs + new_caches))
-    fgm = GraphModule(gm, g)
-    fgm.graph.lint()
+        cache = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == f"kv_cache_{i}")
+        writes = sum(is_cache_write(u) for u in cache.users)
+        if writes != 1:
+            raise ValueError(f"kv_cache_{i} is written {writes} times; expected once")
+    fgm = copy_graph_module(gm)
+    run_pipeline(fgm, PassContext(), (FunctionalCacheWrites("outputs"),))
     return fgm
 
 
@@ -178,9 +165,7 @@ def _num_outputs(gm: GraphModule) -> int:
 
 def _flat_paged(model) -> tuple[GraphModule, list[str]]:
     """The paged graph with flat inputs (model inputs, caches, metadata) and their names."""
-    from pagedattn.api import _flat_graph_module
-
-    gm, _, _ = _flat_graph_module(model.exported_program)
+    gm, _, _ = flat_graph_module(model.exported_program)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return gm, names
 
@@ -189,19 +174,16 @@ def _inputs(model, model_inputs: list, meta) -> list:
     caches = model.allocate_kv_caches(int(meta.block_tables.max()) + 2, device="cpu")
     for c in caches:
         c.normal_()
-    return [*model_inputs, *caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+    return [*model_inputs, *caches, *meta.tensors()]
 
 
 def example_inputs(model, names: list[str], num_tokens: int = 12, vocab: int = 2) -> list:
     """A two-sequence prefill: token ids and positions for the model inputs the program takes."""
-    from pagedattn.api import _example_sequences
-    from pagedattn.backends import build_metadata
-
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or vocab
-    specs = _example_sequences(num_tokens, model.block_size)
+    vocab = model.info.vocab_size or vocab
+    specs = example_sequences(num_tokens, model.block_size)
     meta = build_metadata(specs, model.block_size)
     pos = torch.cat([torch.arange(c, c + n) for c, n, _ in specs])[None]
-    model_inputs = _model_inputs(names[: len(names) - model.num_sites - len(METADATA_INPUTS)], num_tokens, vocab, pos)
+    model_inputs = _model_inputs(names[: len(names) - model.num_sites - len(METADATA_FIELDS)], num_tokens, vocab, pos)
     return _inputs(model, model_inputs, meta)
 
 
@@ -232,15 +214,12 @@ def verify_onnx(model, path: str, num_tokens: int = 12) -> dict[str, float]:
     """
     import onnxruntime as ort
 
-    from pagedattn.api import _example_sequences
-    from pagedattn.backends import build_metadata
-
     gm, names = _flat_paged(model)
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     feed_names = [i.name for i in sess.get_inputs()]
-    n_model = len(names) - model.num_sites - len(METADATA_INPUTS)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    specs = _example_sequences(num_tokens, model.block_size)
+    n_model = len(names) - model.num_sites - len(METADATA_FIELDS)
+    vocab = model.info.vocab_size or 2
+    specs = example_sequences(num_tokens, model.block_size)
     steps = [(specs, torch.cat([torch.arange(c, c + n) for c, n, _ in specs])[None])]
     decode = [(c + n, 1, table) for c, n, table in specs]
     # two padding tokens (slot -1) ride along, as in a batch padded to a fixed size
@@ -254,11 +233,11 @@ def verify_onnx(model, path: str, num_tokens: int = 12) -> dict[str, float]:
         if caches is None:
             caches = _inputs(model, [], meta)[: model.num_sites]
             ort_caches = [c.clone() for c in caches]
-        flat = [*ins, *caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+        flat = [*ins, *caches, *meta.tensors()]
         with torch.no_grad():
             ref = gm(*flat)  # writes `caches` in place
         ref = list(ref) if isinstance(ref, (list, tuple)) else [ref]
-        feed_all = [*ins, *ort_caches, *(getattr(meta, n) for n in METADATA_INPUTS)]
+        feed_all = [*ins, *ort_caches, *meta.tensors()]
         feed = {n: x.numpy() for n, x in zip(names, feed_all) if n in feed_names}
         got = sess.run(None, feed)
         outs, new = got[: len(got) - model.num_sites], got[len(got) - model.num_sites:]

@@ -14,15 +14,19 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from pagedattn.backends.base import AttentionMetadata
+from pagedattn.backends import AttentionBackend, AttentionMetadata, get_backend
 
 _CURRENT: contextvars.ContextVar[Optional["PagedContext"]] = contextvars.ContextVar("pagedattn_context", default=None)
 
 
 @dataclass(frozen=True)
 class PagedContext:
+    """The caches and step metadata bound to rewritten graphs; ``backend`` runs their paged ops
+    (``None``: the backend each program was rewritten for)."""
+
     kv_caches: tuple[torch.Tensor, ...]
     metadata: AttentionMetadata
+    backend: Optional[AttentionBackend] = None
 
     def graph_inputs(self, num_caches: int) -> list[torch.Tensor]:
         if len(self.kv_caches) != num_caches:
@@ -30,8 +34,7 @@ class PagedContext:
                 f"the rewritten model has {num_caches} attention sites but the context holds "
                 f"{len(self.kv_caches)} KV caches; allocate one cache per site (RewrittenModel.allocate_kv_caches)"
             )
-        m = self.metadata
-        return [*self.kv_caches, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc]
+        return [*self.kv_caches, *self.metadata.tensors()]
 
 
 def refuse_if_unpaged(skipped: Sequence[str]) -> None:
@@ -46,10 +49,11 @@ def current_context() -> Optional[PagedContext]:
 
 
 @contextlib.contextmanager
-def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata) -> Iterator[PagedContext]:
-    """Run rewritten models in paged mode with these caches and this step's metadata."""
-    _check_block_size(kv_caches, metadata)
-    ctx = PagedContext(tuple(kv_caches), metadata)
+def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
+                  backend: Optional[AttentionBackend] = None) -> Iterator[PagedContext]:
+    """Run rewritten models in paged mode with these caches and this step's metadata (and ``backend``)."""
+    _check_block_size(kv_caches, metadata, backend)
+    ctx = PagedContext(tuple(kv_caches), metadata, backend)
     token = _CURRENT.set(ctx)
     try:
         yield ctx
@@ -57,13 +61,13 @@ def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata
         _CURRENT.reset(token)
 
 
-def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata) -> None:
+def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
+                      backend: Optional[AttentionBackend]) -> None:
     """Slots and block tables mean nothing for a cache of another block size: refuse, never misread."""
-    from pagedattn.backends import get_backend
-
     for i, cache in enumerate(kv_caches):
+        b = backend if backend is not None and backend.device_type == cache.device.type else None
         try:
-            block_size = get_backend(cache.device).cache_geometry(cache)[1]
+            block_size = (b or get_backend(cache.device)).cache_geometry(cache)[1]
         except (ValueError, NotImplementedError):  # no backend for this device: the op itself will say so
             continue
         if block_size != metadata.block_size:

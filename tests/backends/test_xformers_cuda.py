@@ -5,6 +5,7 @@ xFormers itself materializes it (xformers_emulation.py), against the float64 ref
 tests (test_xformers_cuda_gpu.py) run the real kernels.
 """
 
+import dataclasses
 import logging
 import math
 
@@ -15,7 +16,7 @@ pytest.importorskip("xformers", reason="xformers is not installed (pip install '
 
 from pagedattn.backends import build_metadata  # noqa: E402
 from pagedattn.backends import xformers_cuda  # noqa: E402
-from pagedattn.backends.base import AttentionConfig  # noqa: E402
+from pagedattn.backends import AttentionConfig, AttentionParams  # noqa: E402
 
 from .paged_batch import check_copy_and_swap, make_batch, reference_step  # noqa: E402
 from .test_sdpa_cpu import SHAPES  # noqa: E402
@@ -32,9 +33,9 @@ def backend():
 
 def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
     backend.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    return backend.attend(b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache,
-                          b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, scale, causal,
-                          window, softcap, alibi, b.key.shape[1], **({} if sinks is None else {"sinks": sinks}))
+    params = AttentionParams(scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks)
+    meta = dataclasses.replace(b.meta, slot_mapping=None)
+    return backend.attend(b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache, meta, params)
 
 
 def _check(backend, b, dtype, **kw):

@@ -7,7 +7,7 @@ fp32 ``mm`` of the same shape, so a bf16 model runs several times slower than in
 benchmarks/RESULTS.md, "generate_cpu bf16"). Inductor emits the same ``aten.mm`` call, so compiling
 does not help.
 
-:func:`fp32_matmuls` rewrites such matmuls to what oneDNN itself does on AVX512 CPUs without BF16
+:class:`Fp32Matmuls` rewrites such matmuls to what oneDNN itself does on AVX512 CPUs without BF16
 instructions: convert the operands to fp32 (exact), multiply with fp32 accumulation, round the result
 back. With ``cache_weights`` the graph's constant weights (``get_attr``) are converted once and kept as
 fp32 buffers of the returned module: 4 more bytes per matmul weight element, for speed at small decode
@@ -20,13 +20,16 @@ differ from the native kernel's by an ulp (another summation order).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
+from pagedattn.passes.context import PassContext, PassReport
+
 log = logging.getLogger("pagedattn")
 
-__all__ = ["fp32_matmuls", "native_cpu_matmul"]
+__all__ = ["Fp32Matmuls", "native_cpu_matmul"]
 
 aten = torch.ops.aten
 # op -> positions of its tensor operands (a bias included)
@@ -70,51 +73,47 @@ def _low_precision(node: Node) -> torch.dtype | None:
     return dtype
 
 
-def fp32_matmuls(gm: GraphModule, cache_weights: bool = True) -> tuple[GraphModule, int]:
-    """A module over ``gm``'s graph whose slow bf16/fp16 CPU matmuls run in fp32; ``gm`` is untouched.
+@dataclass(frozen=True)
+class Fp32Matmuls:
+    """The pass: this CPU's slow bf16/fp16 matmuls of ``gm`` run in fp32, in place.
 
-    Returns ``(module, number of matmuls changed)``; with none to change, ``(gm, 0)``. ``cache_weights``:
-    keep fp32 copies of constant weights instead of converting them on every call.
+    ``cache_weights``: keep fp32 copies of constant weights (buffers of ``gm``) instead of converting
+    them on every call.
     """
-    if not isinstance(gm, GraphModule):  # e.g. compiled already
-        return gm, 0
-    targets = [n for n in gm.graph.nodes if _low_precision(n) is not None]
-    if not targets:
-        return gm, 0
-    g = torch.fx.Graph()
-    env: dict[Node, Node] = {}
-    g.output(g.graph_copy(gm.graph, env))
-    out = GraphModule(gm, g)
-    out.meta.update(getattr(gm, "meta", {}))
-    fp32_attrs: dict[str, Node] = {}  # original get_attr target -> get_attr of its fp32 copy
 
-    def up(a, node: Node):
-        if not isinstance(a, Node):
-            return a
-        if a.op == "get_attr" and cache_weights:  # a constant weight: converted once
-            if a.target not in fp32_attrs:
-                name = "_fp32_" + str(a.target).replace(".", "_")
-                while hasattr(out, name):
-                    name += "_"
-                out.register_buffer(name, _attr(gm, a.target).detach().float(), persistent=False)
-                with g.inserting_after(a):
-                    fp32_attrs[a.target] = g.get_attr(name)
-            return fp32_attrs[a.target]
-        with g.inserting_before(node):
-            return g.call_function(aten.to.dtype, (a, torch.float32))
+    cache_weights: bool = True
+    name: str = "fp32_matmuls"
 
-    for old in targets:
-        node = env[old]
-        operands = _MATMULS[node.target]
-        node.args = tuple(up(a, node) if i in operands else a for i, a in enumerate(node.args))
-        with g.inserting_after(node):
-            back = g.call_function(aten.to.dtype, (node, _low_precision(old)))
-        node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
-    g.lint()
-    out.recompile()
-    log.info("%d %s matmuls run in fp32: this CPU has no native GEMM for them", len(targets),
-             "/".join(sorted({str(_low_precision(n)).replace("torch.", "") for n in targets})))
-    return out, len(targets)
+    def __call__(self, gm: GraphModule, ctx: PassContext) -> PassReport:
+        g = gm.graph
+        targets = [(n, _low_precision(n)) for n in g.nodes if _low_precision(n) is not None]
+        fp32_attrs: dict[str, Node] = {}  # original get_attr target -> get_attr of its fp32 copy
+
+        def up(a, node: Node):
+            if not isinstance(a, Node):
+                return a
+            if a.op == "get_attr" and self.cache_weights:  # a constant weight: converted once
+                if a.target not in fp32_attrs:
+                    name = "_fp32_" + str(a.target).replace(".", "_")
+                    while hasattr(gm, name):
+                        name += "_"
+                    gm.register_buffer(name, _attr(gm, a.target).detach().float(), persistent=False)
+                    with g.inserting_after(a):
+                        fp32_attrs[a.target] = g.get_attr(name)
+                return fp32_attrs[a.target]
+            with g.inserting_before(node):
+                return g.call_function(aten.to.dtype, (a, torch.float32))
+
+        for node, dtype in targets:
+            operands = _MATMULS[node.target]
+            node.args = tuple(up(a, node) if i in operands else a for i, a in enumerate(node.args))
+            with g.inserting_after(node):
+                back = g.call_function(aten.to.dtype, (node, dtype))
+            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+        if targets:
+            log.info("%d %s matmuls run in fp32: this CPU has no native GEMM for them", len(targets),
+                     "/".join(sorted({str(d).replace("torch.", "") for _, d in targets})))
+        return PassReport(self.name, bool(targets), f"{len(targets)} matmuls in fp32")
 
 
 def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:

@@ -1,0 +1,247 @@
+"""Per-step attention metadata: where every token of a step lives in the paged cache.
+
+``build_metadata`` makes it from per-sequence ``(context_len, num_new_tokens, block_table)``;
+the paged ops take its tensors as flat arguments and decode them back into an
+:class:`AttentionMetadata` for the backend. The ``validate_*`` functions check a call against
+the cache it touches (on when ``PAGEDATTN_VALIDATE=1`` or :func:`set_validation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = [
+    "AttentionMetadata",
+    "SequenceSpec",
+    "METADATA_FIELDS",
+    "build_metadata",
+    "validation_enabled",
+    "set_validation",
+    "validate_write",
+    "validate_attend",
+]
+
+# the metadata tensors, in the order the paged graph takes them as inputs
+METADATA_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    """One sequence of a batch step: tokens already cached, new tokens, its block table."""
+
+    context_len: int
+    num_new_tokens: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Tensors that tell the paged ops where every token lives.
+
+    Tokens of all sequences are flattened in order: sequence ``i``'s new tokens are rows
+    ``query_start_loc[i]:query_start_loc[i+1]``; ``seq_lens[i]`` counts them plus the
+    tokens already cached. ``slot_mapping[t]`` is the cache slot of token ``t``
+    (``block * block_size + offset``) or -1 for padding (``None`` inside an attend call,
+    which does not write).
+    """
+
+    slot_mapping: Optional[torch.Tensor]  # [T] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0]) if self.slot_mapping is not None else int(self.query_start_loc[-1])
+
+    # host-side summaries (each reads the tensors back: not for the hot path)
+
+    def _q_lens(self) -> list[int]:
+        qsl = self.query_start_loc.tolist()
+        return [b - a for a, b in zip(qsl, qsl[1:])]
+
+    def _prefill(self) -> list[bool]:
+        return [q > 1 or q == L for q, L in zip(self._q_lens(), self.seq_lens.tolist())]
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(self._prefill())
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(q for q, p in zip(self._q_lens(), self._prefill()) if p)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(q for q, p in zip(self._q_lens(), self._prefill()) if not p)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self._q_lens(), default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max()) if self.seq_lens.numel() else 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The metadata as the paged graph takes it (``METADATA_FIELDS`` order)."""
+        return [getattr(self, name) for name in METADATA_FIELDS]
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        moved = {name: getattr(self, name).to(device) for name in METADATA_FIELDS
+                 if getattr(self, name) is not None}
+        return dataclasses.replace(self, **moved)
+
+
+def _slots_for(spec: SequenceSpec, block_size: int) -> list[int]:
+    positions = range(spec.context_len, spec.context_len + spec.num_new_tokens)
+    return [spec.block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def build_metadata(
+    seqs: Sequence[SequenceSpec | tuple[int, int, Sequence[int]]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    pad_tokens_to: Optional[int] = None,
+) -> AttentionMetadata:
+    """Build metadata from per-sequence ``(context_len, num_new_tokens, block_table)``.
+
+    ``pad_tokens_to`` appends padding tokens (slot -1, attached to no sequence) so that
+    the token dimension is a fixed size.
+    """
+    specs = [s if isinstance(s, SequenceSpec) else SequenceSpec(*s) for s in seqs]
+    if not specs:
+        raise ValueError("build_metadata: the batch has no sequences")
+    for i, s in enumerate(specs):
+        if s.num_new_tokens < 1:
+            raise ValueError(f"build_metadata: sequence {i} has {s.num_new_tokens} new tokens (need >= 1)")
+        if s.context_len < 0:
+            raise ValueError(f"build_metadata: sequence {i} has a negative context length")
+        need = -(-(s.context_len + s.num_new_tokens) // block_size)
+        if len(s.block_table) < need:
+            raise ValueError(
+                f"build_metadata: sequence {i} needs {need} blocks of {block_size} tokens "
+                f"for {s.context_len + s.num_new_tokens} tokens but its block table has {len(s.block_table)}"
+            )
+    slots = [slot for s in specs for slot in _slots_for(s, block_size)]
+    if pad_tokens_to is not None:
+        if pad_tokens_to < len(slots):
+            raise ValueError(f"build_metadata: pad_tokens_to={pad_tokens_to} < {len(slots)} tokens")
+        slots += [-1] * (pad_tokens_to - len(slots))
+    max_blocks = max(1, max(len(s.block_table) for s in specs))
+    tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in specs]
+    starts = [0]
+    for s in specs:
+        starts.append(starts[-1] + s.num_new_tokens)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([s.context_len + s.num_new_tokens for s in specs], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        block_size=block_size,
+    )
+
+
+# ----------------------------------------------------------------------- validation
+
+_VALIDATE_OVERRIDE: Optional[bool] = None
+
+
+def validation_enabled() -> bool:
+    """Whether the paged ops check their metadata (``PAGEDATTN_VALIDATE=1`` or ``set_validation``)."""
+    if _VALIDATE_OVERRIDE is not None:
+        return _VALIDATE_OVERRIDE
+    return os.environ.get("PAGEDATTN_VALIDATE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def set_validation(enabled: Optional[bool]) -> None:
+    """Turn metadata validation on or off; ``None`` defers to ``PAGEDATTN_VALIDATE``."""
+    global _VALIDATE_OVERRIDE
+    _VALIDATE_OVERRIDE = enabled
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def validate_write(
+    key: torch.Tensor, value: torch.Tensor, num_slots: int, kv_heads: int, head_size: int,
+    cache_dtype: torch.dtype, cache_device: torch.device, slot_mapping: torch.Tensor,
+) -> None:
+    """Check one cache write; ``num_slots``/``kv_heads``/``head_size`` come from the backend's layout."""
+    _check(key.dim() == 3 and value.dim() == 3,
+           f"write_kv_cache: key and value must be [tokens, kv_heads, head_size], "
+           f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    _check(key.shape[:2] == value.shape[:2],
+           f"write_kv_cache: key {tuple(key.shape)} and value {tuple(value.shape)} disagree on tokens or heads")
+    _check(key.shape[1] == kv_heads, f"write_kv_cache: key has {key.shape[1]} kv heads but the cache holds {kv_heads}")
+    _check(key.shape[2] == head_size,
+           f"write_kv_cache: key head size {key.shape[2]} but the cache holds {head_size}")
+    _check(key.dtype == cache_dtype and value.dtype == cache_dtype,
+           f"write_kv_cache: key/value dtype {key.dtype}/{value.dtype} differs from the cache dtype "
+           f"{cache_dtype}; cast them or allocate the cache in that dtype")
+    _check(key.device == cache_device and value.device == cache_device and slot_mapping.device == cache_device,
+           f"write_kv_cache: key {key.device}, value {value.device}, slot_mapping {slot_mapping.device} "
+           f"and cache {cache_device} must share a device")
+    _check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+           f"write_kv_cache: slot_mapping has shape {tuple(slot_mapping.shape)} for {key.shape[0]} tokens")
+    _check(not slot_mapping.is_floating_point(), "write_kv_cache: slot_mapping must be an integer tensor")
+    if slot_mapping.numel():
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        _check(lo >= -1, f"write_kv_cache: slot {lo} is negative (only -1, meaning padding, is allowed)")
+        _check(hi < num_slots, f"write_kv_cache: slot {hi} is outside the cache ({num_slots} slots); "
+                               "allocate more blocks or fix slot_mapping")
+
+
+def validate_attend(
+    query: torch.Tensor, num_blocks: int, kv_heads: int, head_size: int, cache_dtype: torch.dtype,
+    cache_device: torch.device, metadata: AttentionMetadata, num_kv_heads: int, causal: bool,
+) -> None:
+    """Check one paged attention call against the cache it reads."""
+    block_tables, seq_lens, query_start_loc = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+    _check(query.dim() == 3, f"paged_attention: query must be [tokens, heads, head_size], got {tuple(query.shape)}")
+    _check(num_kv_heads == kv_heads,
+           f"paged_attention: num_kv_heads={num_kv_heads} but the cache holds {kv_heads} kv heads")
+    _check(query.shape[1] % kv_heads == 0,
+           f"paged_attention: {query.shape[1]} query heads are not a multiple of {kv_heads} kv heads")
+    _check(query.shape[2] == head_size,
+           f"paged_attention: query head size {query.shape[2]} but the cache holds {head_size}")
+    _check(query.dtype == cache_dtype,
+           f"paged_attention: query dtype {query.dtype} differs from the cache dtype {cache_dtype}")
+    for name, t in (("query", query), ("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("query_start_loc", query_start_loc)):
+        _check(t.device == cache_device, f"paged_attention: {name} is on {t.device} but the cache is on {cache_device}")
+    n = seq_lens.shape[0]
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == n,
+           f"paged_attention: block_tables {tuple(block_tables.shape)} does not have one row per sequence ({n})")
+    _check(query_start_loc.shape == (n + 1,),
+           f"paged_attention: query_start_loc must have {n + 1} entries, got {tuple(query_start_loc.shape)}")
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    _check(qsl[0] == 0 and all(b >= a for a, b in zip(qsl, qsl[1:])),
+           f"paged_attention: query_start_loc {qsl} must start at 0 and never decrease")
+    _check(qsl[-1] <= query.shape[0], f"paged_attention: query_start_loc ends at {qsl[-1]} but there are "
+                                      f"{query.shape[0]} tokens")
+    block_size = metadata.block_size
+    for i, (a, b, L) in enumerate(zip(qsl, qsl[1:], lens)):
+        _check(L >= b - a or not causal,
+               f"paged_attention: sequence {i} has seq_len {L}, shorter than its {b - a} new tokens")
+        need = -(-L // block_size)
+        _check(need <= block_tables.shape[1], f"paged_attention: sequence {i} of length {L} needs {need} blocks; "
+                                              f"block_tables has {block_tables.shape[1]} columns")
+        if need:
+            used = block_tables[i, :need]
+            lo, hi = int(used.min()), int(used.max())
+            _check(0 <= lo and hi < num_blocks, f"paged_attention: sequence {i} uses block "
+                                                f"{hi if hi >= num_blocks else lo}, outside the cache's {num_blocks} blocks")

@@ -1,0 +1,135 @@
+"""What one attention site computes besides its operands: :class:`AttentionParams`.
+
+The custom ops take these parameters as flat schema arguments (torch.library needs a flat schema);
+the schema is generated from the dataclass's fields, and each op decodes them once into an
+``AttentionParams``. Adding a per-site parameter means: a field here (appended, with a default, so
+saved programs keep loading), and the backends that implement it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Generic, Optional, TypeVar
+
+import torch
+
+__all__ = ["AttentionParams", "AttentionConfig", "CacheSpec", "params_schema"]
+
+T = TypeVar("T")  # torch.Tensor at run time; torch.fx.Node while a pass builds or reads a graph
+
+
+@dataclass(frozen=True)
+class AttentionParams(Generic[T]):
+    """Per-site attention parameters.
+
+    ``scale`` multiplies ``q · k``; ``softcap > 0`` caps the scaled scores as ``c * tanh(s / c)``;
+    ``alibi_slopes [Hq]`` add ``slope * (key position - query position)`` after the cap;
+    ``causal`` lets a query see keys at or before its own position (queries aligned bottom-right);
+    ``sliding_window > 0`` keeps only keys fewer than that many positions back; ``sinks [Hq]`` are
+    per-head logits that join the softmax's normalisation and contribute no value.
+    ``head_size_v`` is the value head size (the output's last dimension).
+    """
+
+    scale: float
+    causal: bool
+    sliding_window: int
+    softcap: float
+    alibi_slopes: Optional[T]
+    num_kv_heads: int
+    head_size_v: int
+    sinks: Optional[T] = None
+
+    @property
+    def window(self) -> int:
+        """The sliding window, 0 when there is none (a window only applies to causal attention)."""
+        return self.sliding_window if self.causal and self.sliding_window > 0 else 0
+
+    def args(self) -> tuple:
+        """The flat schema arguments, in schema order."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_args(cls, args: typing.Sequence) -> "AttentionParams":
+        return cls(*args)
+
+    def describe(self) -> str:
+        parts = [f"scale {self.scale:.4g}", "causal" if self.causal else "bidirectional"]
+        if self.window:
+            parts.append(f"window {self.window}")
+        if self.softcap > 0:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.alibi_slopes is not None:
+            parts.append("alibi")
+        if self.sinks is not None:
+            parts.append("sinks")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One site as a backend's ``supports()`` sees it: its parameters and operand shapes."""
+
+    params: AttentionParams
+    num_heads: int
+    head_size: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.params.num_kv_heads
+
+
+_SCHEMA_TYPES = {float: "float", bool: "bool", int: "int"}
+
+
+def _schema_type(hint) -> str:
+    if hint in _SCHEMA_TYPES:
+        return _SCHEMA_TYPES[hint]
+    if typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint):
+        return "Tensor?"  # Optional[T]
+    raise TypeError(f"AttentionParams field type {hint!r} has no schema type")
+
+
+def _schema_default(value) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return str(value)
+    return repr(value)
+
+
+def params_schema() -> str:
+    """The ``AttentionParams`` fields as custom-op schema arguments."""
+    hints = typing.get_type_hints(AttentionParams)
+    parts = []
+    for f in dataclasses.fields(AttentionParams):
+        default = "" if f.default is dataclasses.MISSING else f"={_schema_default(f.default)}"
+        parts.append(f"{_schema_type(hints[f.name])} {f.name}{default}")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache one paged site needs: its kv heads, head size and dtype (``site`` names it)."""
+
+    site: str
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    def bytes_per_block(self, block_size: int, dtype: Optional[torch.dtype] = None) -> int:
+        """K and V of one block."""
+        return 2 * block_size * self.num_kv_heads * self.head_size * (dtype or self.dtype).itemsize
+
+    def to_json(self) -> dict:
+        return {"site": self.site, "num_kv_heads": self.num_kv_heads, "head_size": self.head_size,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CacheSpec":
+        dtype = getattr(torch, str(d["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"cache spec of site {d.get('site')!r}: unknown dtype {d['dtype']!r}")
+        return cls(str(d["site"]), int(d["num_kv_heads"]), int(d["head_size"]), dtype)

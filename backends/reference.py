@@ -1,0 +1,156 @@
+"""The one statement of what a pagedattn attention site computes, and an exact dense attention.
+
+Everything that decides *which* keys a query sees, or *what* is added to its scores, is written
+here once; the drop-in op, the backends' exact fallbacks and the tests call it, and the fast
+paths (CPU flash-decoding, xFormers' fused kernels, XLA's static path, the ONNX translation) are
+tested against it.
+
+Semantics, for a query at absolute position ``i`` of its sequence and a key at position ``j``
+(a step's new queries are the *last* positions of their sequence: causal masks align
+bottom-right):
+
+1. ``s = scale * (q · k)``, in float32;
+2. soft-cap: ``s = softcap * tanh(s / softcap)`` when ``softcap > 0``;
+3. ALiBi: ``s += slope[h] * (j - i)`` (0 on the diagonal, negative for earlier keys);
+4. visibility: causal attention sees ``j <= i``, and with a sliding window ``w`` only
+   ``i - j < w``; bidirectional attention sees every key; keys a caller marks absent (padding,
+   past the sequence's length) are never seen;
+5. softmax over the visible keys, with the per-head sink logit (if any) as one more term of the
+   normalisation that contributes no value; a query that sees no key at all gets zeros;
+6. ``out = p · v``, cast back to the query's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedattn.backends.params import AttentionParams
+
+__all__ = ["query_positions", "visible", "earliest_visible_key", "alibi_bias", "apply_softcap",
+           "dense_attention"]
+
+
+def query_positions(seq_len: int | Tensor, q_len: int, device=None) -> Tensor:
+    """Absolute positions of the last ``q_len`` of ``seq_len`` tokens (bottom-right alignment)."""
+    return torch.arange(q_len, device=device) + (seq_len - q_len)
+
+
+def visible(q_pos: Tensor, k_pos: Tensor, params: AttentionParams) -> Optional[Tensor]:
+    """Which keys each query may see: boolean ``[..., Q, L]`` from ``q_pos [..., Q]`` and ``k_pos [..., L]``.
+
+    ``None`` when every key is visible (bidirectional attention). Keys that do not exist
+    (padding, beyond a sequence's length) are the caller's to mask.
+    """
+    if not params.causal:
+        return None
+    back = q_pos[..., :, None] - k_pos[..., None, :]  # how far back from the query the key lies
+    ok = back >= 0
+    if params.window:
+        ok = ok & (back < params.window)
+    return ok
+
+
+def earliest_visible_key(q_pos: int | Tensor, params: AttentionParams) -> int | Tensor:
+    """The first key position a query at ``q_pos`` may see (0 without a window): keys before it
+    need not be read at all."""
+    if not params.window:
+        return 0 if isinstance(q_pos, int) else torch.zeros_like(q_pos)
+    if isinstance(q_pos, int):
+        return max(0, q_pos - params.window + 1)
+    return (q_pos - params.window + 1).clamp(min=0)
+
+
+def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """ALiBi as an additive float32 bias ``[..., Hq, Q, L]``: ``slope * (key position - query position)``."""
+    rel = (k_pos[..., None, :] - q_pos[..., :, None]).float()  # [..., Q, L]
+    return slopes.float().reshape(-1, 1, 1) * rel[..., None, :, :]
+
+
+def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
+    """``softcap * tanh(scores / softcap)`` in place (float scores); unchanged when ``softcap <= 0``."""
+    if softcap > 0:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
+def _plain(params: AttentionParams) -> bool:
+    """Nothing but a mask: SDPA computes it with the same semantics."""
+    return params.softcap <= 0 and params.alibi_slopes is None and params.sinks is None
+
+
+def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: AttentionParams,
+                    q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
+                    key_present: Optional[Tensor] = None, exact: bool = False) -> Tensor:
+    """Attention as the module doc defines it, over dense operands.
+
+    ``query [B, Hq, Q, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]`` with ``Hq`` a multiple
+    of ``Hkv`` (grouped-query attention: K/V are never repeated per query head). ``q_pos`` /
+    ``k_pos`` (``[B or 1, Q]`` / ``[B or 1, L]``, default: the queries are the last ``Q`` of ``L``
+    positions) place them in their sequence; ``key_present [B or 1, L]`` (or ``[B or 1, Q, L]``)
+    marks the keys that exist. Returns ``[B, Hq, Q, Dv]`` in the query's dtype, contiguous.
+
+    Without soft-cap, ALiBi or sinks this runs SDPA in the operands' dtype (unless ``exact``);
+    otherwise float32 math, updated in place to bound memory.
+    """
+    B, hq, Q, D = query.shape
+    hkv, L = key.shape[1], key.shape[2]
+    group = hq // hkv
+    dev = query.device
+    if q_pos is None:
+        q_pos = query_positions(L, Q, dev)[None]
+    if k_pos is None:
+        k_pos = torch.arange(L, device=dev)[None]
+    allowed = visible(q_pos, k_pos, params)  # [B|1, Q, L] or None
+    if allowed is not None and allowed.dim() == 2:
+        allowed = allowed[None]
+    if key_present is not None:
+        present = key_present if key_present.dim() == 3 else key_present[:, None, :]
+        allowed = present if allowed is None else allowed & present
+    if allowed is not None:
+        allowed = allowed.expand(-1, Q, L)
+    if _plain(params) and not exact:
+        return _sdpa(query, key, value, allowed, params.scale, group)
+    # [B, Hkv, G*Q, L]: a KV head's query heads stacked, so K/V are read once per KV head
+    s = torch.matmul(query.reshape(B, hkv, group * Q, D).float(), key.float().transpose(-1, -2))
+    s = s.view(B, hkv, group, Q, L).mul_(params.scale)
+    apply_softcap(s, params.softcap)
+    if params.alibi_slopes is not None:
+        s.add_(alibi_bias(params.alibi_slopes, q_pos, k_pos).view(-1, hkv, group, Q, L))
+    if allowed is not None:
+        s.masked_fill_(~allowed[:, None, None], float("-inf"))
+    sink = None if params.sinks is None else params.sinks.float().view(1, hkv, group, 1, 1)
+    p = _softmax_(s, sink).view(B, hkv, group * Q, L)
+    out = torch.matmul(p, value.float()).view(B, hq, Q, value.shape[-1])
+    return out.to(query.dtype)
+
+
+def _softmax_(s: Tensor, sink: Optional[Tensor]) -> Tensor:
+    """Softmax over the last dimension, in place; ``sink`` is one more logit per row that takes
+    probability and adds no value. Rows with no finite score give zeros."""
+    m = s.amax(-1, keepdim=True)
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing
+    denom = s.sub_(m).exp_().sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + (sink - m).exp()
+    return s.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
+
+
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, allowed: Optional[Tensor], scale: float,
+          group: int) -> Tensor:
+    """The plain case through SDPA; rows that see no key give zeros (SDPA would give NaN)."""
+    empty = None
+    if allowed is not None:
+        empty = ~allowed.any(-1, keepdim=True)  # [B, Q, 1]
+        first = torch.zeros_like(allowed)
+        first[..., 0] = True
+        allowed = (allowed | (empty & first))[:, None]  # [B, 1, Q, L]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
+    if empty is not None:
+        out = out.masked_fill(empty[:, None], 0.0)
+    return out.contiguous()  # SDPA follows the query's strides; callers rely on a contiguous result

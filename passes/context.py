@@ -1,0 +1,50 @@
+"""What the passes of one rewrite share: a typed context, and the report each pass returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedattn.passes.site import AttentionSite
+
+__all__ = ["PassContext", "PassReport", "PagedSite"]
+
+
+@dataclass(frozen=True)
+class PagedSite:
+    """One paged site of a paged graph: its cache input and the site it pages."""
+
+    cache_input: str  # placeholder name, kv_cache_<i>
+    site: str  # AttentionSite.name
+
+
+@dataclass
+class PassContext:
+    """Inputs of a rewrite and what its passes find, passed to every pass.
+
+    ``example_inputs`` maps placeholder names to the traced example values; ``constant_inputs``
+    names placeholders that hold model state (parameters, buffers); ``mask_hints`` is the report of
+    a multi-token rewrite of the same model, for graphs traced on one token (see ``classify_mask``).
+    Passes fill ``sites`` (``match_attention`` onwards), ``paged_sites`` and ``token_count``
+    (``insert_paged``).
+    """
+
+    example_inputs: dict[str, Any] = field(default_factory=dict)
+    constant_inputs: frozenset[str] = frozenset()
+    mask_hints: Optional[list[dict]] = None
+    sites: list[AttentionSite] = field(default_factory=list)
+    paged_sites: list[PagedSite] = field(default_factory=list)
+    token_count: Any = None  # the paged sites' query length S ([B, H, S, D]; a symbol), set by insert_paged
+
+    def site(self, name: str) -> AttentionSite:
+        return next(s for s in self.sites if s.name == name)
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """What one pass did: whether it changed the graph, a one-line summary, and how long it took."""
+
+    name: str
+    changed: bool
+    detail: str = ""
+    seconds: float = 0.0

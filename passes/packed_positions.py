@@ -1,0 +1,88 @@
+"""Token-index ranges that number positions become each token's position in its own sequence.
+
+A model that takes no ``position_ids`` numbers its tokens with ``arange(S)`` over the token
+dimension (learned or rotary embeddings). A paged step packs several sequences into one row,
+each continuing its cache, so such a range (one that reaches a position embedding or rotary
+cos/sin) becomes ``seq_lens[i] - (query_start_loc[i+1] - t)`` for token ``t`` of sequence ``i``,
+computed from the step's metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from pagedattn.passes.context import PassContext, PassReport
+from pagedattn.passes.insert_paged import metadata_inputs
+from pagedattn.passes.site import aten, same_size
+
+__all__ = ["packed_positions"]
+
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_POSITION_CONSUMERS = {aten.embedding.default, aten.cos.default, aten.sin.default}
+
+
+def packed_positions(gm: GraphModule, ctx: PassContext) -> PassReport:
+    meta = metadata_inputs(gm)
+    if not meta or ctx.token_count is None:
+        return PassReport("packed_positions", False, "no paged sites")
+    ranges = [n for n in gm.graph.nodes if _token_range(n, ctx.token_count) and _feeds_position_encoding(n)]
+    if not ranges:
+        return PassReport("packed_positions", False, "no token-index ranges number positions")
+    pos = _positions(gm.graph, meta)
+    for n in ranges:
+        with gm.graph.inserting_before(n.next):
+            end = n.args[0] if n.target is aten.arange.default else n.args[1]
+            cut = gm.graph.call_function(aten.slice.Tensor, (pos, 0, 0, end))
+            new = gm.graph.call_function(aten._to_copy.default, (cut,), {"dtype": n.meta["val"].dtype})
+        n.replace_all_uses_with(new)
+    return PassReport("packed_positions", True, f"{len(ranges)} token-index ranges made positions")
+
+
+def _token_range(n: Node, tokens) -> bool:
+    """``arange(S)`` over the token dimension (start 0, step 1)."""
+    if n.op != "call_function" or n.target not in _ARANGES:
+        return False
+    v = n.meta.get("val")
+    if v is None or v.dim() != 1 or not same_size(v.shape[0], tokens):
+        return False
+    if n.target is aten.arange.default:
+        return True
+    start = n.args[0]
+    step = n.args[2] if n.target is aten.arange.start_step else 1
+    return start == 0 and step == 1
+
+
+def _feeds_position_encoding(n: Node, depth: int = 40) -> bool:
+    """Whether a range reaches a position embedding lookup or rotary cos/sin (not, say, a mask left over)."""
+    seen, frontier = set(), [n]
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            for u in x.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.target in _POSITION_CONSUMERS:
+                    return True
+                nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _positions(g, meta: dict[str, Node]) -> Node:
+    """``[T]`` each token's position in its sequence, from the metadata (placed after the inputs)."""
+    last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
+    with g.inserting_before(last_ph.next):
+        f = g.call_function
+        slots = meta["slot_mapping"]
+        t = f(aten.sub.Tensor, (f(aten.cumsum.default, (f(aten.ones_like.default, (slots,)), 0)), 1))  # [T]
+        qsl = f(aten._to_copy.default, (meta["query_start_loc"],), {"dtype": torch.int64})
+        lens = f(aten._to_copy.default, (meta["seq_lens"],), {"dtype": torch.int64})
+        ends = f(aten.slice.Tensor, (qsl, 0, 1))
+        # padding tokens (past the last sequence) index one past the end: repeat the last entry there
+        qsl = f(aten.cat.default, ([qsl, f(aten.slice.Tensor, (qsl, 0, -1))],))
+        lens = f(aten.cat.default, ([lens, f(aten.slice.Tensor, (lens, 0, -1))],))
+        seq = f(aten.searchsorted.Tensor, (ends, t), {"right": True})
+        nxt = f(aten.index.Tensor, (qsl, [f(aten.add.Tensor, (seq, 1))]))
+        return f(aten.add.Tensor, (f(aten.sub.Tensor, (f(aten.index.Tensor, (lens, [seq])), nxt)), t))  # [T]

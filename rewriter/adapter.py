@@ -1,0 +1,460 @@
+"""Between models and the engine: ``prepare_model`` turns a model into a :class:`ServableModel`.
+
+Preparing a model means discovering its inputs (``position_ids`` taken directly or through
+``**kwargs``, ``use_cache``, ``logits_to_keep``), its EOS ids and vocabulary, and its recurrent state;
+tracing the step(s) the engine runs (a packed ``[1, T]`` step, or ``[B, T]`` rows carrying state);
+and checking that packed, chunked and batched steps reproduce the model before anything is served.
+``PagedEngine`` takes the result and only schedules, moves blocks, steps and samples.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend
+from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
+from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.runtime.context import paged_context
+from pagedattn.runtime.state import StatePool
+from pagedattn.tracing import without_hf_cache
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["ServableModel", "prepare_model", "accepted_inputs", "example_inputs", "is_compiled"]
+
+# an item of a row step: (request id, first position, tokens, block table)
+RowItem = tuple[int, int, Sequence[int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ServableModel:
+    """A model ready for ``PagedEngine``: how to run one step, and what its caches and outputs are.
+
+    Without recurrent state, every scheduled chunk runs in one packed ``[1, T]`` row
+    (:meth:`run_packed`). With it (``state`` set), sequences run as rows of ``[B, T]`` steps
+    (:meth:`run_rows`): single decode tokens batched, longer chunks one row each; ``fresh_step`` runs
+    a sequence's first step where its state does not start from zeros; ``token_steps`` advances
+    every sequence one token per step; ``one_row`` runs each row in a call of its own.
+    """
+
+    step: nn.Module
+    backend: AttentionBackend
+    block_size: int
+    cache_specs: tuple[CacheSpec, ...]
+    cache_dtype: torch.dtype
+    input_names: frozenset[str]
+    vocab_size: Optional[int]
+    eos_ids: frozenset[int]
+    state: Optional[StateLayout] = None
+    fresh_step: Optional[nn.Module] = None
+    token_steps: bool = False
+    one_row: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.backend.device_type)
+
+    def allocate_kv_caches(self, num_blocks: int, device=None) -> list[torch.Tensor]:
+        return self.backend.allocate_kv_caches(self.cache_specs, num_blocks, self.block_size, self.cache_dtype,
+                                               device or self.device)
+
+    def bytes_per_block(self) -> int:
+        return sum(s.bytes_per_block(self.block_size, self.cache_dtype) for s in self.cache_specs)
+
+    # --- packed steps
+
+    def packed_inputs(self, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int]) -> dict:
+        """Keyword inputs of a packed ``[1, T]`` step; ``rows`` are the token rows whose logits are needed."""
+        dev = self.device
+        kwargs = {"input_ids": torch.tensor([list(ids)], device=dev)}
+        if "position_ids" in self.input_names:
+            kwargs["position_ids"] = torch.tensor([list(pos)], device=dev)
+        if "use_cache" in self.input_names:
+            kwargs["use_cache"] = False
+        if "logits_to_keep" in self.input_names:
+            kwargs["logits_to_keep"] = torch.tensor(list(rows), dtype=torch.long, device=dev)
+        return kwargs
+
+    def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
+                   rows: Sequence[int]) -> torch.Tensor:
+        """One packed step; ``[len(rows), V]`` logits of the given token rows."""
+        kwargs = self.packed_inputs(ids, pos, rows)
+        with torch.no_grad(), paged_context(caches, meta, self.backend):
+            out = self.step(**kwargs)
+        return _row_logits(out, "logits_to_keep" in kwargs, rows)
+
+    # --- row steps (recurrent state)
+
+    def run_rows(self, caches: Sequence[torch.Tensor], pool: StatePool, items: Sequence[RowItem]) -> list:
+        """Run items as rows: single tokens batched, longer chunks one row each (the recurrence runs along
+        a row); first steps through ``fresh_step`` where there is one. Each item's last-token logits."""
+        groups = []
+        for first in (True, False) if self.fresh_step is not None else (None,):
+            idx = [i for i, it in enumerate(items) if first is None or (it[1] == 0) == first]
+            single = [i for i in idx if len(items[i][2]) == 1]
+            batched = [[i] for i in single] if self.one_row else [single] if single else []
+            groups += [(first, g) for g in batched + [[i] for i in idx if len(items[i][2]) > 1]]
+        out: list = [None] * len(items)
+        dev = self.device
+        for first, group in groups:
+            rows = [items[i] for i in group]
+            rids = [r[0] for r in rows]
+            meta = build_metadata([(start, len(toks), table) for _, start, toks, table in rows], self.block_size,
+                                  device=dev)
+            kwargs = {"input_ids": torch.tensor([list(r[2]) for r in rows], device=dev),
+                      "position_ids": torch.tensor([list(range(r[1], r[1] + len(r[2]))) for r in rows], device=dev),
+                      "states": [] if first else pool.gather(rids)}
+            with torch.no_grad(), paged_context(caches, meta, self.backend):
+                logits, *states = (self.fresh_step if first else self.step)(**kwargs)  # [B, V], states [B, ...]
+            pool.scatter(rids, states)
+            for i, row in zip(group, logits):
+                out[i] = row
+        return out
+
+
+def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
+    """``[R, V]`` logits of the rows that complete a sequence."""
+    logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+    if kept:  # the model kept only those rows (logits_to_keep)
+        return logits[0]
+    return logits[0, torch.tensor(list(rows), dtype=torch.long, device=logits.device)]
+
+
+# ---------------------------------------------------------------------- preparing
+
+
+def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto", block_size: int = 16,
+                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
+                  compile: bool = False) -> ServableModel:
+    """Turn a model into a :class:`ServableModel`, or raise ``ValueError`` saying why it cannot be served.
+
+    ``model`` is a Hugging Face causal LM or any module taking ``input_ids`` (rewritten here), a
+    ``RewrittenModel``, or a module compiled with ``torch.compile(backend="pagedattn")``.
+    ``compile=True`` compiles a rewritten model's paged graph with Inductor (dynamic shapes).
+    """
+    backend = get_backend(target)
+    device = torch.device(backend.device_type)
+    model_device = _module_device(model)
+    if model_device is not None and model_device.type != device.type:
+        raise ValueError(f"the model's parameters are on {model_device} but target {target!r} runs on "
+                         f"{device.type}: move the model first (model.to('{device.type}'))")
+    info = model.info if isinstance(model, RewrittenModel) else ModelInfo.of(model)
+    eos = frozenset(ModelInfo(eos_token_id=eos_token_id).eos_ids() if eos_token_id is not None else info.eos_ids())
+    common = dict(backend=backend, block_size=block_size, vocab_size=info.vocab_size, eos_ids=eos)
+    if isinstance(model, RewrittenModel):
+        servable = _servable(model, model.input_names, dtype, **common)
+    elif is_compiled(model):
+        names = accepted_inputs(_original(model))
+        servable = _servable(model, names, dtype, specs=_compiled_cache_specs(model, names, info), **common)
+    else:
+        names = accepted_inputs(model)
+        layout = find_recurrent_state(model)
+        if layout is None:
+            servable = _servable(_rewrite_plain(model, names, backend, block_size), names, dtype, **common)
+        else:
+            servable = _stateful(model, layout, names, dtype, common)
+    if servable.state is not None and backend.step_padder(512, 256, 1) is not None:
+        raise ValueError(f"PagedEngine cannot serve a model with recurrent state on target {backend.device_type!r}: "
+                         "its steps run one row per sequence, which the padded step shapes of this backend "
+                         "do not cover; use the CPU or CUDA target")
+    if servable.state is None and not servable.cache_specs:
+        raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
+    if compile:
+        _compile(servable)
+    if servable.state is None:
+        check_packing(servable)
+    return servable
+
+
+def _servable(step: nn.Module, names, dtype, specs=None, **common) -> ServableModel:
+    specs = tuple(step.cache_specs if specs is None else specs)
+    return ServableModel(step=step, cache_specs=specs, cache_dtype=dtype or _cache_dtype(specs, None),
+                         input_names=frozenset(names), **common)
+
+
+def _compile(servable: ServableModel) -> None:
+    if not isinstance(servable.step, RewrittenModel):
+        raise ValueError("compile=True applies to models the engine rewrites or a RewrittenModel; "
+                         "a torch.compile'd model is compiled already")
+    servable.step.compile_paged()
+    if servable.fresh_step is not None:  # the first steps of sequences whose state the model starts
+        servable.fresh_step.compile_paged()
+
+
+def _original(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+def is_compiled(model) -> bool:
+    """A module (or a module whose forward is) compiled with ``torch.compile``."""
+    return hasattr(model, "_orig_mod") or (hasattr(model, "forward") and
+                                           hasattr(model.forward, "_torchdynamo_orig_callable"))
+
+
+def accepted_inputs(model: nn.Module) -> set[str]:
+    """The step inputs the model's forward takes: ``input_ids`` and which of ``position_ids``,
+    ``use_cache``, ``logits_to_keep`` (``position_ids`` also when ``**kwargs`` honours them)."""
+    model = _original(model)
+    params = inspect.signature(model.forward).parameters
+    names = {n for n in ("input_ids", "position_ids", "use_cache", "logits_to_keep") if n in params}
+    if "position_ids" not in names and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) \
+            and _honours_positions(model, names):
+        names.add("position_ids")  # taken through **kwargs (e.g. Hugging Face's decoder-only wrappers)
+    return names
+
+
+def _honours_positions(model: nn.Module, names: set[str]) -> bool:
+    """Whether ``position_ids`` passed through ``**kwargs`` reach the model: shifted positions change its output."""
+    vocab = ModelInfo.of(model).vocab_size or 2
+    device = _module_device(model) or "cpu"
+    ids = (torch.arange(6, device=device)[None] * 5 + 3) % vocab
+    kw = {"use_cache": False} if "use_cache" in names else {}
+    try:
+        with torch.no_grad():
+            a = model(input_ids=ids, position_ids=torch.arange(6, device=device)[None], **kw)
+            b = model(input_ids=ids, position_ids=torch.arange(6, device=device)[None] + 7, **kw)
+        a, b = (getattr(o, "logits", o[0] if isinstance(o, (tuple, list)) else o) for o in (a, b))
+        return isinstance(a, torch.Tensor) and not torch.equal(a, b)
+    except Exception:  # a forward that refuses the keyword does not take it
+        return False
+
+
+def example_inputs(names: set[str], vocab: Optional[int], device: torch.device | str = "cpu") -> dict:
+    """An 8-token example call of a model's step with the inputs it takes (``accepted_inputs``)."""
+    T = 8
+    # token ids that do not count up by one: the mask classifier must not take them for positions
+    kw = {"input_ids": (torch.arange(T, device=device)[None] * 5 + 3) % (vocab or 2)}
+    if "position_ids" in names:
+        kw["position_ids"] = torch.arange(T, device=device)[None]
+    if "use_cache" in names:
+        kw["use_cache"] = False
+    if "logits_to_keep" in names:
+        kw["logits_to_keep"] = torch.tensor([T - 1, 3], device=device)
+    return kw
+
+
+def _module_device(model) -> Optional[torch.device]:
+    """Where the model's parameters (or else buffers) live; None when it has neither."""
+    for t in itertools.chain(_original(model).parameters(), _original(model).buffers()):
+        return t.device
+    return None
+
+
+def _cache_dtype(specs: Sequence[CacheSpec], layout: Optional[StateLayout]) -> torch.dtype:
+    dtypes = {s.dtype for s in specs} or {s.dtype for s in layout.slots}
+    return sorted(dtypes, key=str)[0]
+
+
+def _rewrite_plain(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int) -> RewrittenModel:
+    from pagedattn.api import rewrite
+
+    example = example_inputs(names, ModelInfo.of(model).vocab_size, _module_device(model) or "cpu")
+    return rewrite(model, (), example, target=backend, block_size=block_size)
+
+
+def _compiled_cache_specs(model, names: set[str], info: ModelInfo) -> list[CacheSpec]:
+    """Run the compiled model once in drop-in mode to learn its rewritten sites' cache layout."""
+    from pagedattn.compile import compiled_graphs
+
+    with torch.no_grad(), compiled_graphs() as graphs:
+        model(**example_inputs(names, info.vocab_size, _module_device(model) or "cpu"))
+    paged = [g for g in graphs if g.cache_specs]
+    if len(paged) > 1:
+        raise ValueError(f"the compiled model runs its attention in {len(paged)} graphs (graph breaks between "
+                         "them); PagedEngine serves one paged graph per step: pass the model itself, or a "
+                         "RewrittenModel from pagedattn.rewrite()")
+    return paged[0].cache_specs if paged else []
+
+
+# ------------------------------------------------------------------------- checks
+
+
+def check_packing(servable: ServableModel) -> None:
+    """Refuse models whose tokens influence each other outside attention.
+
+    Steps pack several sequences into one row and split prompts into chunks across steps; only
+    attention knows where a sequence starts and what its cache holds. A model that numbers tokens
+    by their index in the step (no ``position_ids``), or that carries state along the row outside
+    attention (recurrent, convolution or linear-attention layers), would silently mix sequences.
+    Checked by running a sequence alone, after another one in the same step, and in two chunks.
+    """
+    vocab = servable.vocab_size or 2
+    first = [(3 + 5 * i) % vocab for i in range(7)]
+    second = [(11 + 3 * i) % vocab for i in range(5)]
+    bs = servable.block_size
+    n0, n1 = -(-len(first) // bs), -(-len(second) // bs)
+    tables = {0: list(range(n0)), 1: list(range(n0, n0 + n1))}  # each sequence its own blocks
+
+    def run(steps):
+        """steps: per step, the (sequence index, tokens) chunks; returns the last row's logits."""
+        caches = servable.allocate_kv_caches(n0 + n1)
+        done, out = {}, None
+        for step in steps:
+            specs, ids, pos = [], [], []
+            for seq, toks in step:
+                start = done.get(seq, 0)
+                specs.append((start, len(toks), tables[seq]))
+                ids += toks
+                pos += list(range(start, start + len(toks)))
+                done[seq] = start + len(toks)
+            meta = build_metadata(specs, bs, device=servable.device)
+            out = servable.run_packed(caches, meta, ids, pos, [len(ids) - 1])[-1].float()
+        return out
+
+    try:
+        alone = run([[(1, second)]])
+        checks = {
+            "after another sequence in the same step": run([[(0, first), (1, second)]]),
+            "in two chunks": run([[(1, second[:3])], [(1, second[3:])]]),
+        }
+    except Exception as e:  # e.g. a guard of the traced program on the step's token count
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"PagedEngine cannot serve this model: a packed step (2 to 12 tokens) failed "
+                         f"({type(e).__name__}: {msg}); its traced forward does not accept every step size") from e
+    # GEMMs sum in an order that depends on the step's rows; a bf16/fp16 result shows that as a few ulps
+    rtol = max(1e-3, 4 * torch.finfo(servable.cache_dtype).eps)
+    atol = 1e-4 if rtol == 1e-3 else rtol * float(alone.abs().max())
+    for how, got in checks.items():
+        if not torch.allclose(alone, got, atol=atol, rtol=rtol):
+            why = ("it takes no position_ids and numbers tokens by their index in the step; it needs a forward "
+                   "that accepts position_ids, or no absolute positions (ALiBi)"
+                   if "position_ids" not in servable.input_names else
+                   "tokens influence each other outside attention (recurrent, convolution or linear-attention "
+                   "layers, whose state the paged KV cache does not hold); if that state is in the model's "
+                   "Hugging Face cache, pass the model itself, not a RewrittenModel, and the engine carries it")
+            raise ValueError(f"PagedEngine cannot serve this model: a sequence's logits change when run {how} "
+                             f"(max difference {float((alone - got).abs().max()):.3g}): {why}")
+
+
+# ----------------------------------------------------------------- recurrent state
+
+
+def _stateful(model: nn.Module, layout: StateLayout, names: set[str], dtype, common: dict) -> ServableModel:
+    """Trace the stateful step for chunks of tokens, or else for one token per sequence and step.
+
+    Some layers read their carried state only on single-token steps (Mamba-1's selective scan
+    starts every longer chunk from zeros): their prompts then advance a token per step, in
+    batches of rows. A single-token trace shows no mask extent: its sites take their masks from
+    a multi-token trace of the model itself. A state that does not start from zeros gets a
+    second trace for the first step of each sequence, in which the model starts it itself.
+    """
+    backend, block_size = common["backend"], common["block_size"]
+    errors, hints = [], None
+    log.info("recurrent state per sequence: %s (%d bytes)", ", ".join(s.name for s in layout.slots),
+             layout.bytes_per_sequence)
+    # (tokens per row, rows): chunks in batched rows; one token per row; one token in one row per
+    # call, for models whose single-token path mixes the rows of a batch (RWKV's broadcasts them)
+    for tokens, rows in ((8, 2), (1, 2), (1, 1)):
+        try:
+            if tokens == 1 and hints is None:
+                hints = _rewrite_plain(model, names, backend, block_size).report
+            step = _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints)
+            fresh = None if layout.starts_from_zeros else \
+                _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints, fresh=True)
+            servable = ServableModel(
+                step=step, cache_specs=tuple(step.cache_specs), cache_dtype=dtype or _cache_dtype(step.cache_specs,
+                                                                                               layout),
+                input_names=frozenset(names), state=layout, fresh_step=fresh, token_steps=tokens == 1,
+                one_row=rows == 1, **common)
+            check_state(servable, model)
+            if errors:
+                log.info("the model's state advances %s (%s)", "one token per step" if rows > 1 else
+                         "one token per step and call", "; ".join(errors))
+            return servable
+        except (ValueError, RuntimeError) as e:
+            errors.append(f"{tokens}-token steps in {rows} rows: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    raise ValueError("PagedEngine cannot serve this model with its recurrent state: " + "; ".join(errors))
+
+
+def _rewrite_stateful(model: nn.Module, layout: StateLayout, names: set[str], backend: AttentionBackend,
+                      block_size: int, tokens: int = 8, rows: int = 2, mask_hints: Optional[list[dict]] = None,
+                      fresh: bool = False) -> RewrittenModel:
+    """Rewrite the model's step with its recurrent state as inputs and outputs (see StatefulStep)."""
+    from pagedattn.api import rewrite
+
+    device = _module_device(model) or "cpu"
+    B, T = rows, tokens  # two rows: the batch dimension stays dynamic
+    ids = (torch.arange(B * T, device=device).reshape(B, T) * 5 + 3) % (ModelInfo.of(model).vocab_size or 2)
+    example = {"input_ids": ids, "position_ids": torch.arange(T, device=device).expand(B, T).contiguous(),
+               "states": [] if fresh else [torch.zeros((B, *s.shape), dtype=s.dtype, device=device)
+                                           for s in layout.slots]}
+    rm = rewrite(StatefulStep(model, layout, "position_ids" in names, fresh).eval(), (), example,
+                 target=backend, block_size=block_size, mask_hints=mask_hints)
+    rm.retrace = None  # a step whose program fixed its sizes refuses others: the next mode is tried instead
+    return rm
+
+
+def _token_by_token(steps: list) -> list:
+    """The same chunks split into steps of one token per sequence."""
+    out = []
+    for step in steps:
+        for i in range(max(len(toks) for _, toks in step)):
+            out.append([(rid, toks[i:i + 1]) for rid, toks in step if i < len(toks)])
+    return out
+
+
+def check_state(servable: ServableModel, model: nn.Module) -> None:
+    """Refuse a stateful model whose steps do not reproduce its own forward.
+
+    A sequence runs as one prefill row, and again as a chunk batched beside another sequence, then
+    single tokens batched with it, then a last chunk: each time its last logits must equal the
+    model's forward over the whole sequence. This catches state the Hugging Face cache does not hold.
+    """
+    vocab = servable.vocab_size or 2
+    seq = [(11 + 3 * i) % vocab for i in range(9)]
+    other = [(3 + 5 * i) % vocab for i in range(6)]
+    bs = servable.block_size
+    n0 = -(-len(seq) // bs)
+    tables = {0: list(range(n0)), 1: list(range(n0, n0 + -(-len(other) // bs)))}
+    blocks = n0 + len(tables[1])
+    dev = servable.device
+
+    def run(steps):
+        caches = servable.allocate_kv_caches(blocks)
+        pool, done, last = StatePool(servable.state.slots, dev, capacity=2), {}, None
+        for step in steps:
+            items = []
+            for rid, toks in step:
+                start = done.get(rid, 0)
+                if start == 0:
+                    pool.start(rid)
+                items.append((rid, start, toks, tables[rid]))
+                done[rid] = start + len(toks)
+            out = servable.run_rows(caches, pool, items)
+            last = next((o for (rid, *_), o in zip(items, out) if rid == 0), last)
+        return last.float()
+
+    kw = {"input_ids": torch.tensor([seq], device=dev)}
+    if "position_ids" in servable.input_names:
+        kw["position_ids"] = torch.arange(len(seq), device=dev)[None]
+    if "use_cache" in servable.input_names:
+        kw["use_cache"] = False
+    try:
+        with torch.no_grad(), without_hf_cache(model):
+            ref = _row_logits(model(**kw), False, [len(seq) - 1])[-1].float()
+        chunked = [[(0, seq[:4]), (1, other[:3])], [(0, seq[4:5]), (1, other[3:4])],
+                   [(0, seq[5:6]), (1, other[4:6])], [(0, seq[6:])]]
+        if servable.token_steps:
+            checks = {"a token per step, batched with another sequence": run(_token_by_token(chunked))}
+        else:
+            checks = {"as one prefill row": run([[(0, seq)]]),
+                      "in chunks and single tokens batched with another sequence": run(chunked)}
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"PagedEngine cannot serve this model with its recurrent state: a step failed "
+                         f"({type(e).__name__}: {msg})") from e
+    # relative to the logits' scale: a lost state can move random-weight logits by as little as 1e-5
+    tol = max(2e-5, 8 * torch.finfo(servable.cache_dtype).eps) * float(ref.abs().max())
+    for how, got in checks.items():
+        if float((ref - got).abs().max()) > tol:
+            raise ValueError(
+                f"PagedEngine cannot serve this model: run {how}, a sequence's logits differ from the model's "
+                f"own forward (max difference {float((ref - got).abs().max()):.3g}); its state lives outside "
+                "the Hugging Face cache layers the engine carries")

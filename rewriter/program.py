@@ -1,0 +1,198 @@
+"""``RewrittenModel``: a rewritten program, callable like the model it came from."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from pagedattn.backends import AttentionBackend, CacheSpec, get_backend, use_backend
+from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
+from pagedattn.runtime.context import current_context, refuse_if_unpaged
+from pagedattn.tracing import copy_graph_module, fits_static_sizes
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["RewrittenModel", "ModelInfo"]
+
+
+class ModelInfo:
+    """What serving needs besides the graph: vocabulary size, EOS ids, the model type.
+
+    Read from a Hugging Face model's configs (generation config first for EOS, as ``generate`` does),
+    or from a saved program's metadata.
+    """
+
+    def __init__(self, vocab_size: Optional[int] = None, eos_token_id=None, model_type: Optional[str] = None):
+        self.vocab_size, self.eos_token_id, self.model_type = vocab_size, eos_token_id, model_type
+
+    @classmethod
+    def of(cls, model: Optional[nn.Module]) -> "ModelInfo":
+        model = getattr(model, "_orig_mod", model)
+        cfg = getattr(model, "config", None)
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        eos = None
+        for c in (getattr(model, "generation_config", None), text):
+            eos = getattr(c, "eos_token_id", None) if c is not None else None
+            if eos is not None:
+                break
+        return cls(getattr(text, "vocab_size", None), eos, getattr(text, "model_type", None))
+
+    def eos_ids(self) -> set[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return set()
+        return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+    def to_json(self) -> dict:
+        d = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, "model_type": self.model_type}
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelInfo":
+        return cls(d.get("vocab_size"), d.get("eos_token_id"), d.get("model_type"))
+
+
+class RewrittenModel(nn.Module):
+    """A model whose attention runs through pagedattn.
+
+    Called like the original model it runs in *drop-in* mode (same outputs); inside
+    ``pagedattn.runtime.paged_context(caches, metadata)`` it runs in *paged* mode with ``backend``.
+    """
+
+    def __init__(self, dropin: Optional[GraphModule], paged: nn.Module, in_spec, out_spec, report: list[dict],
+                 cache_specs: list[CacheSpec], backend: AttentionBackend, block_size: int,
+                 example_inputs: Optional[list] = None, info: Optional[ModelInfo] = None):
+        super().__init__()
+        self.dropin_module = dropin
+        self.graph_module = paged
+        self.in_spec, self.out_spec = in_spec, out_spec
+        self.report = report
+        self.cache_specs = cache_specs
+        self.backend = backend
+        self.block_size = block_size
+        self.example_inputs = example_inputs
+        self.info = info or ModelInfo()
+        self.graph_views: Optional[dict] = None  # see pagedattn.inspection.graph_views
+        # input sizes torch.export fixed to the example's (a forward looping over tokens in Python):
+        # {flat input index: {dim: size}}; other sizes are traced again by ``retrace``, like recompiles
+        self.static_sizes: dict[int, dict[int, int]] = {}
+        self.retrace: Optional[Callable[[tuple, dict], "RewrittenModel"]] = None
+        self._variants: dict[tuple, "RewrittenModel"] = {}
+        self._exported: Optional[torch.export.ExportedProgram] = None
+        self._skipped = [f"{r['name']}: {r['reason']}" for r in report
+                         if r["status"] != "rewritten" and r.get("attention", True)]
+
+    @property
+    def target(self) -> str:
+        """The device type the paged graph runs on."""
+        return self.backend.device_type
+
+    @property
+    def num_sites(self) -> int:
+        return len(self.cache_specs)
+
+    @property
+    def input_names(self) -> set[str]:
+        """Keyword inputs the program was traced with."""
+        try:
+            kwargs = self.in_spec.child(1) if hasattr(self.in_spec, "child") else self.in_spec.children_specs[1]
+            return set(kwargs.context)  # (args, kwargs) -> kwargs keys
+        except Exception:  # no spec (a loaded program whose spec did not load), or positional inputs
+            return {"input_ids"}
+
+    # --- running
+
+    def flatten_inputs(self, args, kwargs) -> list:
+        flat, spec = pytree.tree_flatten((args, kwargs or {}))
+        if self.in_spec is not None and spec != self.in_spec:
+            raise TypeError(
+                "the rewritten model was traced with a different argument structure; call it with the same "
+                "positional and keyword arguments as the example given to rewrite() "
+                f"(expected {self.in_spec}, got {spec})")
+        return flat
+
+    def _unflatten(self, out):
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        return pytree.tree_unflatten(out, self.out_spec) if self.out_spec is not None else tuple(out)
+
+    def forward(self, *args, **kwargs):
+        flat = self.flatten_inputs(args, kwargs)
+        if self.static_sizes and not fits_static_sizes(flat, self.static_sizes):
+            return self._variant(flat, args, kwargs)(*args, **kwargs)
+        ctx = current_context()
+        if ctx is None:
+            if self.dropin_module is None:
+                raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
+                                   "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
+            return self._unflatten(self.dropin_module(*flat))
+        refuse_if_unpaged(self._skipped)
+        with use_backend(ctx.backend or self.backend):
+            if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
+                return self._unflatten(self.graph_module(*flat))
+            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
+
+    def _variant(self, flat: list, args, kwargs) -> "RewrittenModel":
+        """The model rewritten again for these input sizes (its traced program fixed some)."""
+        key = tuple(tuple(flat[i].shape) for i in sorted(self.static_sizes))
+        if key not in self._variants:
+            fixed = "; ".join(f"input {i} dims {sorted(d)} = {[d[k] for k in sorted(d)]}"
+                              for i, d in self.static_sizes.items())
+            if self.retrace is None:
+                raise ValueError(f"this program was traced for fixed input sizes ({fixed}; the model's forward "
+                                 "specialises them, e.g. a Python loop over the tokens) and cannot run others; "
+                                 "rewrite the model with pagedattn.rewrite() to get one that traces new sizes")
+            log.info("tracing again for input sizes %s: the traced program fixed %s", key, fixed)
+            self._variants[key] = self.retrace(args, kwargs)
+        return self._variants[key]
+
+    def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache") -> "RewrittenModel":
+        """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
+
+        ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
+        in fp32 (:class:`pagedattn.passes.Fp32Matmuls`; 3-9x faster there): ``"cache"`` converts their
+        weights once and keeps the fp32 copies (4 more bytes per weight element), ``"convert"`` converts
+        them on every call (no extra memory, slower at decode sizes), ``"off"`` leaves the matmuls as they are.
+        """
+        if cpu_fp32_matmuls not in ("cache", "convert", "off"):
+            raise ValueError(f"cpu_fp32_matmuls must be 'cache', 'convert' or 'off', got {cpu_fp32_matmuls!r}")
+        gm = self.graph_module
+        if cpu_fp32_matmuls != "off" and isinstance(gm, GraphModule):  # only matmuls traced on the CPU
+            gm = copy_graph_module(gm)
+            run_pipeline(gm, PassContext(), (Fp32Matmuls(cache_weights=cpu_fp32_matmuls == "cache"),))
+        self.graph_module = torch.compile(gm, backend=backend, dynamic=True)
+        return self
+
+    def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
+                           dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+        """One cache per rewritten site, in the layout of the backend for ``device`` (default: the program's)."""
+        backend = self.backend
+        if device is not None and torch.device(device).type != backend.device_type:
+            backend = get_backend(torch.device(device))
+        return backend.allocate_kv_caches(self.cache_specs, num_blocks, self.block_size, dtype, device)
+
+    # --- artefacts
+
+    @property
+    def exported_program(self) -> torch.export.ExportedProgram:
+        """The paged graph as a ``torch.export`` program (inputs: model inputs, caches, metadata)."""
+        if self._exported is None:
+            from pagedattn.serialization import export_paged
+
+            self._exported = export_paged(self)
+        return self._exported
+
+    def save(self, path: str) -> None:
+        """Write the paged program to ``path`` (``pagedattn.load`` reads it in any process)."""
+        from pagedattn.serialization import save
+
+        save(self, path)
+
+    def print_report(self) -> str:
+        from pagedattn.report import site_table
+
+        return site_table(self.report)

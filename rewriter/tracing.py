@@ -1,0 +1,142 @@
+"""Tracing a model to the flat ATen graph the passes work on (``torch.export``, every size dynamic)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["export_model", "flat_graph_module", "without_hf_cache", "static_sizes", "fits_static_sizes",
+           "copy_graph_module"]
+
+
+def dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
+    """Every tensor dimension dynamic (``Dim.AUTO``), keyed the way export binds ``forward``'s parameters."""
+
+    def spec(x):
+        if isinstance(x, torch.Tensor):
+            return {i: torch.export.Dim.AUTO for i in range(x.dim())}
+        return None
+
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: pytree.tree_map(spec, v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(pytree.tree_map(spec, v) for v in value)
+        else:
+            out[name] = pytree.tree_map(spec, value)
+    return out
+
+
+def _with_explicit_kwargs(model: nn.Module, kwargs: dict, args_given: bool = False) -> nn.Module:
+    """``model``, or a wrapper naming every keyword it is called with when some land in ``**kwargs``.
+
+    torch.export cannot match dynamic shapes to inputs bound to ``**kwargs`` (its constraint step
+    flattens them differently from its input check); a wrapper whose signature names them all avoids it.
+    """
+    params = inspect.signature(model.forward).parameters
+    if args_given or all(k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD for k in kwargs):
+        return model
+
+    def forward(self, **kw):
+        return self.model(**kw)
+
+    P = inspect.Parameter
+    forward.__signature__ = inspect.Signature(
+        [P("self", P.POSITIONAL_OR_KEYWORD)] + [P(k, P.KEYWORD_ONLY, default=None) for k in kwargs])
+    wrapper = type(type(model).__name__, (nn.Module,), {"forward": forward})()
+    wrapper.model = model
+    return wrapper.eval()
+
+
+@contextlib.contextmanager
+def without_hf_cache(model: nn.Module):
+    """Run or trace without Hugging Face's own KV cache object (pagedattn keeps the cache): some models
+    build one from ``config.use_cache`` even when their forward takes no ``use_cache`` argument."""
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    cfgs = [c for c in {id(c): c for c in (cfg, text)}.values() if c is not None and getattr(c, "use_cache", None)]
+    for c in cfgs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in cfgs:
+            c.use_cache = True
+
+
+def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` in eval mode with every input dimension dynamic."""
+    kwargs = dict(kwargs or {})
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), without_hf_cache(model):
+            traced = _with_explicit_kwargs(model, kwargs, bool(args))
+            ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes(traced, args, kwargs),
+                                     strict=False)
+    except Exception as e:
+        raise RuntimeError(f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    log.info("export took %.3fs", time.perf_counter() - t0)
+    return ep
+
+
+def flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, Any, Any]:
+    """The program as a module over flat inputs and outputs, with the pytree specs to rebuild them."""
+    gm = ep.module()
+    info = gm.graph._codegen.pytree_info
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()
+    gm.recompile()
+    return gm, info.in_spec, info.out_spec
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A second module over the same parameters with its own copy of the graph."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    copy = GraphModule(gm, g)
+    copy.meta.update(getattr(gm, "meta", {}))
+    return copy
+
+
+def static_sizes(ep: torch.export.ExportedProgram, flat: list) -> dict[int, dict[int, int]]:
+    """Dimensions (of 2 or more) that export made constants although every one was asked dynamic:
+    ``{flat input index: {dim: size}}`` (a forward that loops over the tokens in Python fixes them)."""
+    names = ep.graph_signature.user_inputs
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    out: dict[int, dict[int, int]] = {}
+    for i, (name, x) in enumerate(zip(names, flat)):
+        v = vals.get(name)
+        if isinstance(x, torch.Tensor) and isinstance(v, torch.Tensor):
+            dims = {d: c for d, c in enumerate(map(_constant, v.shape)) if c is not None and c >= 2 and c == x.shape[d]}
+            if dims:
+                out[i] = dims
+    return out
+
+
+def _constant(n) -> Optional[int]:
+    if isinstance(n, int):
+        return n
+    expr = n.node.expr  # a size export replaced by a number
+    return int(expr) if expr.is_number else None
+
+
+def fits_static_sizes(flat: list, static: dict[int, dict[int, int]]) -> bool:
+    return all(isinstance(flat[i], torch.Tensor) and flat[i].dim() > max(d) and
+               all(flat[i].shape[k] == n for k, n in d.items()) for i, d in static.items())
