@@ -15,6 +15,7 @@ Conventions shared by every backend:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -112,3 +113,45 @@ def attention(query: Tensor, key: Tensor, value: Tensor, key_padding: Optional[T
 @attention.register_fake
 def _(query, key, value, key_padding, *params):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+# ------------------------------------------------------------------------- autograd
+# The drop-in op differentiates the reference itself (exact float32 math), so training and
+# fine-tuning through a rewritten graph get the gradients the original model would.
+
+def _attention_setup(ctx, inputs, output):
+    query, key, value, key_padding, *params = inputs
+    p = AttentionParams.from_args(params)
+    ctx.save_for_backward(query, key, value, key_padding, p.alibi_slopes, p.sinks)
+    ctx.params = dataclasses.replace(p, alibi_slopes=None, sinks=None)  # tensors travel as saved tensors
+
+
+def _attention_backward(ctx, grad):
+    query, key, value, key_padding, alibi, sinks = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad[:3])]
+    sinks_at = PARAMS_OFFSET["attention"] + [f.name for f in dataclasses.fields(AttentionParams)].index("sinks")
+    sink_leaf = None if sinks is None else sinks.detach().requires_grad_(ctx.needs_input_grad[sinks_at])
+    p = dataclasses.replace(ctx.params, alibi_slopes=alibi, sinks=sink_leaf)
+    wrt = [t for t in (*leaves, sink_leaf) if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        out = reference.dense_attention(*leaves, p, key_present=None if key_padding is None else key_padding != 0,
+                                        exact=True)
+        grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True)) if wrt else iter(())
+    gq, gk, gv, gsinks = (next(grads) if t is not None and t.requires_grad else None for t in (*leaves, sink_leaf))
+    # one gradient per input: (query, key, value, key_padding, *AttentionParams fields)
+    return (gq, gk, gv, None, *(gsinks if f.name == "sinks" else None for f in dataclasses.fields(AttentionParams)))
+
+
+attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _paged_setup(ctx, inputs, output):
+    pass
+
+
+def _paged_backward(ctx, grad):
+    raise RuntimeError("pagedattn: paged attention is inference-only (the KV cache is written in place); "
+                       "train or fine-tune the rewritten model in drop-in mode, outside paged_context")
+
+
+paged_attention.register_autograd(_paged_backward, setup_context=_paged_setup)

@@ -9,7 +9,7 @@ Semantics, for a query at absolute position ``i`` of its sequence and a key at p
 (a step's new queries are the *last* positions of their sequence: causal masks align
 bottom-right):
 
-1. ``s = scale * (q · k)``, in float32;
+1. ``s = scale * (q · k)``, in float32 (float64 for float64 operands);
 2. soft-cap: ``s = softcap * tanh(s / softcap)`` when ``softcap > 0``;
 3. ALiBi: ``s += slope[h] * (j - i)`` (0 on the diagonal, negative for earlier keys);
 4. visibility: causal attention sees ``j <= i``, and with a sliding window ``w`` only
@@ -65,9 +65,11 @@ def earliest_visible_key(q_pos: int | Tensor, params: AttentionParams) -> int | 
 
 
 def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """ALiBi as an additive float32 bias ``[..., Hq, Q, L]``: ``slope * (key position - query position)``."""
-    rel = (k_pos[..., None, :] - q_pos[..., :, None]).float()  # [..., Q, L]
-    return slopes.float().reshape(-1, 1, 1) * rel[..., None, :, :]
+    """ALiBi as an additive bias ``[..., Hq, Q, L]`` (float32, or the slopes' wider float dtype):
+    ``slope * (key position - query position)``."""
+    dtype = torch.promote_types(slopes.dtype, torch.float32)
+    rel = (k_pos[..., None, :] - q_pos[..., :, None]).to(dtype)  # [..., Q, L]
+    return slopes.to(dtype).reshape(-1, 1, 1) * rel[..., None, :, :]
 
 
 def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
@@ -94,7 +96,8 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
     marks the keys that exist. Returns ``[B, Hq, Q, Dv]`` in the query's dtype, contiguous.
 
     Without soft-cap, ALiBi or sinks this runs SDPA in the operands' dtype (unless ``exact``);
-    otherwise float32 math, updated in place to bound memory.
+    otherwise float32 math (float64 for float64 operands), updated in place to bound memory unless
+    autograd records it (the drop-in op's backward differentiates this function).
     """
     B, hq, Q, D = query.shape
     hkv, L = key.shape[1], key.shape[2]
@@ -114,31 +117,44 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         allowed = allowed.expand(-1, Q, L)
     if _plain(params) and not exact:
         return _sdpa(query, key, value, allowed, params.scale, group)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 reference
+    # in place (bounded memory) unless autograd records the computation
+    inplace = not (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, params.alibi_slopes, params.sinks)))
     # [B, Hkv, G*Q, L]: a KV head's query heads stacked, so K/V are read once per KV head
-    s = torch.matmul(query.reshape(B, hkv, group * Q, D).float(), key.float().transpose(-1, -2))
-    s = s.view(B, hkv, group, Q, L).mul_(params.scale)
-    apply_softcap(s, params.softcap)
+    s = torch.matmul(query.reshape(B, hkv, group * Q, D).to(acc), key.to(acc).transpose(-1, -2))
+    s = _apply(s.view(B, hkv, group, Q, L), "mul", inplace, params.scale)
+    if params.softcap > 0:
+        s = _apply(_apply(_apply(s, "div", inplace, params.softcap), "tanh", inplace), "mul", inplace,
+                   params.softcap)
     if params.alibi_slopes is not None:
-        s.add_(alibi_bias(params.alibi_slopes, q_pos, k_pos).view(-1, hkv, group, Q, L))
+        bias = alibi_bias(params.alibi_slopes, q_pos, k_pos).to(acc).view(-1, hkv, group, Q, L)
+        s = _apply(s, "add", inplace, bias)
     if allowed is not None:
-        s.masked_fill_(~allowed[:, None, None], float("-inf"))
-    sink = None if params.sinks is None else params.sinks.float().view(1, hkv, group, 1, 1)
-    p = _softmax_(s, sink).view(B, hkv, group * Q, L)
-    out = torch.matmul(p, value.float()).view(B, hq, Q, value.shape[-1])
+        s = _apply(s, "masked_fill", inplace, ~allowed[:, None, None], float("-inf"))
+    sink = None if params.sinks is None else params.sinks.to(acc).view(1, hkv, group, 1, 1)
+    p = _softmax(s, sink, inplace).view(B, hkv, group * Q, L)
+    out = torch.matmul(p, value.to(acc)).view(B, hq, Q, value.shape[-1])
     return out.to(query.dtype)
 
 
-def _softmax_(s: Tensor, sink: Optional[Tensor]) -> Tensor:
-    """Softmax over the last dimension, in place; ``sink`` is one more logit per row that takes
-    probability and adds no value. Rows with no finite score give zeros."""
-    m = s.amax(-1, keepdim=True)
+def _apply(t: Tensor, op: str, inplace: bool, *args) -> Tensor:
+    """``t.op(*args)``, in place when ``inplace``."""
+    return getattr(t, op + "_" if inplace else op)(*args)
+
+
+def _softmax(s: Tensor, sink: Optional[Tensor], inplace: bool) -> Tensor:
+    """Softmax over the last dimension; ``sink`` is one more logit per row that takes probability and
+    adds no value. Rows with no finite score give zeros."""
+    m = s.amax(-1, keepdim=True).detach()  # any row constant gives the same softmax
     if sink is not None:
-        m = torch.maximum(m, sink)
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row that sees nothing
-    denom = s.sub_(m).exp_().sum(-1, keepdim=True)
+    e = _apply(_apply(s, "sub", inplace, m), "exp", inplace)
+    denom = e.sum(-1, keepdim=True)
     if sink is not None:
         denom = denom + (sink - m).exp()
-    return s.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
+    return _apply(e, "div", inplace, torch.where(denom > 0, denom, torch.ones_like(denom)))
 
 
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, allowed: Optional[Tensor], scale: float,

@@ -18,17 +18,18 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import pagedattn.api as api
+from pagedattn.backends import get_backend
+from pagedattn.driver import rewrite_graph
+from pagedattn.tracing import export_model, flat_graph_module
 
 
 def _timed_rewrite(model, kwargs):
     """(export s, passes s, rewritten sites, total sites)."""
     t0 = time.perf_counter()
-    ep = torch.export.export(model, (), kwargs, dynamic_shapes=api._dynamic_shapes(model, (), kwargs), strict=False)
-    gm, _, _ = api._flat_graph_module(ep)
+    gm, _, _ = flat_graph_module(export_model(model, (), kwargs))
     t1 = time.perf_counter()
     flat = torch.utils._pytree.tree_flatten(((), kwargs))[0]
-    _, _, sites = api.rewrite_graph(gm, flat, "cpu")
+    sites = rewrite_graph(gm, flat, get_backend("cpu")).sites
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, sum(s.status == "rewritten" for s in sites), len(sites)
 

@@ -11,16 +11,17 @@ import math
 import torch
 
 import pagedattn
-from pagedattn.backends import build_metadata, get_backend
+from pagedattn.backends import AttentionParams, build_metadata, get_backend, reference
 
 
-def dense(q, k, v, context_len, scale):
-    """Causal attention for one sequence, bottom-right aligned. q [Q, Hq, D]; k, v [L, Hkv, D]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    visible = torch.arange(k.shape[0])[None] <= torch.arange(q.shape[0])[:, None] + context_len
-    return torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
+def dense(q, k, v, scale):
+    """Causal attention for one sequence (its queries the last of its keys), as
+    ``pagedattn.backends.reference`` defines it. q [Q, Hq, D]; k, v [L, Hkv, D]."""
+    params = AttentionParams(scale=scale, causal=True, sliding_window=0, softcap=0.0, alibi_slopes=None,
+                             num_kv_heads=k.shape[1], head_size_v=v.shape[2])
+    out = reference.dense_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                    params, exact=True)  # [1, Hq, Q, D]
+    return out[0].transpose(0, 1)
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
     print(f"{'seq':>3} {'cached':>6} {'new':>4} {'kind':>14} {'blocks':>6} {'max |paged - dense|':>20}")
     worst = 0.0
     for i, ((c, n), t) in enumerate(zip(seqs, tables)):
-        ref = dense(query[starts[i]:starts[i + 1]], ks[i], vs[i], c, scale)
+        ref = dense(query[starts[i]:starts[i + 1]], ks[i], vs[i], scale)
         err = (out[starts[i]:starts[i + 1]] - ref).abs().max().item()
         worst = max(worst, err)
         kind = "decode" if n == 1 and c else ("chunked prefill" if c else "prefill")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import zipfile
@@ -114,12 +113,14 @@ def _tokenizer(path: str):
 
 
 def _load_pt2(path: str) -> Checkpoint:
-    # programs exported from Hugging Face models return its output classes, which register on import
-    with contextlib.suppress(ImportError):
-        import transformers.modeling_outputs  # noqa: F401
-    extra = {"pagedattn.json": ""}
+    """A user's ``torch.export`` program, read without running code from it (``pagedattn.safe_archive``);
+    its stored example inputs (plain tensors and values only) drive the rewrite."""
+    from pagedattn.safe_archive import UnsafeArchive, read_exported_program
+
     try:
-        ep = torch.export.load(path, extra_files=extra)
+        ep, extra = read_exported_program(path, example_inputs=True, extra_files=("pagedattn.json",))
+    except UnsafeArchive as e:
+        raise CheckpointError(f"refusing to load {path}: {e}") from e
     except Exception as e:
         raise CheckpointError(f"could not read {path} as a torch.export program: {type(e).__name__}: "
                               f"{_first_line(e)}") from e

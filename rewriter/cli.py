@@ -397,8 +397,12 @@ def _load_program(out: str):
     path = os.path.join(out, PROGRAM)
     if not os.path.isfile(path):
         raise CliError(f"{out} has no {PROGRAM}: give the -o folder of a rewrite-model run")
+    from pagedattn.safe_archive import UnsafeArchive
+
     try:
         return pagedattn.load(path)
+    except UnsafeArchive as e:
+        raise CliError(f"refusing to load {path}: {e}") from e
     except Exception as e:
         raise CliError(f"could not load {path}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
                        "rewrite the checkpoint again", 1) from e
@@ -431,13 +435,17 @@ def _run(out: str, args) -> None:
     import pagedattn
 
     info, _ = _read_out(out)
-    rm = _load_program(out)
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise CliError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tok = _tokenizer(out, info)
-    prompts = _prompts(args, info, tok)
+    prompts = _prompts(args, info, tok)  # bad prompts fail before the program loads
+    rm = _load_program(out)
     demo = bool(info.get("default_prompt"))
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (1024 if demo else 64)
     need = sum(-(-(len(p) + max_new) // rm.block_size) for p in prompts)
-    num_blocks = args.num_blocks or need + 1
+    num_blocks = args.num_blocks if args.num_blocks is not None else need + 1
     target = info["target"]
     try:
         engine = pagedattn.PagedEngine(rm, target=target, block_size=rm.block_size, num_blocks=num_blocks,

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend
 from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
 
 log = logging.getLogger("pagedattn")
 
@@ -23,6 +24,11 @@ _INFO_FILE = "pagedattn.json"
 
 
 def save(model: RewrittenModel, path: str) -> None:
+    """Write the paged program: graph and specs as data (JSON), weights as raw tensor payloads.
+
+    The program carries no example inputs (a loaded program runs in paged mode and needs none), so
+    nothing in the file is a pickle.
+    """
     extra = {
         _INFO_FILE: json.dumps({
             "report": model.report, "cache_specs": [s.to_json() for s in model.cache_specs], "target": model.target,
@@ -30,25 +36,39 @@ def save(model: RewrittenModel, path: str) -> None:
             "out_spec": _dump_spec(model.out_spec), "model_info": model.info.to_json(),
         })
     }
-    torch.export.save(model.exported_program, path, extra_files=extra)
+    ep = model.exported_program
+    kept, ep.example_inputs = ep.example_inputs, None
+    try:
+        torch.export.save(ep, path, extra_files=extra)
+    finally:
+        ep.example_inputs = kept
 
 
 def load(path: str, backend: "str | AttentionBackend | None" = None) -> RewrittenModel:
-    """Load a program saved by :meth:`RewrittenModel.save` (in any process: the ops register on import).
+    """Load a program saved by :meth:`RewrittenModel.save`, in any process, without running code from
+    the file (see :mod:`pagedattn.safe_archive`: anything that would be unpickled, evaluated or imported
+    by name is refused with :class:`~pagedattn.safe_archive.UnsafeArchive`).
 
     ``backend`` (an instance or a target name) runs its paged graph; default: the default backend of
     the target it was rewritten for.
     """
-    extra = {_INFO_FILE: ""}
-    ep = torch.export.load(path, extra_files=extra)
-    info = json.loads(extra[_INFO_FILE] or "{}")
+    ep, extra = read_exported_program(path, extra_files=(_INFO_FILE,))
+    try:
+        info = json.loads(extra[_INFO_FILE] or "{}")
+    except ValueError as e:
+        raise UnsafeArchive(f"{path}: its {_INFO_FILE} is not valid JSON ({e})") from e
     if not info:
         raise ValueError(f"{path} is not a pagedattn program (no {_INFO_FILE} inside); save it with RewrittenModel.save")
+    try:
+        report, specs = list(info["report"]), [CacheSpec.from_json(s) for s in info["cache_specs"]]
+        target, block_size = str(info["target"]), int(info["block_size"])
+        model_info = ModelInfo.from_json(dict(info.get("model_info") or {}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsafeArchive(f"{path}: its {_INFO_FILE} is malformed ({type(e).__name__}: {e})") from e
     model = RewrittenModel(
-        None, _LoadedGraph(ep.module()), _load_spec(info.get("in_spec")), _load_spec(info.get("out_spec")),
-        info["report"], [CacheSpec.from_json(s) for s in info["cache_specs"]],
-        get_backend(backend if backend is not None else info["target"]), info["block_size"],
-        info=ModelInfo.from_json(info.get("model_info") or {}))
+        None, _LoadedGraph(ep.module()), load_treespec(info.get("in_spec"), f"{path} (in_spec)"),
+        load_treespec(info.get("out_spec"), f"{path} (out_spec)"), report, specs,
+        get_backend(backend if backend is not None else target), block_size, info=model_info)
     model._exported = ep
     return model
 
@@ -59,29 +79,6 @@ def _dump_spec(spec) -> Optional[str]:
     try:
         return pytree.treespec_dumps(spec)
     except Exception:  # e.g. an output class pytree cannot serialise: loaded models return flat tuples
-        return None
-
-
-def _load_spec(s: Optional[str]):
-    """The saved pytree spec; output classes (e.g. Hugging Face's) register on import, so import them first."""
-    if not s:
-        return None
-    try:
-        return pytree.treespec_loads(s)
-    except NotImplementedError:
-        pass
-    import importlib
-    import re
-
-    for module in set(re.findall(r'"([A-Za-z_][\w.]*)\.[A-Za-z_]\w*"', s)):
-        try:
-            importlib.import_module(module)
-        except Exception:  # not a module path, or not installed here
-            continue
-    try:
-        return pytree.treespec_loads(s)
-    except NotImplementedError as e:
-        log.warning("outputs come back as flat tuples: %s", e)
         return None
 
 
