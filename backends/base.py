@@ -22,6 +22,8 @@ import torch
 
 from pagedattn.backends.metadata import (
     AttentionMetadata,
+    check_attend_cheap,
+    check_write_cheap,
     validate_attend,
     validate_write,
 )
@@ -94,16 +96,22 @@ class AttentionBackend:
         """Reasons this backend cannot run ``config`` exactly; empty when it can."""
         raise NotImplementedError
 
-    # --- checks (run by the ops when validation is on)
+    # --- checks (run by the ops: the cheap ones always, all of them when validation is on)
 
-    def check_write(self, key, value, kv_cache, slot_mapping) -> None:
+    def check_write(self, key, value, kv_cache, slot_mapping, full: bool = False) -> None:
         nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
+        check = validate_write if full else check_write_cheap
+        check(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
 
-    def check_attend(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams) -> None:
+    def check_attend(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams,
+                     full: bool = False) -> None:
         nb, bs, hkv, d = self.cache_geometry(kv_cache)
-        validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
-                        params.causal)
+        if full:
+            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
+                            params.causal)
+        else:
+            check_attend_cheap(query, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
+                               params.causal)
 
     # --- serving loop hooks
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +25,8 @@ __all__ = [
     "set_validation",
     "validate_write",
     "validate_attend",
+    "check_write_cheap",
+    "check_attend_cheap",
 ]
 
 # the metadata tensors, in the order the paged graph takes them as inputs
@@ -245,3 +248,100 @@ def validate_attend(
             lo, hi = int(used.min()), int(used.max())
             _check(0 <= lo and hi < num_blocks, f"paged_attention: sequence {i} uses block "
                                                 f"{hi if hi >= num_blocks else lo}, outside the cache's {num_blocks} blocks")
+
+
+# ------------------------------------------------------------------- cheap checks
+# Always on. Shapes, dtypes and devices cost nothing; the value checks cost one small reduction per
+# step: a step's metadata tensors are the same objects for every layer, so each is checked once
+# (memo keyed by identity and version). On CUDA the value checks are device-side asserts (no host
+# sync); on lazy devices (XLA) they are skipped: their steps are built and padded on the host.
+
+_MEMO = threading.local()
+
+
+def _fail(op: str, msg: str) -> None:
+    raise ValueError(f"{op}: {msg}")
+
+
+def _value_check(op: str, cond: torch.Tensor, msg: str) -> None:
+    """Raise when ``cond`` (a 0-d bool tensor) is false: on the host now, on CUDA asynchronously."""
+    if cond.device.type == "cpu":
+        if not bool(cond):
+            _fail(op, msg)
+    elif cond.device.type == "cuda":
+        torch._assert_async(cond, f"{op}: {msg}")
+
+
+def _checked(key: str, tensors: tuple, extra: tuple) -> bool:
+    """Whether these very tensors (same objects, unchanged) passed the checks with ``extra`` already."""
+    memo = getattr(_MEMO, key, None)
+    return memo is not None and len(memo[0]) == len(tensors) and all(a is b for a, b in zip(memo[0], tensors)) \
+        and memo[1:] == (tuple(t._version for t in tensors), extra)
+
+
+def _passed(key: str, tensors: tuple, extra: tuple) -> None:
+    setattr(_MEMO, key, (tensors, tuple(t._version for t in tensors), extra))
+
+
+def check_write_cheap(key: torch.Tensor, value: torch.Tensor, num_slots: int, kv_heads: int, head_size: int,
+                      cache_dtype: torch.dtype, cache_device: torch.device, slot_mapping: torch.Tensor) -> None:
+    """The O(tokens) checks of a cache write that run on every call."""
+    op = "write_kv_cache"
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
+        _fail(op, f"key and value must be [tokens, kv_heads, head_size] alike, got {tuple(key.shape)} and "
+                  f"{tuple(value.shape)}")
+    if key.shape[1] != kv_heads or key.shape[2] != head_size:
+        _fail(op, f"key is [{key.shape[1]} kv heads, head size {key.shape[2]}] but the cache holds "
+                  f"[{kv_heads}, {head_size}]")
+    if key.dtype != cache_dtype or value.dtype != cache_dtype:
+        _fail(op, f"key/value dtype {key.dtype}/{value.dtype} differs from the cache dtype {cache_dtype}")
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        _fail(op, f"slot_mapping must be int64 or int32, got {slot_mapping.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        _fail(op, f"slot_mapping has shape {tuple(slot_mapping.shape)} for {key.shape[0]} tokens")
+    if not (key.device == value.device == slot_mapping.device == cache_device):
+        _fail(op, f"key, value, slot_mapping and the cache must share a device ({key.device}, {value.device}, "
+                  f"{slot_mapping.device}, {cache_device})")
+    if slot_mapping.numel() == 0 or slot_mapping.device.type not in ("cpu", "cuda") or \
+            _checked("write", (slot_mapping,), (num_slots,)):
+        return
+    lo, hi = torch.aminmax(slot_mapping)
+    _value_check(op, lo >= -1, "a slot is negative other than -1 (padding); fix slot_mapping")
+    _value_check(op, hi < num_slots, f"a slot is outside the cache's {num_slots} slots; allocate more blocks "
+                                     "or fix slot_mapping")
+    _passed("write", (slot_mapping,), (num_slots,))
+
+
+def check_attend_cheap(query: torch.Tensor, kv_heads: int, head_size: int, cache_dtype: torch.dtype,
+                       cache_device: torch.device, metadata: AttentionMetadata, num_kv_heads: int,
+                       causal: bool) -> None:
+    """The O(tokens + sequences) checks of a paged attention call that run on every call."""
+    op = "paged_attention"
+    tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+    if query.dim() != 3 or query.shape[1] % kv_heads or query.shape[2] != head_size:
+        _fail(op, f"query {tuple(query.shape)} must be [tokens, a multiple of {kv_heads} heads, {head_size}]")
+    if num_kv_heads != kv_heads:
+        _fail(op, f"num_kv_heads={num_kv_heads} but the cache holds {kv_heads} kv heads")
+    if query.dtype != cache_dtype:
+        _fail(op, f"query dtype {query.dtype} differs from the cache dtype {cache_dtype}")
+    for name, t in (("block_tables", tables), ("seq_lens", seq_lens), ("query_start_loc", qsl)):
+        if t.is_floating_point() or t.dtype == torch.bool:
+            _fail(op, f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != cache_device or query.device != cache_device:
+            _fail(op, f"{name} is on {t.device}, the query on {query.device} and the cache on {cache_device}")
+    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if n < 0 or tables.dim() != 2 or tables.shape[0] != n or qsl.shape != (n + 1,):
+        _fail(op, f"seq_lens {tuple(seq_lens.shape)}, block_tables {tuple(tables.shape)} and query_start_loc "
+                  f"{tuple(qsl.shape)} must describe the same sequences ([S], [S, blocks], [S + 1])")
+    if n == 0 or qsl.device.type not in ("cpu", "cuda") or \
+            _checked("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size)):
+        return
+    q_lens = qsl[1:] - qsl[:-1]
+    _value_check(op, (qsl[0] == 0) & (q_lens >= 0).all() & (qsl[-1] <= query.shape[0]),
+                 f"query_start_loc must start at 0, never decrease and end at most at the {query.shape[0]} tokens")
+    if causal:
+        _value_check(op, (seq_lens >= q_lens).all(), "a sequence's seq_len is shorter than its new tokens")
+    _value_check(op, (seq_lens >= 0).all() & (seq_lens <= tables.shape[1] * metadata.block_size).all(),
+                 f"a seq_len is negative or longer than its block table covers ({tables.shape[1]} blocks of "
+                 f"{metadata.block_size})")
+    _passed("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size))

@@ -35,8 +35,7 @@ PARAMS_OFFSET = {"attention": 4, "paged_attention": 7}
 
 def _write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     backend = active_backend(kv_cache.device)
-    if validation_enabled():
-        backend.check_write(key, value, kv_cache, slot_mapping)
+    backend.check_write(key, value, kv_cache, slot_mapping, full=validation_enabled())
     backend.write(key, value, kv_cache, slot_mapping)
 
 
@@ -82,8 +81,7 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     p = AttentionParams.from_args(params)
     backend = active_backend(kv_cache.device)
     meta = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, backend.cache_geometry(kv_cache)[1])
-    if validation_enabled():
-        backend.check_attend(query, kv_cache, meta, p)
+    backend.check_attend(query, kv_cache, meta, p, full=validation_enabled())
     return backend.attend(query, key, value, kv_cache, meta, p)
 
 

@@ -44,7 +44,13 @@ except ImportError as e:  # the registry turns this into "the 'xla' backend cann
 
 from pagedattn.backends import reference
 from pagedattn.backends.base import AttentionBackend, common_reasons, register_backend
-from pagedattn.backends.metadata import AttentionMetadata, validate_attend, validate_write
+from pagedattn.backends.metadata import (
+    AttentionMetadata,
+    check_attend_cheap,
+    check_write_cheap,
+    validate_attend,
+    validate_write,
+)
 from pagedattn.backends.params import AttentionConfig, AttentionParams
 
 __all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu"]
@@ -136,16 +142,21 @@ class PallasXlaBackend(AttentionBackend):
 
     # --- cache maintenance
 
-    def check_write(self, key, value, kv_cache, slot_mapping):
+    def check_write(self, key, value, kv_cache, slot_mapping, full=False):
         nb, bs, hkv, dp = self.cache_geometry(kv_cache)
-        validate_write(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
+        check = validate_write if full else check_write_cheap
+        check(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
         _check_head(key.shape[2], dp, self.head_align, "write_kv_cache")
 
-    def check_attend(self, query, kv_cache, metadata, params):
+    def check_attend(self, query, kv_cache, metadata, params, full=False):
         nb, bs, hkv, dp = self.cache_geometry(kv_cache)
         d = query.shape[2]
-        validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
-                        params.causal)
+        if full:
+            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
+                            params.causal)
+        else:
+            check_attend_cheap(query, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
+                               params.causal)
         _check_head(d, dp, self.head_align, "paged_attention")
 
     def write(self, key, value, kv_cache, slot_mapping):

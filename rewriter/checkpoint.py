@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+log = logging.getLogger("pagedattn")
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 DEMOS = {"demo": "zen", "zen": "zen"}  # name -> folder under pagedattn/demo
@@ -80,17 +84,66 @@ def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optio
         raise CheckpointError(f"{path} has no weights (*.safetensors or pytorch_model.bin); save the model with "
                               "save_pretrained(folder)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                     attn_implementation=attn_implementation)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
+                                                         attn_implementation=attn_implementation)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise CheckpointError(f"{path} holds a {type(config).__name__} model, which has no causal-LM class: "
                                   "rewrite-model serves causal language models") from e
         raise CheckpointError(f"could not load the weights in {path}: {_first_line(e)}") from e
     except Exception as e:  # corrupt or truncated weight files surface as many error types
+        mismatch = _shape_mismatch(path, config)
+        if mismatch:
+            raise CheckpointError(f"could not load the weights in {path}: {mismatch}") from e
         raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {_first_line(e)}; "
                               "the files may be corrupt or truncated, re-save the checkpoint") from e
     return Checkpoint("hf", path, model=model.eval(), tokenizer=_tokenizer(path), config=config)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' progress bars, load reports and warnings go to pagedattn's debug log."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for w in caught:
+        log.debug("transformers: %s: %s", w.category.__name__, w.message)
+
+
+def _shape_mismatch(path: str, config) -> Optional[str]:
+    """``weight X has shape A, the config expects B`` for the first safetensors weight whose shape differs
+    from the model the config describes (read from the files' headers; nothing is loaded)."""
+    try:
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                for key in f.keys():
+                    shape = tuple(f.get_slice(key).get_shape())
+                    want = expected.get(key)
+                    if want is not None and want != shape:
+                        return (f"weight {key} has shape {list(shape)}, the config expects {list(want)} "
+                                f"(in {name}); the weights and config.json do not belong together")
+    except Exception as e:  # no mismatch could be established: the caller reports the original error
+        log.debug("shape check of %s failed: %s", path, e)
+    return None
 
 
 def _has_weights(path: str) -> bool:
@@ -104,7 +157,8 @@ def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # a model without a usable tokenizer still rewrites: token ids in and out
         import logging
 

@@ -160,6 +160,11 @@ def cmd_rewrite(args) -> None:
     out = os.path.abspath(args.out)
     if os.path.exists(out) and not args.force:
         raise CliError(f"{args.out} exists; pass --force to replace it or choose another -o")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise CliError(f"cannot write {args.out}: its folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write {args.out}: no permission to create files in {parent}")
     if args.block_size < 1:
         raise CliError(f"--block-size must be >= 1, got {args.block_size}")
     target = _check_target(args.target)
@@ -413,7 +418,14 @@ def _tokenizer(out: str, info: dict):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(out, local_files_only=True)
+    from pagedattn.checkpoint import quiet_transformers
+
+    try:
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(out, local_files_only=True)
+    except Exception as e:
+        raise CliError(f"{out}: the tokenizer saved with the program does not load ({type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); give prompts with --ids") from e
 
 
 def _prompts(args, info: dict, tok) -> list[list[int]]:

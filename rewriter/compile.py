@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 from pagedattn.backends import AttentionBackend, get_backend, use_backend
 from pagedattn.driver import RewriteResult, rewrite_graph
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
+from pagedattn.tracing import quiet_tracing
 
 log = logging.getLogger("pagedattn")
 
@@ -142,7 +143,8 @@ def pagedattn_backend(gm: GraphModule, example_inputs: list, options: Optional[d
     opts = resolve_options(options)
     backend = get_backend(opts["target"])
     real = [_real(x) for x in example_inputs]
-    flat = _aten_graph(gm)
+    with quiet_tracing():
+        flat = _aten_graph(gm)
     result = rewrite_graph(flat, real, backend, constants=frozenset(_module_state(gm)))
     log.info("pagedattn backend: %d of %d attention sites rewritten",
              sum(s.status == "rewritten" for s in result.sites), len(result.sites))

@@ -15,6 +15,7 @@ from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_
 from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
+from pagedattn.tracing import quiet_tracing
 
 log = logging.getLogger("pagedattn")
 
@@ -134,6 +135,6 @@ def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
     inputs = [*model.example_inputs, *caches, *meta.tensors()]
     dyn = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
                 for x in inputs)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_tracing():
         return torch.export.export(model.graph_module, tuple(inputs), dynamic_shapes=dyn, strict=False)
 

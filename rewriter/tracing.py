@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("pagedattn")
 
 __all__ = ["export_model", "flat_graph_module", "without_hf_cache", "static_sizes", "fits_static_sizes",
-           "copy_graph_module"]
+           "copy_graph_module", "quiet_tracing"]
 
 
 def dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
@@ -78,13 +78,48 @@ def without_hf_cache(model: nn.Module):
             c.use_cache = True
 
 
+# loggers of torch that report on tracing decisions (e.g. "0/1 specialized") at WARNING
+_TRACING_LOGGERS = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes", "torch._export",
+                    "torch.export", "torch._dynamo", "torch._functorch", "torch.fx.experimental.recording")
+
+
+class _ToDebug(logging.Filter):
+    """Re-log a library's records below ERROR as pagedattn debug records (the user did not ask for them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        log.debug("%s: %s", record.name, record.getMessage())
+        return False
+
+
+@contextlib.contextmanager
+def quiet_tracing():
+    """Torch's tracing warnings and Python warnings raised while tracing go to pagedattn's debug log."""
+    import warnings
+
+    flt = _ToDebug()
+    loggers = [logging.getLogger(n) for n in _TRACING_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
+    for w in caught:
+        log.debug("warning while tracing: %s: %s", w.category.__name__, w.message)
+
+
 def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> torch.export.ExportedProgram:
     """``torch.export`` of ``model`` in eval mode with every input dimension dynamic."""
     kwargs = dict(kwargs or {})
     model.eval()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), without_hf_cache(model):
+        with torch.no_grad(), without_hf_cache(model), quiet_tracing():
             traced = _with_explicit_kwargs(model, kwargs, bool(args))
             ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes(traced, args, kwargs),
                                      strict=False)

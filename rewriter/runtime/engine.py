@@ -119,14 +119,14 @@ class PagedEngine:
     # ----------------------------------------------------------------- requests
 
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> Optional[str]:
-        """Why a request cannot be served, or None."""
+        """Why a request cannot be served, or None. ``prompt`` holds Python ints (see ``token_ids``)."""
         if len(prompt) == 0:
             return "the prompt is empty"
         if params.max_new_tokens <= 0:
             return f"max_new_tokens must be > 0, got {params.max_new_tokens}"
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < (self.vocab_size or 2**63)]
+        bad = [t for t in prompt if not 0 <= t < (self.vocab_size or 2**63)]
         if bad:
-            return f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})"
+            return f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
         need = -(-(len(prompt) + params.max_new_tokens) // self.block_size)
         if need > self.num_blocks:
             return (f"prompt of {len(prompt)} tokens plus {params.max_new_tokens} new ones needs {need} blocks "
@@ -135,16 +135,24 @@ class PagedEngine:
             return "temperature must be >= 0, top_p in (0, 1], top_k >= 0"
         return None
 
-    def add_request(self, prompt: Sequence[int], params: Optional[SamplingParams] = None, **kw) -> int:
-        """Queue a request; returns its id. Raises ValueError naming what is wrong with it."""
+    def add_request(self, prompt, params: Optional[SamplingParams] = None, **kw) -> int:
+        """Queue a request; returns its id. Raises ValueError naming what is wrong with it.
+
+        ``prompt``: token ids as a list of ints, a 1-D numpy array or a 1-D torch tensor (any integer
+        dtype, any device).
+        """
         params = params or SamplingParams(**kw)
         rid = next(self._ids)
-        why = self.validate(list(prompt), params)
+        try:
+            ids = token_ids(prompt)
+        except ValueError as e:
+            raise ValueError(f"request {rid}: {e}") from None
+        why = self.validate(ids, params)
         if why:
             raise ValueError(f"request {rid}: {why}")
         if params.seed is not None:
             self._generators[rid] = torch.Generator(device="cpu").manual_seed(params.seed)
-        self.scheduler.add(Request(rid, [int(t) for t in prompt], params))
+        self.scheduler.add(Request(rid, ids, params))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -288,15 +296,17 @@ class PagedEngine:
 
     # ----------------------------------------------------------------- generate
 
-    def generate(self, prompts: Iterable[Sequence[int]], max_new_tokens: int = 16, *, temperature: float = 0.0,
+    def generate(self, prompts: Iterable, max_new_tokens: int = 16, *, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                  stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
-        """Generated tokens per prompt (greedy unless ``temperature > 0``).
+        """Generated tokens per prompt (greedy unless ``temperature > 0``); prompts as ``add_request`` takes them.
 
         Invalid requests do not stop the others: after the rest finish, a ``RequestErrors`` names them
         and carries the other results.
         """
-        prompts = [list(p) for p in prompts]
+        if isinstance(prompts, (str, bytes)) or prompts is None:
+            raise TypeError(f"generate() takes a list of prompts (token ids), got {type(prompts).__name__}")
+        prompts = list(prompts)
         ids: list[Optional[int]] = []
         errors: dict[int, str] = {}
         for i, prompt in enumerate(prompts):
@@ -307,7 +317,7 @@ class PagedEngine:
             except ValueError as e:
                 errors[i] = str(e).split(": ", 1)[-1]
                 ids.append(None)
-                log.error("prompt %d rejected: %s", i, errors[i])
+                log.debug("prompt %d rejected: %s", i, errors[i])
         results: dict[int, list[int]] = {}
         while self.has_unfinished():
             for r in self.step():
@@ -321,6 +331,42 @@ class PagedEngine:
     def overhead_share(self) -> float:
         total = self.stats["model_s"] + self.stats["overhead_s"]
         return self.stats["overhead_s"] / total if total else 0.0
+
+
+def token_ids(prompt) -> list[int]:
+    """A prompt as Python ints: a sequence of integers, a 1-D integer numpy array or torch tensor.
+
+    Booleans, floats, ``None`` and anything nested are refused with the offending value named.
+    """
+    if prompt is None:
+        raise ValueError("the prompt is None; give token ids (a list of ints, or a 1-D integer array or tensor)")
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"the prompt is text ({prompt[:20]!r}); tokenize it first")
+    if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
+        dtype = str(prompt.dtype)
+        if prompt.ndim != 1:
+            raise ValueError(f"the prompt has shape {tuple(prompt.shape)}; give one 1-D sequence of token ids per "
+                             "request (e.g. ids[0] of a [1, T] batch)")
+        if "int" not in dtype or "bool" in dtype:
+            raise ValueError(f"the prompt's dtype is {dtype}; token ids are integers")
+        return [int(t) for t in prompt.tolist()]
+    if not isinstance(prompt, Iterable):
+        raise ValueError(f"the prompt {prompt!r} is not a sequence of token ids")
+    out = []
+    for t in prompt:
+        kind = type(t).__module__, type(t).__name__
+        if isinstance(t, bool) or kind[1] == "bool_" or isinstance(t, float) or t is None \
+                or (kind[0] == "numpy" and "int" not in kind[1]):
+            raise ValueError(f"token id {t!r} is not an integer")
+        if isinstance(t, torch.Tensor):
+            if t.dim() != 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"token id {t!r} is not an integer")
+            t = t.item()
+        try:
+            out.append(int(t.__index__()))
+        except (AttributeError, TypeError):
+            raise ValueError(f"token id {t!r} is not an integer") from None
+    return out
 
 
 def _preemption_counts(sched: Scheduler) -> tuple[int, int, int, int]:
