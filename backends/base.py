@@ -50,6 +50,10 @@ class AttentionBackend:
 
     name: str = "base"
     device_type: str = "cpu"
+    # the device runs graphs op by op through a runtime that cannot keep a custom op's in-place cache
+    # write (torch_xla's eager functionalization rejects it): graphs served eagerly there get
+    # functional writes (pagedattn.passes.FunctionalCacheWrites); compiled ones need not
+    functional_cache_writes: bool = False
 
     # --- the cache
 

@@ -9,13 +9,15 @@ Three ways to attend, chosen per backend instance (``mode``):
 
 - ``"kernel"`` (default on TPU): one ``ragged_paged_attention`` call (the Pallas kernel) for
   prefills, decodes and chunked prefills together; output rows ``q.shape[0]``, padding zeroed.
-- ``"static"`` (default elsewhere, e.g. XLA:CPU and XLA:GPU): the same semantics in plain torch
-  ops whose shapes depend only on the input shapes. The library's own reference path
-  (``use_kernel=False``) loops over sequences in Python and slices by their lengths, which syncs
-  with the host and compiles a new graph for every new length; this path compiles one graph per
-  bucketed step shape. It also covers what the kernel lacks: ALiBi and non-causal attention.
-  Cost: every token gathers its sequence's ``pages_per_seq * block_size`` keys, so it suits
-  development and verification more than long contexts.
+- ``"static"`` (default elsewhere, e.g. XLA:CPU and XLA:GPU): each token attends over its
+  sequence's gathered pages through :func:`pagedattn.backends.reference.dense_attention` (the
+  library's one statement of the semantics), in plain torch ops whose shapes depend only on the
+  input shapes. torch_xla's own reference path (``use_kernel=False``) loops over sequences in
+  Python and slices by their lengths, which syncs with the host and compiles a new graph for
+  every new length; this path compiles one graph per bucketed step shape. It also covers what the
+  kernel lacks: ALiBi, attention sinks and non-causal attention. Cost: every token gathers its
+  sequence's ``pages_per_seq * block_size`` keys, so it suits development and verification more
+  than long contexts.
 - ``"reference"``: ``ragged_paged_attention(..., use_kernel=False)``, exact but data-dependent.
 
 XLA compiles one graph per shape: pad each step with :func:`pad_step` / :class:`StepBuckets` so
@@ -84,6 +86,7 @@ class PallasXlaBackend(AttentionBackend):
 
     name = "pallas_xla"
     device_type = "xla"
+    functional_cache_writes = True
 
     def __init__(self, mode: Optional[str] = None, head_align: Optional[int] = None):
         if mode is not None and mode not in _MODES:

@@ -17,9 +17,11 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend
 from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
+from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.context import paged_context
 from pagedattn.runtime.state import StatePool
@@ -174,9 +176,18 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
 
 
 def _servable(step: nn.Module, names, dtype, specs=None, **common) -> ServableModel:
+    if isinstance(step, RewrittenModel):
+        _eager_writes_for(step, common["backend"])
     specs = tuple(step.cache_specs if specs is None else specs)
     return ServableModel(step=step, cache_specs=specs, cache_dtype=dtype or _cache_dtype(specs, None),
                          input_names=frozenset(names), **common)
+
+
+def _eager_writes_for(step: RewrittenModel, backend: AttentionBackend) -> None:
+    """A paged graph run op by op on a device that cannot keep the in-place cache write gets functional
+    writes (idempotent: a graph already converted has no in-place write left)."""
+    if backend.functional_cache_writes and isinstance(step.graph_module, GraphModule):
+        run_pipeline(step.graph_module, PassContext(), (FunctionalCacheWrites("copy_back"),))
 
 
 def _compile(servable: ServableModel) -> None:
@@ -248,7 +259,8 @@ def _module_device(model) -> Optional[torch.device]:
 
 
 def _cache_dtype(specs: Sequence[CacheSpec], layout: Optional[StateLayout]) -> torch.dtype:
-    dtypes = {s.dtype for s in specs} or {s.dtype for s in layout.slots}
+    # no specs and no state: a model with nothing to page, which prepare_model refuses after this
+    dtypes = {s.dtype for s in specs} or ({s.dtype for s in layout.slots} if layout is not None else {torch.float32})
     return sorted(dtypes, key=str)[0]
 
 

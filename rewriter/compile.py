@@ -36,7 +36,7 @@ def resolve_options(options: Optional[dict]) -> dict:
     if unknown:
         raise ValueError(f"unknown pagedattn options {sorted(unknown)}; known: {sorted(opts)}")
     opts.update(options or {})
-    if "inner" not in (options or {}) and str(opts["target"]).startswith("xla"):
+    if "inner" not in (options or {}) and get_backend(opts["target"]).device_type == "xla":
         opts["inner"] = "openxla"  # torch_xla's compiler
     if opts["inner"] not in ("inductor", "eager", "openxla"):
         raise ValueError(f"options['inner'] must be 'inductor', 'eager' or 'openxla', got {opts['inner']!r}")

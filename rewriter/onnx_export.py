@@ -46,7 +46,9 @@ def functional_graph(gm: GraphModule, num_caches: int) -> GraphModule:
 # ----------------------------------------------------------------------------- translations
 
 
-def _translations() -> dict:
+def translations() -> dict:
+    """onnxscript code for the two paged ops (``torch.onnx.export``'s ``custom_translation_table``): the
+    reference semantics (``pagedattn.backends.reference``) in standard ONNX ops."""
     from onnxscript import opset18 as op
 
     def write_kv_cache(key, value, kv_cache, slot_mapping):
@@ -149,7 +151,7 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     tensor_names = [n for n, x in zip(names, inputs) if isinstance(x, torch.Tensor)]
     with torch.no_grad():
         prog = torch.onnx.export(fgm, tuple(inputs), dynamo=True, dynamic_shapes=tuple(dyn), opset_version=OPSET,
-                                 custom_translation_table=_translations(), input_names=tensor_names,
+                                 custom_translation_table=translations(), input_names=tensor_names,
                                  output_names=output_names, verbose=False, report=False, optimize=True)
     prog.save(path)
     import onnx

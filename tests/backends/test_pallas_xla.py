@@ -1,9 +1,11 @@
-"""The XLA backend (torch_xla) on XLA:CPU, against the CPU backend and Hugging Face generate.
+"""The XLA backend (torch_xla) on XLA:CPU, against the CPU backend, the reference semantics
+(``pagedattn.backends.reference``), an independent float64 computation and Hugging Face generate.
 
 Runs in the XLA environment only (``.ci/xla-tests``); elsewhere every test skips.
 """
 
-import math
+import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -15,12 +17,34 @@ torch_xla = pytest.importorskip(
 
 import torch_xla.debug.metrics as met  # noqa: E402
 
-from pagedattn.backends import build_metadata, get_backend, set_validation  # noqa: E402
-from pagedattn.backends.base import AttentionConfig  # noqa: E402
-from pagedattn.backends.pallas_xla import PallasXlaBackend, StepBuckets, bucket, pad_step, to_xla  # noqa: E402
+import pagedattn  # noqa: E402
+from pagedattn.backends import (  # noqa: E402
+    AttentionConfig,
+    AttentionParams,
+    active_backend,
+    build_metadata,
+    get_backend,
+    set_validation,
+    use_backend,
+)
+from pagedattn.backends.pallas_xla import PallasXlaBackend, StepBuckets, bucket, pad_step  # noqa: E402
+from pagedattn.xla import to_xla  # noqa: E402
 
-from .paged_batch import make_batch, reference_step, run_step  # noqa: E402
-from .xla_helpers import cpu_layout, serve_greedy, xla_layout  # noqa: E402
+from .xla_helpers import (  # noqa: E402
+    cpu_layout,
+    cpu_step,
+    eos_ids,
+    example,
+    float64_step,
+    hf_greedy,
+    make_batch,
+    on,
+    params_for,
+    reference_step,
+    serve_greedy,
+    tiny_model,
+    xla_layout,
+)
 
 pytestmark = pytest.mark.xla
 
@@ -35,42 +59,82 @@ SHAPES = {
 }
 
 
+class _Counting(PallasXlaBackend):
+    """A backend instance that counts the paged ops it runs: shows which instance ran a step."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.writes = self.attends = 0
+
+    def write(self, *args):
+        self.writes += 1
+        return super().write(*args)
+
+    def attend(self, *args):
+        self.attends += 1
+        return super().attend(*args)
+
+
 def _compiles() -> int:
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
 
 
-def _xla_step(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, head_align=1, via_ops=False,
-              sinks=None):
-    """Write the step's K/V and attend on XLA; returns (output, cache) on the CPU."""
+def _xla_step(backend, b, params, head_align=1, via_ops=False):
+    """Write the step's K/V and attend on XLA; returns (output, cache) on the CPU.
+
+    ``via_ops``: through ``torch.ops.pagedattn.*`` as a graph after ``to_xla`` calls them (the
+    functional write plus a copy back), with ``backend`` bound by ``use_backend`` (``None``: the
+    default backend of the device); else the backend's own ``write``/``attend``.
+    """
     cache = xla_layout(b.kv_cache, head_align).to(DEV)
     m = b.meta.to(DEV)
     q, k, v = b.query.to(DEV), b.key.to(DEV), b.value.to(DEV)
-    slopes = alibi.to(DEV) if alibi is not None else None
-    sinks = sinks.to(DEV) if sinks is not None else None
-    if via_ops:  # the ops as a rewritten graph calls them after to_xla()
-        cache.copy_(torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, m.slot_mapping))
-        out = torch.ops.pagedattn.paged_attention(q, k, v, cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                                  scale, causal, window, softcap, slopes, k.shape[1], v.shape[2],
-                                                  sinks)
+    p = on(params, DEV)
+    if via_ops:
+        with use_backend(backend) if backend is not None else contextlib.nullcontext():
+            cache.copy_(torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, m.slot_mapping))
+            out = torch.ops.pagedattn.paged_attention(q, k, v, cache, m.block_tables, m.seq_lens,
+                                                      m.query_start_loc, *p.args())
     else:
         backend.write(k, v, cache, m.slot_mapping)
-        out = backend.attend(q, k, v, cache, m.block_tables, m.seq_lens, m.query_start_loc, scale, causal,
-                             window, softcap, slopes, k.shape[1], **({} if sinks is None else {"sinks": sinks}))
+        out = backend.attend(q, k, v, cache, dataclasses.replace(m, slot_mapping=None), p)
     return out.cpu(), cpu_layout(cache, b.key.shape[2])
 
 
-def _check(b, backend=None, dtype=torch.float32, head_align=1, via_ops=False, **kw):
-    """XLA against the CPU backend on the same batch: output, padding rows, written cache."""
-    scale = kw.pop("scale", 1 / math.sqrt(b.query.shape[-1]))
-    out, cache = _xla_step(backend, b, scale, head_align=head_align, via_ops=via_ops, **kw)
-    ref = run_step(b, scale, **kw)  # writes b.kv_cache on the CPU
+def _check(b, backend=None, dtype=torch.float32, head_align=1, via_ops=False, **features):
+    """XLA against the CPU ops on the same batch (output, padding rows, written cache), and its real
+    rows against ``reference.dense_attention`` and an independent float64 computation."""
+    params = params_for(b, **features)
+    out, cache = _xla_step(backend, b, params, head_align=head_align, via_ops=via_ops)
+    ref = cpu_step(b, params)  # writes b.kv_cache on the CPU
     n = int(b.meta.query_start_loc[-1])
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
     assert out.shape == ref.shape
-    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(out[:n].double(), reference_step(b, scale, **kw), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(out[:n], reference_step(b, params), **tol)
+    torch.testing.assert_close(out[:n].double(), float64_step(b, params), **tol)
     assert torch.all(out[n:] == 0), "padding rows must be zero"
     assert torch.equal(cache, b.kv_cache), "the XLA cache must hold what the CPU backend wrote"
+
+
+def _features(feature: dict, num_heads: int) -> dict:
+    """A parametrised feature set with ``alibi=True`` / ``sinks=True`` made tensors."""
+    feature = dict(feature)
+    if feature.pop("alibi", False):
+        feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)])
+    if feature.pop("sinks", False):
+        feature["sinks"] = torch.linspace(-2.0, 4.0, num_heads)
+    return feature
+
+
+FEATURES = [{"window": 8}, {"window": 1}, {"softcap": 5.0}, {"softcap": 3.0, "window": 13}, {"scale": 0.3},
+            {"alibi": True}, {"alibi": True, "window": 10}, {"causal": False}, {"sinks": True},
+            {"sinks": True, "window": 8}]
+
+
+def _ids(f):
+    return "-".join(f"{k}={v}" for k, v in f.items())
 
 
 # ---------------------------------------------------------------- layout and ops
@@ -80,6 +144,26 @@ def test_registry_gives_the_xla_backend():
     backend = get_backend("xla")
     assert isinstance(backend, PallasXlaBackend) and backend.mode == "static"  # XLA:CPU has no TPU
     assert get_backend(DEV) is backend
+    assert active_backend(DEV) is backend  # nothing bound: the device's default
+
+
+def test_one_default_kernel_serves_xla():
+    # no per-device kernels: each op's Python body is its CompositeExplicitAutograd kernel, which the
+    # dispatcher computes for the XLA key too (the calls on XLA tensors below run it)
+    for op in ("write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention"):
+        name = f"pagedattn::{op}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "XLA")
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "XLA")
+    # the drop-in op on XLA tensors: the reference semantics, computed on the device
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[0, :2] = 0
+    p = AttentionParams(0.3, True, 4, 0.0, None, 2, 8)
+    out = torch.ops.pagedattn.attention(q.to(DEV), k.to(DEV), v.to(DEV), padding.to(DEV), *p.args())
+    assert out.device.type == "xla"
+    torch.testing.assert_close(out.cpu(), torch.ops.pagedattn.attention(q, k, v, padding, *p.args()),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_cache_shape():
@@ -92,9 +176,38 @@ def test_cache_shape():
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_batches_through_the_ops(shape):
-    # the registered kernels (mode chosen by the registry: static on XLA:CPU), GQA 8/2, padding tokens
+    # the ops' one default kernel (CompositeExplicitAutograd) on XLA tensors, nothing bound: the
+    # registered default backend (static on XLA:CPU); GQA 8/2, padding tokens
     b = make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, pad_tokens=3)
     _check(b, via_ops=True)
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=_ids)
+def test_features_through_the_ops(feature):
+    # every feature of the static mode through the ops on XLA, as a rewritten graph runs them
+    b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, head_size=32, block_size=8, pad_tokens=2)
+    _check(b, via_ops=True, **_features(feature, 8))
+
+
+def test_ops_use_the_bound_backend():
+    # use_backend(instance) reaches the ops' kernel on XLA: a ragged-reference backend bound, with a
+    # head size padded to 128 as the kernel wants, computes the step...
+    b = make_batch([(0, 6), (21, 1), (9, 4)], num_heads=4, num_kv_heads=2, head_size=32, block_size=8, pad_tokens=2)
+    bound = _Counting("reference", head_align=128)
+    _check(b, bound, head_align=128, via_ops=True, window=7)
+    assert bound.writes == bound.attends == 1
+    # ... and refuses what only the default (static) backend computes: the bound instance ran
+    b = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=16, block_size=4)
+    alibi = params_for(b, alibi=torch.tensor([0.5, 0.25]))
+    with pytest.raises(ValueError, match="neither ALiBi nor non-causal"):
+        _xla_step(PallasXlaBackend("reference"), b, alibi, via_ops=True)
+    _xla_step(None, b, alibi, via_ops=True)  # the default computes it
+    # a backend bound for another device type does not capture XLA tensors
+    cpu = get_backend("cpu")
+    with use_backend(cpu):
+        assert active_backend(DEV) is get_backend("xla") and active_backend(torch.device("cpu")) is cpu
+    with use_backend(bound):
+        assert active_backend(DEV) is bound and active_backend(torch.device("cpu")) is cpu
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 1), (16, 2)], ids=["mha", "mqa", "gqa8"])
@@ -103,21 +216,10 @@ def test_head_layouts(heads):
     _check(b, PallasXlaBackend("static"))
 
 
-@pytest.mark.parametrize(
-    "feature",
-    [{"window": 8}, {"window": 1}, {"softcap": 5.0}, {"softcap": 3.0, "window": 13}, {"scale": 0.3},
-     {"alibi": True}, {"alibi": True, "window": 10}, {"causal": False}, {"sinks": True},
-     {"sinks": True, "window": 8}],
-    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
-)
+@pytest.mark.parametrize("feature", FEATURES, ids=_ids)
 def test_features_static(feature):
-    feature = dict(feature)
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, pad_tokens=2)
-    if feature.pop("alibi", False):
-        feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
-    if feature.pop("sinks", False):
-        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
-    _check(b, PallasXlaBackend("static"), **feature)
+    _check(b, PallasXlaBackend("static"), **_features(feature, 8))
 
 
 def test_bfloat16_with_padded_heads():
@@ -125,11 +227,24 @@ def test_bfloat16_with_padded_heads():
     _check(b, PallasXlaBackend("static", head_align=128), dtype=torch.bfloat16, head_align=128, window=9, softcap=4.0)
 
 
-def test_ragged_paged_attention_reference_path():
+@pytest.mark.parametrize("feature", [{"window": 7, "softcap": 5.0}, {"scale": 0.3}, {}], ids=_ids)
+def test_ragged_paged_attention_reference_path(feature):
     # torch.ops.xla.ragged_paged_attention(use_kernel=False): prefill, decode and chunked prefill in
     # one call, GQA, sliding window, soft-cap, head size padded as the kernel needs, padding tokens
     b = make_batch([(0, 6), (21, 1), (9, 4)], num_heads=4, num_kv_heads=2, head_size=32, block_size=8, pad_tokens=2)
-    _check(b, PallasXlaBackend("reference", head_align=128), head_align=128, window=7, softcap=5.0)
+    _check(b, PallasXlaBackend("reference", head_align=128), head_align=128, **feature)
+
+
+def test_static_and_ragged_reference_agree():
+    # the two XLA:CPU modes on one padded step (the batch and features of the reference-path test, so
+    # the ragged path's per-length graphs are compiled already): the same rows, zeros after them
+    b = make_batch([(0, 6), (21, 1), (9, 4)], num_heads=4, num_kv_heads=2, head_size=32, block_size=8, pad_tokens=2)
+    p = params_for(b, window=7, softcap=5.0)
+    static, cache_s = _xla_step(PallasXlaBackend("static"), b, p)
+    ragged, cache_r = _xla_step(PallasXlaBackend("reference", head_align=128), b, p, head_align=128)
+    torch.testing.assert_close(static, ragged, atol=2e-5, rtol=2e-5)
+    assert torch.all(static[int(b.meta.query_start_loc[-1]):] == 0)
+    assert torch.equal(cache_s, cache_r)
 
 
 def _pad(b, buckets):
@@ -145,6 +260,11 @@ def _pad(b, buckets):
 def test_reference_path_ignores_padded_sequences():
     b = make_batch([(0, 3), (5, 1)], num_heads=2, num_kv_heads=1, head_size=16, block_size=4, pad_tokens=1)
     _check(_pad(b, StepBuckets((8,), (4,), (4,))), PallasXlaBackend("reference"))
+
+
+def test_static_path_ignores_padded_sequences():
+    b = make_batch([(0, 3), (5, 1)], num_heads=2, num_kv_heads=1, head_size=16, block_size=4, pad_tokens=1)
+    _check(_pad(b, StepBuckets((8,), (4,), (4,))), PallasXlaBackend("static"), sinks=torch.tensor([0.5, -1.0]))
 
 
 def test_write_skips_padding_slots():
@@ -177,12 +297,19 @@ def test_copy_and_swap_blocks():
     assert torch.equal(back.cpu()[5], got[1])
 
 
+def _config(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32, **over):
+    params = dict(scale=0.1, causal=True, sliding_window=0, softcap=0.0, alibi_slopes=None,
+                  num_kv_heads=num_kv_heads, head_size_v=head_size, sinks=None)
+    params.update(over)
+    return AttentionConfig(AttentionParams(**params), num_heads, head_size, dtype)
+
+
 def test_supports_gives_reasons():
-    ok = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, sliding_window=32, softcap=30.0)
-    alibi = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, alibi=True)
-    bidir = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, causal=False)
-    sinks = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, sinks=True)
-    bad = AttentionConfig(num_heads=6, num_kv_heads=4, head_size=64, scale=0.1, dtype=torch.float64, head_size_v=32)
+    ok = _config(sliding_window=32, softcap=30.0)
+    alibi = _config(alibi_slopes=torch.ones(8))
+    bidir = _config(causal=False)
+    sinks = _config(sinks=torch.zeros(8))
+    bad = _config(num_heads=6, num_kv_heads=4, dtype=torch.float64, head_size_v=32)
     for mode in ("kernel", "reference"):
         backend = PallasXlaBackend(mode)
         assert backend.supports(ok) == []
@@ -198,8 +325,9 @@ def test_supports_gives_reasons():
 
 def test_kernel_path_refuses_what_it_cannot_compute():
     b = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=16, block_size=4)
-    with pytest.raises(ValueError, match="neither ALiBi nor non-causal"):
-        _xla_step(PallasXlaBackend("reference"), b, 0.25, alibi=torch.tensor([0.5, 0.25]))
+    for features in ({"alibi": torch.tensor([0.5, 0.25])}, {"causal": False}, {"sinks": torch.tensor([0.0, 1.0])}):
+        with pytest.raises(ValueError, match="neither ALiBi nor non-causal"):
+            _xla_step(PallasXlaBackend("reference"), b, params_for(b, scale=0.25, **features))
 
 
 def test_mismatched_cache_is_named():
@@ -207,8 +335,12 @@ def test_mismatched_cache_is_named():
     with pytest.raises(ValueError, match="K and V interleaved"):
         backend.cache_geometry(torch.zeros(2, 4, 4, 3, 8))
     b = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=16, block_size=4)
-    with pytest.raises(ValueError, match="head size 16"):
-        _xla_step(PallasXlaBackend("static", head_align=128), b, 0.25, head_align=1)
+    padded = PallasXlaBackend("static", head_align=128)  # expects head size 128 in the cache, which holds 16
+    with pytest.raises(ValueError, match="write_kv_cache: head size 16"):  # validation is on in the tests
+        _xla_step(padded, b, params_for(b, scale=0.25), head_align=1, via_ops=True)
+    cache, m = xla_layout(b.kv_cache).to(DEV), b.meta.to(DEV)
+    with pytest.raises(ValueError, match="paged_attention: head size 16"):
+        padded.check_attend(b.query.to(DEV), cache, m, params_for(b))
 
 
 def test_to_xla_openxla_needs_a_rewritten_model():
@@ -230,13 +362,15 @@ def test_buckets_and_pad_step():
     assert p.slot_mapping.tolist() == meta.slot_mapping.tolist() + [-1] * 8
     assert p.seq_lens.tolist() == [3, 6, 6, 0] and p.query_start_loc.tolist() == [0, 3, 4, 8, 8]
     assert p.block_tables.tolist() == [[4, 0, 0, 0], [2, 7, 0, 0], [1, 3, 5, 0], [0, 0, 0, 0]]
+    assert p.block_size == meta.block_size
 
 
 def test_padded_step_gives_the_same_rows():
     b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, head_size=16, block_size=8)
     backend = PallasXlaBackend("static")
-    out, _ = _xla_step(backend, b, 0.25, window=11)
-    padded, _ = _xla_step(backend, _pad(b, StepBuckets((64,), (8,), (16,))), 0.25, window=11)
+    p = params_for(b, scale=0.25, window=11)
+    out, _ = _xla_step(backend, b, p)
+    padded, _ = _xla_step(backend, _pad(b, StepBuckets((64,), (8,), (16,))), p)
     torch.testing.assert_close(padded[:out.shape[0]], out)
     assert torch.all(padded[out.shape[0]:] == 0)
 
@@ -246,25 +380,19 @@ def test_padded_step_gives_the_same_rows():
 
 @pytest.fixture(scope="module")
 def llama():
-    import pagedattn
-
-    from ..rewriter.hf_models import tiny_model
-    from ..runtime.test_engine import _example
-
     model = tiny_model("llama")
-    # rewritten on the CPU (the target only picks the backend's supports()), then moved
-    return model, to_xla(pagedattn.rewrite(model, (), _example(model), target="xla"))
+    # rewritten on the CPU (the target picks the backend: its supports() and the paged graph's), then moved
+    return model, to_xla(pagedattn.rewrite(model, (), example(model), target="xla"))
 
 
-def _eos(model):
-    eos = model.generation_config.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def _hf_greedy(model, prompts, new):
-    from ..runtime.test_engine import _reference
-
-    return [r[:n] for r, n in zip(_reference(model, prompts, max(new)), new)]
+def test_to_xla_makes_cache_writes_functional(llama):
+    _, rewritten = llama
+    targets = [n.target for n in rewritten.graph_module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.pagedattn.write_kv_cache.default not in targets
+    writes = targets.count(torch.ops.pagedattn.write_kv_cache_functional.default)
+    assert writes == rewritten.num_sites == targets.count(torch.ops.pagedattn.paged_attention.default)
+    assert isinstance(rewritten.backend, PallasXlaBackend)
+    assert all(p.device.type == "xla" for p in rewritten.parameters())
 
 
 def test_serving_loop_matches_hf_generate_and_compiles_once_per_shape(llama):
@@ -277,9 +405,9 @@ def test_serving_loop_matches_hf_generate_and_compiles_once_per_shape(llama):
     new, arrivals = [6, 3, 8, 4], [0, 0, 2, 3]
     before = _compiles()
     out, shapes = serve_greedy(rewritten, prompts, new, arrivals=arrivals, buckets=buckets,
-                               num_blocks=32, device=DEV, eos=_eos(model))
+                               num_blocks=32, device=DEV, eos=eos_ids(model))
     first = _compiles() - before
-    assert out == _hf_greedy(model, prompts, new)
+    assert out == hf_greedy(model, prompts, new)
     # one graph per distinct step shape (plus at most the cache allocation), not one per step
     assert len(set(shapes)) < len(shapes)
     assert len(set(shapes)) <= first <= len(set(shapes)) + 1
@@ -287,28 +415,36 @@ def test_serving_loop_matches_hf_generate_and_compiles_once_per_shape(llama):
     prompts2 = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 12, 3, 25)]
     before = _compiles()
     out2, shapes2 = serve_greedy(rewritten, prompts2, new, arrivals=arrivals, buckets=buckets,
-                                 num_blocks=32, device=DEV, eos=_eos(model))
+                                 num_blocks=32, device=DEV, eos=eos_ids(model))
     assert _compiles() - before == len(set(shapes2) - set(shapes))
-    assert out2 == _hf_greedy(model, prompts2, new)
+    assert out2 == hf_greedy(model, prompts2, new)
     print(f"\ncompilations: run 1 {first} for {len(shapes)} steps / {len(set(shapes))} shapes; "
           f"run 2 {_compiles() - before} for {len(shapes2)} steps / {len(set(shapes2) - set(shapes))} new shapes")
 
 
+def test_serving_loop_with_a_bound_backend_instance(llama):
+    # the same program run by another backend instance (paged_context(..., backend=)): the ragged
+    # reference mode; the tokens of Hugging Face generate again, and the bound instance ran every op
+    model, rewritten = llama
+    set_validation(False)
+    ragged = _Counting("reference")
+    prompts, new = [[5, 9, 3, 1, 7], [2, 8, 6]], [4, 4]
+    out, shapes = serve_greedy(rewritten, prompts, new, arrivals=[0, 1], buckets=StepBuckets.up_to(16, 2, 2),
+                               num_blocks=8, device=DEV, eos=eos_ids(model), backend=ragged)
+    assert out == hf_greedy(model, prompts, new)
+    assert ragged.writes == ragged.attends == len(shapes) * rewritten.num_sites
+
+
 def test_sliding_window_model_matches_hf_generate():
-    import pagedattn
-
-    from ..rewriter.hf_models import tiny_model
-    from ..runtime.test_engine import _example
-
     model = tiny_model("mistral")  # sliding window 6: decodes past it read only the window
-    rewritten = to_xla(pagedattn.rewrite(model, (), _example(model), target="xla", block_size=4))
+    rewritten = to_xla(pagedattn.rewrite(model, (), example(model), target="xla", block_size=4))
     assert all(r["status"] == "rewritten" for r in rewritten.report)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 4)]
     new = [5, 5]
     out, _ = serve_greedy(rewritten, prompts, new, arrivals=[0, 0], buckets=StepBuckets.up_to(16, 2, 4),
-                          num_blocks=12, device=DEV, eos=_eos(model))
-    assert out == _hf_greedy(model, prompts, new)
+                          num_blocks=12, device=DEV, eos=eos_ids(model))
+    assert out == hf_greedy(model, prompts, new)
 
 
 def test_paged_engine_on_xla(llama):
@@ -321,39 +457,67 @@ def test_paged_engine_on_xla(llama):
     prompts = [[5, 9, 3, 1], [7, 2], [4, 4, 8, 1, 9, 2, 6]]
     engine = PagedEngine(rewritten, target="xla", num_blocks=8, max_num_tokens=16, max_num_seqs=4)
     before = _compiles()
-    assert engine.generate(prompts, 4) == _hf_greedy(model, prompts, [4, 4, 4])
+    assert engine.generate(prompts, 4) == hf_greedy(model, prompts, [4, 4, 4])
     first = _compiles() - before
     print("engine on XLA: steps", engine.stats["steps"], "compilations", first)
     assert first <= engine.stats["steps"]
     before = _compiles()
-    assert engine.generate([[3, 1, 4], [1, 5]], 3) == _hf_greedy(model, [[3, 1, 4], [1, 5]], [3, 3])
+    assert engine.generate([[3, 1, 4], [1, 5]], 3) == hf_greedy(model, [[3, 1, 4], [1, 5]], [3, 3])
     assert _compiles() - before <= 2, "step shapes seen before must not compile again"
+
+
+def test_paged_engine_rewrites_a_model_on_the_xla_device_itself():
+    # a plain model moved to XLA and handed to the engine: the rewrite for the XLA backend makes the
+    # cache writes functional itself (eager torch_xla rejects the in-place write)
+    from pagedattn import PagedEngine
+
+    set_validation(False)
+    model = tiny_model("llama")
+    engine = PagedEngine(tiny_model("llama").to(DEV), target="xla", num_blocks=8, max_num_tokens=16, max_num_seqs=4)
+    assert not any(n.target is torch.ops.pagedattn.write_kv_cache.default
+                   for n in engine.model.graph_module.graph.nodes)
+    prompts = [[5, 9, 3, 1], [7, 2]]
+    assert engine.generate(prompts, 3) == hf_greedy(model, prompts, [3, 3])
+
+
+def test_paged_engine_takes_a_backend_instance(llama):
+    # target=<instance>: the engine allocates and runs with that instance (a static one whose cache pads
+    # the head size to 128), not the registered default; the default stays as it was
+    from pagedattn import PagedEngine
+
+    model, rewritten = llama
+    set_validation(False)
+    default = get_backend("xla")
+    padded = _Counting("static", head_align=128)
+    engine = PagedEngine(rewritten, target=padded, num_blocks=8, max_num_tokens=16, max_num_seqs=4)
+    assert engine.backend is padded
+    assert all(c.shape[-1] == 128 for c in engine.kv_caches)
+    prompts = [[5, 9, 3, 1], [7, 2]]
+    assert engine.generate(prompts, 3) == hf_greedy(model, prompts, [3, 3])
+    assert padded.attends >= engine.stats["steps"] * rewritten.num_sites
+    assert get_backend("xla") is default and default.mode == "static" and default.head_align == 1
 
 
 def test_openxla_compiles_the_paged_graph_once_per_shape():
     # the rewritten graph handed to torch_xla's compiler (torch.compile(backend="openxla")); the
-    # in-place cache writes go through AOT functionalization there
-    import pagedattn
-
-    from ..rewriter.hf_models import tiny_model
-    from ..runtime.test_engine import _example
-
+    # in-place cache writes go through AOT functionalization there, and the ops' default kernel
+    # is what openxla traces on XLA tensors
     set_validation(False)
     model = tiny_model("llama")
-    rewritten = to_xla(pagedattn.rewrite(model, (), _example(model), target="xla"), openxla=True)
+    rewritten = to_xla(pagedattn.rewrite(model, (), example(model), target="xla"), openxla=True)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 19, 11)]
     new, arrivals = [5, 3, 4], [0, 0, 1]
     buckets = StepBuckets.up_to(max_num_tokens=32, max_num_seqs=4, max_blocks_per_seq=2)
-    kw = dict(arrivals=arrivals, buckets=buckets, num_blocks=16, device=DEV, eos=_eos(model))
+    kw = dict(arrivals=arrivals, buckets=buckets, num_blocks=16, device=DEV, eos=eos_ids(model))
     before = _compiles()
     out, shapes = serve_greedy(rewritten, prompts, new, **kw)
     first = _compiles() - before
-    assert out == _hf_greedy(model, prompts, new)
+    assert out == hf_greedy(model, prompts, new)
     before = _compiles()
     prompts2 = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 5, 2)]  # one block each
     out2, shapes2 = serve_greedy(rewritten, prompts2, new, **kw)
-    assert out2 == _hf_greedy(model, prompts2, new)
+    assert out2 == hf_greedy(model, prompts2, new)
     new_shapes = set(shapes2) - set(shapes)
     # Dynamo guards on shapes: a seen step shape reuses its graph (openxla also compiles the
     # sampling step apart, hence up to two XLA graphs per new shape)
@@ -361,29 +525,37 @@ def test_openxla_compiles_the_paged_graph_once_per_shape():
     assert first <= 2 * len(set(shapes)) + 1
     print(f"\nopenxla: run 1 {first} compilations for {len(shapes)} steps / {len(set(shapes))} shapes; "
           f"run 2 {_compiles() - before} for {len(shapes2)} steps / {len(new_shapes)} new shapes")
+    # another backend instance bound (paged_context(..., backend=)) on a step shape compiled already:
+    # its own graph, traced through that instance, not the graph the default backend was built into
+    counting = _Counting("static")
+    out3, shapes3 = serve_greedy(rewritten, prompts2[:2], [2, 2], backend=counting, **{**kw, "arrivals": [0, 0]})
+    assert out3 == hf_greedy(model, prompts2[:2], [2, 2])
+    assert set(shapes3) <= set(shapes) | set(shapes2) and counting.attends >= rewritten.num_sites
 
 
 def test_torch_compile_backend_on_xla_hands_the_graphs_to_openxla():
     # torch.compile(model on XLA, backend="pagedattn", options={"target": "xla"}): rewritten on the
     # XLA device, inner compiler openxla; drop-in mode outside a context, paged mode inside one
-    import pagedattn
-    from pagedattn.compile import _options, last_cache_specs
+    from pagedattn.compile import compiled_graphs, resolve_options
     from pagedattn.runtime.context import paged_context
 
-    from ..rewriter.hf_models import tiny_model
-    from ..runtime.test_engine import _example
-
-    assert _options({"target": "xla"})["inner"] == "openxla"
-    assert _options({"target": "xla", "inner": "eager"})["inner"] == "eager"
-    assert _options(None)["inner"] == "inductor"
+    assert resolve_options({"target": "xla"})["inner"] == "openxla"
+    assert resolve_options({"target": "xla", "inner": "eager"})["inner"] == "eager"
+    assert resolve_options(None)["inner"] == "inductor"
     model = tiny_model("llama")
-    cpu = pagedattn.rewrite(model, (), _example(model), target="cpu")
+    cpu = pagedattn.rewrite(model, (), example(model), target="cpu")
     compiled = torch.compile(tiny_model("llama").to(DEV), backend="pagedattn", options={"target": "xla"})
     ids, pos = torch.randint(0, 128, (1, 12)), torch.tensor([list(range(7)) + list(range(5))])
     before = met.counter_value("CachedCompile") or 0
     with torch.no_grad():
-        dense = compiled(input_ids=ids[:, :7].to(DEV)).logits.cpu()
+        with compiled_graphs() as graphs:
+            dense = compiled(input_ids=ids[:, :7].to(DEV)).logits.cpu()
         torch.testing.assert_close(dense, model(input_ids=ids[:, :7]).logits, atol=1e-5, rtol=1e-5)
+        specs = [s for g in graphs for s in g.cache_specs]
+        assert [g.inner for g in graphs] == ["openxla"] * len(graphs)
+        assert all(isinstance(g.backend, PallasXlaBackend) for g in graphs)
+        assert [(s.num_kv_heads, s.head_size, s.dtype) for s in specs] == \
+            [(s.num_kv_heads, s.head_size, s.dtype) for s in cpu.cache_specs]
 
         def kw(d):
             return dict(input_ids=ids.to(d), position_ids=pos.to(d), use_cache=False,
@@ -394,13 +566,18 @@ def test_torch_compile_backend_on_xla_hands_the_graphs_to_openxla():
         with paged_context(caches, meta):
             ref = cpu(**kw("cpu")).logits
         backend = get_backend("xla")
-        xcaches = [backend.allocate_kv_cache(4, cpu.block_size, s["num_kv_heads"], s["head_size"])
-                   for s in last_cache_specs()]
+        xcaches = [backend.allocate_kv_cache(4, cpu.block_size, s.num_kv_heads, s.head_size, s.dtype)
+                   for s in specs]
         with paged_context(xcaches, meta.to(DEV)):
             out = compiled(**kw(DEV)).logits.cpu()
             out_again = compiled(**kw(DEV)).logits.cpu()  # same shapes: the compiled graph again
+        counting = _Counting("static")  # another instance bound: compiled again for it, and run by it
+        with paged_context([c.clone() for c in xcaches], meta.to(DEV), backend=counting):
+            out_bound = compiled(**kw(DEV)).logits.cpu()
+        assert counting.attends >= len(specs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_again, ref, atol=1e-5, rtol=1e-5)  # the same tokens written again: same cache
+    torch.testing.assert_close(out_bound, ref, atol=1e-5, rtol=1e-5)
     for c, x in zip(caches, xcaches):
         torch.testing.assert_close(cpu_layout(x, c.shape[-1]), c, atol=1e-6, rtol=1e-6)
     assert (met.counter_value("CachedCompile") or 0) > before  # the second paged call reused a graph

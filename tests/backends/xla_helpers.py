@@ -1,17 +1,135 @@
-"""Helpers for the XLA backend tests: cache layout conversion and a small bucketed serving loop.
+"""Helpers for the XLA backend tests: random paged batches, the references they are checked against,
+cache layout conversion, tiny Hugging Face models and a small bucketed serving loop.
 
-Imported only by test modules that have already skipped when torch_xla is absent.
+Self-contained on purpose (pagedattn's public API only): the XLA tests run in their own environment
+(``.ci/xla-tests``). Imported only by test modules that have already skipped when torch_xla is absent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedattn.backends import build_metadata
+from pagedattn.backends import AttentionMetadata, AttentionParams, build_metadata, get_backend, reference
 from pagedattn.runtime.context import paged_context
+
+# ------------------------------------------------------------------ paged batches
+
+
+@dataclass
+class Batch:
+    """One paged step: new tokens' q/k/v ``[T, H, D]`` (padding rows after the real ones), a CPU cache
+    (``[2, nb, bs, Hkv, D]``) already holding every sequence's context, and each sequence's full K/V."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    meta: AttentionMetadata
+    full_k: list
+    full_v: list
+    contexts: list
+    q_lens: list
+
+
+def make_batch(seqs, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
+               spare_blocks=3, pad_tokens=0, seed=1234) -> Batch:
+    """``seqs``: per sequence ``(context_len, new_tokens)``. Blocks are shuffled, unused cache slots hold
+    garbage (never to be read), and the context is written through the CPU op as an earlier step would."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil((c + n) / block_size) for c, n in seqs]
+    num_blocks = sum(need) + spare_blocks
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at:at + n])
+        at += n
+    cache = get_backend("cpu").allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype)
+    cache.normal_(generator=g)
+    full_k = [torch.randn(c + n, num_kv_heads, head_size, generator=g).to(dtype) for c, n in seqs]
+    full_v = [torch.randn(c + n, num_kv_heads, head_size, generator=g).to(dtype) for c, n in seqs]
+    ctx = [(i, c) for i, (c, _) in enumerate(seqs) if c > 0]
+    if ctx:
+        meta = build_metadata([(0, c, tables[i]) for i, c in ctx], block_size)
+        torch.ops.pagedattn.write_kv_cache(torch.cat([full_k[i][:c] for i, c in ctx]),
+                                           torch.cat([full_v[i][:c] for i, c in ctx]), cache, meta.slot_mapping)
+    meta = build_metadata([(c, n, t) for (c, n), t in zip(seqs, tables)], block_size,
+                          pad_tokens_to=sum(n for _, n in seqs) + pad_tokens)
+    T = meta.num_tokens
+    key = torch.randn(T, num_kv_heads, head_size, generator=g).to(dtype)  # padding rows: garbage
+    value = torch.randn(T, num_kv_heads, head_size, generator=g).to(dtype)
+    row = 0
+    for (c, n), k, v in zip(seqs, full_k, full_v):
+        key[row:row + n], value[row:row + n] = k[c:], v[c:]
+        row += n
+    query = torch.randn(T, num_heads, head_size, generator=g).to(dtype)
+    return Batch(query, key, value, cache, meta, full_k, full_v, [c for c, _ in seqs], [n for _, n in seqs])
+
+
+def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=None, sinks=None) -> AttentionParams:
+    """The site parameters of a test call on ``b`` (scale ``1/sqrt(D)`` unless given)."""
+    d = b.query.shape[-1]
+    return AttentionParams(scale=1 / math.sqrt(d) if scale is None else scale, causal=causal, sliding_window=window,
+                           softcap=softcap, alibi_slopes=alibi, num_kv_heads=b.key.shape[1], head_size_v=d,
+                           sinks=sinks)
+
+
+def on(params: AttentionParams, device) -> AttentionParams:
+    """``params`` with its tensors (ALiBi slopes, sinks) on ``device``."""
+    move = {f: getattr(params, f).to(device) for f in ("alibi_slopes", "sinks") if getattr(params, f) is not None}
+    return dataclasses.replace(params, **move)
+
+
+def cpu_step(b: Batch, params: AttentionParams) -> torch.Tensor:
+    """The step through the ops on the CPU (the CPU backend, itself tested against ``reference``);
+    writes ``b.kv_cache``."""
+    m = b.meta
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, m.slot_mapping)
+    return torch.ops.pagedattn.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens,
+                                               m.query_start_loc, *params.args())
+
+
+def reference_step(b: Batch, params: AttentionParams) -> torch.Tensor:
+    """The real tokens' rows by ``pagedattn.backends.reference.dense_attention`` (exact math), one
+    sequence at a time over its full K/V; ``[sum(q_lens), Hq, D]``."""
+    outs, row = [], 0
+    for n, k, v in zip(b.q_lens, b.full_k, b.full_v):
+        q = b.query[row:row + n].transpose(0, 1)[None]  # [1, Hq, n, D]: the last n of L positions
+        o = reference.dense_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], params, exact=True)
+        outs.append(o[0].transpose(0, 1))
+        row += n
+    return torch.cat(outs)
+
+
+def float64_step(b: Batch, params: AttentionParams) -> torch.Tensor:
+    """The real tokens' rows by plain float64 matmul-softmax, written independently of the library."""
+    p, outs, row = params, [], 0
+    for c, n, k, v in zip(b.contexts, b.q_lens, b.full_k, b.full_v):
+        q = b.query[row:row + n].double()
+        row += n
+        group = q.shape[1] // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * p.scale
+        if p.softcap > 0:
+            s = p.softcap * torch.tanh(s / p.softcap)
+        qi, kj = torch.arange(n)[:, None] + c, torch.arange(c + n)[None, :]
+        if p.alibi_slopes is not None:
+            s = s + p.alibi_slopes.double()[:, None, None] * (kj - qi)[None]
+        if p.causal:
+            ok = (kj <= qi) & ((qi - kj < p.sliding_window) if p.sliding_window > 0 else True)
+            s = s.masked_fill(~ok[None], float("-inf"))
+        if p.sinks is not None:  # one more logit per head, dropped after the softmax
+            s = torch.cat([s, p.sinks.double()[:, None, None].expand(*s.shape[:2], 1)], -1)
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :-1], v))
+        else:
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
+    return torch.cat(outs)
+
+
+# ------------------------------------------------------------------ cache layouts
 
 
 def xla_layout(cpu_cache: torch.Tensor, head_align: int = 1) -> torch.Tensor:
@@ -27,6 +145,53 @@ def cpu_layout(xla_cache: torch.Tensor, head_size: int) -> torch.Tensor:
     nb, bs, h2, _ = c.shape
     c = c[..., :head_size].reshape(nb, bs, h2 // 2, 2, head_size)
     return torch.stack((c[..., 0, :], c[..., 1, :]))
+
+
+# ------------------------------------------------------------------ tiny models
+
+VOCAB = 128
+TINY = {
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=6),
+}
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A tiny random-weight Hugging Face causal LM (eager attention), built from a config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, max_position_embeddings=256, **TINY[arch])
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def example(model) -> dict:
+    """The example call ``pagedattn.rewrite`` traces with: the step inputs the model takes."""
+    from pagedattn.adapter import accepted_inputs, example_inputs
+
+    return example_inputs(accepted_inputs(model), VOCAB)
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def hf_greedy(model, prompts, new) -> list[list[int]]:
+    """Hugging Face greedy ``generate``: ``new[i]`` tokens after each prompt."""
+    out = []
+    for p, n in zip(prompts, new):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+# ------------------------------------------------------------------ a serving loop
 
 
 @dataclass
@@ -48,12 +213,15 @@ class _Req:
         return len(self.out) >= self.max_new or bool(self.out and self.out[-1] in self.eos)
 
 
-def serve_greedy(model, prompts, max_new, *, arrivals, buckets, num_blocks, device, eos=()):
+def serve_greedy(model, prompts, max_new, *, arrivals, buckets, num_blocks, device, eos=(),
+                 backend=None):
     """Greedy continuous batching over a rewritten model on XLA, every step padded to ``buckets``.
 
     A request joins at step ``arrivals[i]`` with its whole prompt as one chunk, then decodes one
-    token a step until ``max_new`` tokens or an ``eos`` token. Each step ends in one ``torch_xla.sync()``: the model, the sampling and the cache
-    updates run as one graph. Returns (tokens per prompt, the (tokens, seqs, blocks) shape of each step).
+    token a step until ``max_new`` tokens or an ``eos`` token. Each step ends in one ``torch_xla.sync()``:
+    the model, the sampling and the cache updates run as one graph. ``backend`` is bound to the steps
+    (``paged_context(..., backend=)``; default: the model's own). Returns (tokens per prompt, the
+    (tokens, seqs, blocks) shape of each step).
     """
     import torch_xla
 
@@ -87,7 +255,7 @@ def serve_greedy(model, prompts, max_new, *, arrivals, buckets, num_blocks, devi
         rows += [0] * (S - len(rows))
         kw = dict(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
                   use_cache=False, logits_to_keep=torch.tensor(rows, device=device))
-        with torch.no_grad(), paged_context(caches, meta.to(device)):
+        with torch.no_grad(), paged_context(caches, meta.to(device), backend):
             logits = model(**kw).logits  # [1, S, V]
         nxt = logits[0].argmax(-1)
         torch_xla.sync()
