@@ -140,6 +140,8 @@ def common_reasons(config: AttentionConfig, dtypes: Sequence[torch.dtype]) -> li
         reasons.append(f"{config.num_heads} query heads are not a multiple of {p.num_kv_heads} kv heads")
     if p.sliding_window > 0 and not p.causal:
         reasons.append("a sliding window needs causal attention")
+    if p.chunk_size > 0 and not p.causal:
+        reasons.append("chunked local attention needs causal attention")
     if p.head_size_v not in (0, config.head_size):
         reasons.append("value head size differs from key head size (the cache stores one head size)")
     return reasons

@@ -15,9 +15,9 @@ Three ways to attend, chosen per backend instance (``mode``):
   input shapes. torch_xla's own reference path (``use_kernel=False``) loops over sequences in
   Python and slices by their lengths, which syncs with the host and compiles a new graph for
   every new length; this path compiles one graph per bucketed step shape. It also covers what the
-  kernel lacks: ALiBi, attention sinks and non-causal attention. Cost: every token gathers its
-  sequence's ``pages_per_seq * block_size`` keys, so it suits development and verification more
-  than long contexts.
+  kernel lacks: ALiBi, attention sinks, chunked local attention and non-causal attention. Cost:
+  every token gathers its sequence's ``pages_per_seq * block_size`` keys, so it suits development
+  and verification more than long contexts.
 - ``"reference"``: ``ragged_paged_attention(..., use_kernel=False)``, exact but data-dependent.
 
 XLA compiles one graph per shape: pad each step with :func:`pad_step` / :class:`StepBuckets` so
@@ -141,6 +141,9 @@ class PallasXlaBackend(AttentionBackend):
             if config.params.sinks is not None:
                 reasons.append(f"attention sinks: ragged_paged_attention takes no sink logits ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
+            if config.params.chunk:
+                reasons.append("chunked local attention: ragged_paged_attention takes no chunk size "
+                               f"({self.mode} mode); use PallasXlaBackend(mode='static')")
         return reasons
 
     # --- cache maintenance
@@ -196,9 +199,10 @@ class PallasXlaBackend(AttentionBackend):
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         if self.mode == "static":
             return _attend_static(query, kv_cache, metadata, params)
-        if params.alibi_slopes is not None or not params.causal or params.sinks is not None:
+        if params.alibi_slopes is not None or not params.causal or params.sinks is not None or params.chunk:
             raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention "
-                             "nor attention sinks; rewrite with PallasXlaBackend(mode='static')")
+                             "nor attention sinks nor chunked local attention; rewrite with "
+                             "PallasXlaBackend(mode='static')")
         return _attend_ragged(query, kv_cache, metadata, params, use_kernel=self.mode == "kernel")
 
 

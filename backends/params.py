@@ -28,8 +28,12 @@ class AttentionParams(Generic[T]):
     ``alibi_slopes [Hq]`` add ``slope * (key position - query position)`` after the cap;
     ``causal`` lets a query see keys at or before its own position (queries aligned bottom-right);
     ``sliding_window > 0`` keeps only keys fewer than that many positions back; ``sinks [Hq]`` are
-    per-head logits that join the softmax's normalisation and contribute no value.
+    per-head logits that join the softmax's normalisation and contribute no value;
+    ``chunk_size > 0`` (chunked local attention, Llama 4's ``attention_chunk_size``) cuts the sequence
+    into chunks of that many positions and lets a query see only keys of its own chunk (causal
+    attention only; with a window too, a key must satisfy both).
     ``head_size_v`` is the value head size (the output's last dimension).
+    Which keys are visible is stated once, in :mod:`pagedattn.backends.reference`.
     """
 
     scale: float
@@ -40,11 +44,17 @@ class AttentionParams(Generic[T]):
     num_kv_heads: int
     head_size_v: int
     sinks: Optional[T] = None
+    chunk_size: int = 0
 
     @property
     def window(self) -> int:
         """The sliding window, 0 when there is none (a window only applies to causal attention)."""
         return self.sliding_window if self.causal and self.sliding_window > 0 else 0
+
+    @property
+    def chunk(self) -> int:
+        """The attention chunk size, 0 when there is none (chunks only apply to causal attention)."""
+        return self.chunk_size if self.causal and self.chunk_size > 0 else 0
 
     def args(self) -> tuple:
         """The flat schema arguments, in schema order."""
@@ -58,6 +68,8 @@ class AttentionParams(Generic[T]):
         parts = [f"scale {self.scale:.4g}", "causal" if self.causal else "bidirectional"]
         if self.window:
             parts.append(f"window {self.window}")
+        if self.chunk:
+            parts.append(f"chunk {self.chunk}")
         if self.softcap > 0:
             parts.append(f"softcap {self.softcap:g}")
         if self.alibi_slopes is not None:

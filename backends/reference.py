@@ -12,9 +12,13 @@ bottom-right):
 1. ``s = scale * (q · k)``, in float32 (float64 for float64 operands);
 2. soft-cap: ``s = softcap * tanh(s / softcap)`` when ``softcap > 0``;
 3. ALiBi: ``s += slope[h] * (j - i)`` (0 on the diagonal, negative for earlier keys);
-4. visibility: causal attention sees ``j <= i``, and with a sliding window ``w`` only
-   ``i - j < w``; bidirectional attention sees every key; keys a caller marks absent (padding,
-   past the sequence's length) are never seen;
+4. visibility: causal attention sees ``j <= i``; with a sliding window ``w`` only ``i - j < w``;
+   with chunks of ``C`` positions (chunked local attention) only keys of the query's own chunk,
+   ``i // C == j // C``; a key must pass every condition the site has. Bidirectional attention
+   sees every key (windows and chunks apply to causal attention only). Keys a caller marks absent
+   (padding, past the sequence's length) are never seen. So a causal query sees one run of keys,
+   ``earliest_visible_key(i) <= j <= i``, whose start never moves back as ``i`` grows: the fast
+   paths read only that run (and cut a step's queries where chunks begin, ``chunk_runs``);
 5. softmax over the visible keys, with the per-head sink logit (if any) as one more term of the
    normalisation that contributes no value; a query that sees no key at all gets zeros;
 6. ``out = p · v``, cast back to the query's dtype.
@@ -30,7 +34,7 @@ from torch import Tensor
 
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["query_positions", "visible", "earliest_visible_key", "alibi_bias", "apply_softcap",
+__all__ = ["query_positions", "visible", "earliest_visible_key", "chunk_runs", "alibi_bias", "apply_softcap",
            "dense_attention"]
 
 
@@ -51,17 +55,34 @@ def visible(q_pos: Tensor, k_pos: Tensor, params: AttentionParams) -> Optional[T
     ok = back >= 0
     if params.window:
         ok = ok & (back < params.window)
+    if params.chunk:  # the query's own chunk only
+        ok = ok & (q_pos[..., :, None] // params.chunk == k_pos[..., None, :] // params.chunk)
     return ok
 
 
 def earliest_visible_key(q_pos: int | Tensor, params: AttentionParams) -> int | Tensor:
-    """The first key position a query at ``q_pos`` may see (0 without a window): keys before it
-    need not be read at all."""
-    if not params.window:
-        return 0 if isinstance(q_pos, int) else torch.zeros_like(q_pos)
-    if isinstance(q_pos, int):
-        return max(0, q_pos - params.window + 1)
-    return (q_pos - params.window + 1).clamp(min=0)
+    """The first key position a query at ``q_pos`` may see: the latest of the window's start and
+    the start of the query's chunk (0 with neither). Keys before it need not be read at all; a
+    causal query sees every key from it up to itself."""
+    lo = 0 if isinstance(q_pos, int) else torch.zeros_like(q_pos)
+    if params.window:
+        start = q_pos - params.window + 1
+        lo = max(lo, start) if isinstance(q_pos, int) else torch.maximum(lo, start)
+    if params.chunk:
+        start = q_pos - q_pos % params.chunk
+        lo = max(lo, start) if isinstance(q_pos, int) else torch.maximum(lo, start)
+    return lo
+
+
+def chunk_runs(start: int, stop: int, params: AttentionParams) -> list[tuple[int, int]]:
+    """Query positions ``[start, stop)`` cut where a chunk begins: ``[(a, b), ...]``, each run within
+    one chunk (the whole range as one run without chunks). A run's queries see only keys of their
+    own chunk, so each run can be attended on its own over keys ``[earliest_visible_key(a), b)``."""
+    if stop <= start:
+        return []
+    cuts = range(start - start % params.chunk + params.chunk, stop, params.chunk) if params.chunk else ()
+    edges = [start, *cuts, stop]  # cuts: the chunk starts after ``start``
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -107,34 +107,51 @@ class SdpaCpuBackend(SplitKVBackend):
         if single:
             self._decode(out, query, kv_cache, metadata.block_tables, single, params)
         for s in fresh:
-            k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, Q, D]
+            k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
-            self._one(out, query, s, k, v, params)
+            self._one(out, query, s, k, v, 0, params)
         for s in rest:
-            k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s.kv_len)
-            self._one(out, query, s, k, v, params)
+            k0, k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s, params)
+            self._one(out, query, s, k, v, k0, params)
         return out
 
     @staticmethod
-    def _gather_one(kv_cache: Tensor, table: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+    def _gather_one(kv_cache: Tensor, table: Tensor, s: _Seq,
+                    params: AttentionParams) -> tuple[int, Tensor, Tensor]:
+        """The sequence's keys from the block holding the first one its first query can see (a window's
+        or chunk's start; block 0 otherwise) to its end: ``(position of the first, K, V [Hkv, L, D])``."""
         bs = kv_cache.shape[2]
-        n = -(-kv_len // bs)
-        blocks = table[:n].long()
-        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:kv_len]  # [L, Hkv, D]
-        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:kv_len]
-        return k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+        first = reference.earliest_visible_key(s.context_len, params) // bs
+        blocks = table[first:-(-s.kv_len // bs)].long()
+        k0 = first * bs
+        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:s.kv_len - k0]  # [L, Hkv, D]
+        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:s.kv_len - k0]
+        return k0, k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
 
-    def _one(self, out, query, s: _Seq, k, v, params: AttentionParams):
-        """One sequence's queries over its keys ``[Hkv, L, D]``."""
-        q = query[s.start:s.start + s.q_len].transpose(0, 1)[None]  # [1, Hq, Q, D]
-        k, v = k[None], v[None]
+    def _one(self, out, query, s: _Seq, k, v, k0: int, params: AttentionParams):
+        """One sequence's queries over its keys ``[Hkv, L, D]`` (positions ``k0`` on), one run of queries
+        within a chunk at a time (the whole sequence without chunks): each run reads only the keys from
+        the first one its first query can see (``reference.chunk_runs``, ``earliest_visible_key``)."""
+        for a, b in reference.chunk_runs(s.context_len, s.kv_len, params):
+            lo = reference.earliest_visible_key(a, params)  # >= k0: the gather started at or before it
+            rows = slice(s.start + a - s.context_len, s.start + b - s.context_len)
+            self._run(out, query, rows, a, k[:, lo - k0:b - k0], v[:, lo - k0:b - k0], lo, params)
+
+    @staticmethod
+    def _run(out, query, rows: slice, q0: int, k, v, k_first: int, params: AttentionParams):
+        """Queries ``rows`` (positions ``q0`` on) over keys ``[Hkv, L, D]`` (positions ``k_first`` on)."""
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, Q, D]
+        k, v = k[None], v[None]  # [1, Hkv, L, D]
         num_heads = q.shape[1]
         group = num_heads // params.num_kv_heads
-        plain = params.alibi_slopes is None and params.softcap <= 0 and not params.window and params.sinks is None
-        q_pos = reference.query_positions(s.kv_len, s.q_len, q.device)
-        k_pos = torch.arange(s.kv_len, device=q.device)
-        if plain and (not params.causal or s.context_len == 0):
-            # top-left causal equals bottom-right when there is no context: SDPA's own mask
+        plain = params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None
+        q_pos = torch.arange(q0, q0 + q.shape[2], device=q.device)
+        k_pos = torch.arange(k_first, k_first + k.shape[2], device=q.device)
+        # every query's visible keys run from the first key up to itself, and the keys start at the first
+        # query: SDPA's own (top-left) causal mask is the reference's
+        last = q0 + q.shape[2] - 1
+        top_left_causal = k_first == q0 and reference.earliest_visible_key(last, params) == k_first
+        if plain and (not params.causal or top_left_causal):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=params.causal, scale=params.scale,
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
         elif params.softcap > 0:  # no SDPA kernel caps scores: the reference's exact math
@@ -149,7 +166,7 @@ class SdpaCpuBackend(SplitKVBackend):
                                 num_heads)
             else:
                 o = _with_sinks(qf, k, v, mask, params.scale, params.sinks, num_heads)
-        out[s.start:s.start + s.q_len] = o[0].transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
 
     def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], params: AttentionParams):
         # Flash-decoding on CPU. Each sequence's visible keys are cut into near-equal chunks;

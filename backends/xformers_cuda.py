@@ -12,11 +12,15 @@ One call splits the step's sequences into groups, each one fused-kernel call:
 
 - *fresh* prefill (no cached context, new K/V given): ``BlockDiagonalCausalMask`` over the flattened
   new tokens (``make_local_attention`` for a sliding window), read straight from ``key``/``value``;
-- *decode* (one new token): a paged bias, ``PagedBlockDiagonalPaddedKeysMask`` or, with a window,
-  ``PagedBlockDiagonalCausalWithOffsetGappyKeysMask`` whose key ranges start at the window;
+  with chunked local attention each chunk of a sequence is a block of its own;
+- *decode* (one new token): a paged bias, ``PagedBlockDiagonalPaddedKeysMask`` or, with a window or
+  chunks, ``PagedBlockDiagonalCausalWithOffsetGappyKeysMask`` whose key ranges start at the first
+  visible key (``reference.earliest_visible_key``);
 - *chunked* prefill (new tokens after cached ones): ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask``
-  when an operator takes it; otherwise the sequences' keys are gathered from the cache and attended
-  with ``BlockDiagonalCausalFromBottomRightMask`` (see :meth:`XFormersCudaBackend.fallback_reasons`);
+  (with chunks: the queries cut where chunks begin, ``reference.chunk_runs``, each run over its
+  chunk's keys through gappy keys) when an operator takes it; otherwise the keys each run can see are
+  gathered from the cache and attended with ``BlockDiagonalCausalFromBottomRightMask`` (see
+  :meth:`XFormersCudaBackend.fallback_reasons`);
 - *cross* (non-causal over a cache): ``PagedBlockDiagonalPaddedKeysMask`` with varying query lengths.
 
 Decode also gathers when triton_splitk cannot page it (blocks under 16 tokens, head sizes other than
@@ -318,6 +322,42 @@ def _expanded(kv: Tensor, group: int) -> Tensor:
     return kv[None, :, :, None].expand(1, n, hkv, group, d)
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """A group's queries cut where chunks begin (``reference.chunk_runs``; one run per sequence without
+    chunks). Per run: the group's sequence it belongs to (index into ``_Group.seqs``), its query count,
+    and the keys ``[lo, hi)`` it reads: from the first one its first query can see up to its last query
+    (for cross-attention, every key)."""
+
+    seq: list[int]
+    q_lens: list[int]
+    lo: list[int]
+    hi: list[int]
+
+
+def _runs(g: _Group, params: AttentionParams) -> _Runs:
+    runs = _Runs([], [], [], [])
+    for i, (n, L) in enumerate(zip(g.q_lens, g.kv_lens)):
+        for a, b in reference.chunk_runs(L - n, L, params):
+            runs.seq.append(i)
+            runs.q_lens.append(b - a)
+            runs.lo.append(reference.earliest_visible_key(a, params))
+            runs.hi.append(b)
+    return runs
+
+
+def _gappy_paged(ab, runs: _Runs, tables: Tensor, block_size: int, device):
+    """``PagedBlockDiagonalCausalWithOffsetGappyKeysMask``: run ``i`` over keys ``[lo, hi)`` of row ``i`` of
+    ``tables``, causal from the bottom right. Built through the unpaged form's ``make_paged`` (the paged
+    class's ``from_seqlens`` trips on its own length check in 0.0.35)."""
+    row = tables.shape[1] * block_size
+    starts = [i * row + lo for i, lo in enumerate(runs.lo)] + [len(runs.lo) * row]
+    lens = [hi - lo for lo, hi in zip(runs.lo, runs.hi)]
+    bias = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(runs.q_lens, starts, lens,
+                                                                      device=device)
+    return bias.make_paged(tables, block_size, row, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask)
+
+
 # ------------------------------------------------------------------------ backend
 
 
@@ -360,6 +400,15 @@ class XFormersCudaBackend(SplitKVBackend):
         if config.head_size not in (16, 32, 64, 128, 256, 512):
             out.append(f"head size {config.head_size}: triton_splitk's paged decode takes 16/32/64/128/256/512; "
                        "decode gathers K/V from the cache instead")
+        p = config.params
+        if p.chunk and p.window:
+            out.append("chunked local attention with a sliding window: chunked prefills gather the keys "
+                       "in reach from the cache before attending (xFormers' paged biases have no "
+                       "local-attention form)")
+        if p.chunk and (config.dtype not in _KERNEL_DTYPES or p.softcap > 0 or p.alibi_slopes is not None
+                        or p.sinks is not None):
+            out.append("chunked local attention on the padded path above: each sequence's keys are read from "
+                       "its chunk's first block, with the chunk applied as a mask")
         if _splitk_tile(block_size) is None:
             out.append(f"block size {block_size}: triton_splitk's paged decode needs pages of a multiple of 16 "
                        "tokens; decode gathers K/V from the cache instead")
@@ -431,9 +480,8 @@ class XFormersCudaBackend(SplitKVBackend):
         try:
             o, op = _xformers_attention(q, k, v, bias, c.scale, candidates, g.cache.get(("op", ck)))
         except _NoOperator as e:
-            g.cache[("why", ck)] = (f"{g.kind} attention{f' (window {c.window})' if c.window else ''} runs through "
-                                    f"PyTorch SDPA over gathered K/V: no xFormers operator takes it "
-                                    f"({' | '.join(e.args[0])})")
+            g.cache[("why", ck)] = (f"{g.kind} attention{c.local} runs through PyTorch SDPA over gathered "
+                                    f"K/V: no xFormers operator takes it ({' | '.join(e.args[0])})")
             return None
         g.cache[("op", ck)] = op
         self.paths[(g.kind, op.NAME)] += 1
@@ -443,9 +491,12 @@ class XFormersCudaBackend(SplitKVBackend):
         """(bias, candidate operators, key gather index or None) for a group; once per step."""
         xf = _xformers()
         ab, dev = xf.bias, c.query.device
+        runs = _runs(g, c.params)
         if g.kind == "fresh":
             if c.causal:
-                bias = ab.BlockDiagonalCausalMask.from_seqlens(g.q_lens, device=dev)
+                # a chunked site's sequences cut where chunks begin: each run starts at its chunk's start
+                # (earliest_visible_key(a) == a), so each is plain causal attention over its own keys
+                bias = ab.BlockDiagonalCausalMask.from_seqlens(runs.q_lens, device=dev)
                 if c.window:
                     bias = bias.make_local_attention(c.window)
             else:
@@ -454,22 +505,19 @@ class XFormersCudaBackend(SplitKVBackend):
         tables = c.block_tables if len(g.seqs) == c.block_tables.shape[0] else \
             c.block_tables.index_select(0, torch.tensor(g.seqs, device=dev))
         tables = tables.contiguous()
-        if g.kind == "decode" and c.window:
-            # each sequence's keys start where its window does; built through the unpaged form's
-            # make_paged (the paged class's from_seqlens trips on its own length check in 0.0.35)
-            row = tables.shape[1] * c.bs
-            starts = [i * row + reference.earliest_visible_key(L - 1, c.params) for i, L in enumerate(g.kv_lens)] \
-                + [len(g.kv_lens) * row]
-            paged = ab.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
-                g.q_lens, starts, [min(L, c.window) for L in g.kv_lens], device=dev,
-            ).make_paged(tables, c.bs, row, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask)
-        elif g.kind in ("decode", "cross"):
+        if len(runs.seq) != len(g.seqs):  # a sequence's block table once per run of its queries
+            tables = tables.index_select(0, torch.tensor(runs.seq, device=dev))
+        if g.kind == "cross" or (g.kind == "decode" and not (c.window or c.chunk)):
             paged = ab.PagedBlockDiagonalPaddedKeysMask.from_seqlens(g.q_lens, g.kv_lens, tables, c.bs, device=dev)
-        elif not c.window:  # chunked; paged biases have no local-attention form
+        elif g.kind == "chunked" and c.window:
+            paged = None  # paged biases have no local-attention form
+        elif g.kind == "chunked" and not c.chunk:
             paged = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 g.q_lens, g.kv_lens, tables, c.bs, device=dev)
         else:
-            paged = None
+            # decodes with a window or chunks, chunked prefills with chunks: each run's keys start at the
+            # first one its queries see, and it sees every key from there up to itself (bottom-right causal)
+            paged = _gappy_paged(ab, runs, tables, c.bs, dev)
         candidates = (*xf.paged_ops, _splitk_op(c.bs))
         if paged is not None:
             inp = xf.Inputs(query=q, key=paged_k, value=paged_k, attn_bias=paged, p=0.0, scale=c.scale)
@@ -483,16 +531,15 @@ class XFormersCudaBackend(SplitKVBackend):
         else:
             _note(f"{g.kind} attention with a sliding window gathers the keys in reach from the cache before "
                   "attending: xFormers' paged biases have no local-attention form")
-        # keys gathered into contiguous runs; a window needs only its reach
-        lo = [reference.earliest_visible_key(ctx, c.params) for ctx in g.contexts]  # the first query's reach
-        index = _seq_slots(tables, lo, g.kv_lens, c.bs)
-        k_lens = [L - s for L, s in zip(g.kv_lens, lo)]
+        # keys gathered into contiguous runs: each run of queries needs only those its first query can see on
+        index = _seq_slots(tables, runs.lo, runs.hi, c.bs)
+        k_lens = [hi - lo for lo, hi in zip(runs.lo, runs.hi)]
         if c.causal:
-            bias = ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(g.q_lens, k_lens, device=dev)
+            bias = ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(runs.q_lens, k_lens, device=dev)
             if c.window:
                 bias = bias.make_local_attention_from_bottomright(c.window)
         else:
-            bias = ab.BlockDiagonalMask.from_seqlens(g.q_lens, k_lens, device=dev)
+            bias = ab.BlockDiagonalMask.from_seqlens(runs.q_lens, k_lens, device=dev)
         return bias, xf.fresh_ops, index
 
     # --- padded paths: ALiBi tensor bias, and the exact fallback
@@ -577,8 +624,19 @@ class _Call:
         return self.params.window
 
     @property
+    def chunk(self) -> int:
+        return self.params.chunk
+
+    @property
+    def local(self) -> str:
+        """`` (window w, chunk c)`` as far as the site has them, for messages."""
+        parts = [f"window {self.window}"] * bool(self.window) + [f"chunk {self.chunk}"] * bool(self.chunk)
+        return f" ({', '.join(parts)})" if parts else ""
+
+    @property
     def shape_key(self) -> tuple:
-        return (self.window, self.hkv, self.group, self.d, self.query.dtype)
+        # the layers of one step share its plan: what a group's bias depends on keeps their biases apart
+        return (self.window, self.chunk, self.hkv, self.group, self.d, self.query.dtype)
 
 
 # fp32 scores ([S, Hq, Qmax, Lp]) and K/V ([S, Hkv, Lp, D] each) one exact-math call may hold
@@ -589,12 +647,13 @@ def _math_batches(c: _Call, g: _Group) -> list[_Group]:
     """``g`` itself when its padded fp32 scores and K/V fit ``_MATH_BUDGET_BYTES``, else its sequences in
     batches that do (a sequence too large alone is a batch of its own), shortest queries first so that
     decodes are not padded to a prefill's length. Once per step and layout."""
-    key = ("math_batches", c.query.shape[1], c.hkv, c.d, c.bs)
+    key = ("math_batches", c.query.shape[1], c.hkv, c.d, c.bs, c.window, c.chunk)
     if key not in g.cache:
         hq, bs = c.query.shape[1], c.bs
+        firsts = _first_blocks(c, g)
 
         def score_bytes(idx):
-            lp = max(-(-g.kv_lens[i] // bs) * bs for i in idx)
+            lp = max((-(-g.kv_lens[i] // bs) - firsts[i]) * bs for i in idx)
             return 4 * len(idx) * lp * (hq * max(g.q_lens[i] for i in idx) + 2 * c.hkv * c.d)
 
         everything = list(range(len(g.seqs)))
@@ -617,7 +676,7 @@ def _subgroup(g: _Group, idx: list[int], device) -> _Group:
 
 
 def _cached_pad_plan(c: _Call, g: _Group) -> dict:
-    key = ("pad", c.window, c.causal)
+    key = ("pad", c.window, c.chunk, c.causal)
     if key not in g.cache:
         g.cache[key] = _pad_plan(c, g)
     return g.cache[key]
@@ -634,21 +693,32 @@ def _gather_padded(c: _Call, p: dict) -> tuple[Tensor, Tensor, Tensor]:
     return q.view(S, qmax, hq, c.d), k, v
 
 
+def _first_blocks(c: _Call, g: _Group) -> list[int]:
+    """Per sequence, the block holding the first key its first query can see (a window's or chunk's
+    start; block 0 otherwise): the padded paths read each sequence's keys from there."""
+    return [reference.earliest_visible_key(ctx, c.params) // c.bs for ctx in g.contexts]
+
+
 def _pad_plan(c: _Call, g: _Group) -> dict:
     dev = c.query.device
     S = len(g.seqs)
     qmax = max(g.q_lens)
-    nblk = max(-(-L // c.bs) for L in g.kv_lens)
+    firsts = _first_blocks(c, g)
+    nblk = max(-(-L // c.bs) - f for L, f in zip(g.kv_lens, firsts))
     lp = nblk * c.bs
-    tables = c.block_tables.index_select(0, torch.tensor(g.seqs, device=dev))[:, :nblk].long()
+    first = torch.tensor(firsts, device=dev)[:, None]  # [S, 1]
+    # columns past a table's end hold keys past the sequence's end (never present): any block will do
+    cols = (first + torch.arange(nblk, device=dev)).clamp_(max=c.block_tables.shape[1] - 1)  # [S, nblk]
+    tables = c.block_tables[torch.tensor(g.seqs, device=dev)[:, None], cols].long()
     q_dst = torch.tensor([s * qmax + j for s, n in enumerate(g.q_lens) for j in range(n)], device=dev)
     j = torch.arange(qmax, device=dev)
     q_pos = torch.tensor(g.contexts, device=dev)[:, None] + j[None]  # [S, Qmax]
-    k_pos = torch.arange(lp, device=dev)[None]  # [1, Lp]
+    col = torch.arange(lp, device=dev)
+    k_pos = first * c.bs + col[None]  # [S, Lp]: the gathered keys' positions
     present = k_pos < torch.tensor(g.kv_lens, device=dev)[:, None]  # [S, Lp]: keys of the sequence
     real = j[None, :] < torch.tensor(g.q_lens, device=dev)[:, None]  # [S, Qmax]
-    # padded query rows see key 0 in a kernel's bias (their output is dropped): no row is empty
-    pad_rows = ~real[:, :, None] & (k_pos == 0)[:, None, :]  # [S, Qmax, Lp]
+    # padded query rows see the first key in a kernel's bias (their output is dropped): no row is empty
+    pad_rows = ~real[:, :, None] & (col == 0)[None, None, :]  # [S, Qmax, Lp]
     return {"S": S, "qmax": qmax, "lp": lp, "blocks": tables, "q_dst": q_dst, "rows": g.rows,
             "q_pos": q_pos, "k_pos": k_pos, "present": present, "pad_rows": pad_rows}
 

@@ -32,6 +32,7 @@ class PassContext:
     example_inputs: dict[str, Any] = field(default_factory=dict)
     constant_inputs: frozenset[str] = frozenset()
     mask_hints: Optional[list[dict]] = None
+    max_length: Optional[int] = None  # the model's longest sequence (its config's), bounding mask proofs
     sites: list[AttentionSite] = field(default_factory=list)
     paged_sites: list[PagedSite] = field(default_factory=list)
     token_count: Any = None  # the paged sites' query length S ([B, H, S, D]; a symbol), set by insert_paged

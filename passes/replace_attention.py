@@ -68,7 +68,11 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
             sinks = g.call_function(aten.reshape.default, (site.sinks, [-1]))
             sinks.meta["val"] = val(site.sinks).reshape(-1)
         params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size))
-        node = attention_node(g, site.query, site.key, site.value, site.key_padding, params)
+        key_padding = site.key_padding
+        if key_padding is not None and not site.key_padding_keeps_true:  # True marked keys to ignore
+            key_padding = g.call_function(aten.logical_not.default, (key_padding,))
+            key_padding.meta["val"] = val(site.key_padding).logical_not()
+        node = attention_node(g, site.query, site.key, site.value, key_padding, params)
         qv, vv = val(site.query), val(site.value)
         node.meta["val"] = qv.new_empty((*qv.shape[:-1], vv.shape[-1]))
         node.meta["pagedattn_site"] = site.name

@@ -63,20 +63,26 @@ class AttentionSite:
     factors: list = field(default_factory=list)
     sdpa_causal: bool = False
     # filled by classification
-    mask_kind: Optional[str] = None  # none | causal | sliding_window
+    mask_kind: Optional[str] = None  # none | causal | sliding_window | chunked
     window: Optional[int] = None
+    chunk: Optional[int] = None
     alibi_slopes: Optional[torch.Tensor] = None
     key_padding: Optional[Node] = None
-    probed_up_to: Optional[int] = None  # longest key length the mask was evaluated at
+    key_padding_keeps_true: bool = True  # False: True marks keys to ignore (nn.MultiheadAttention)
+    mask_up_to: Optional[int] = None  # the longest key length the mask is established for (None: every length)
+    mask_how: Optional[str] = None  # "proof", "the operator" (SDPA's own mask), a hint
+    position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
     # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
     attention: bool = True
 
     def params(self) -> AttentionParams:
         """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""
+        chunk = {"chunk_size": int(self.chunk)} if self.chunk else {}
         return AttentionParams(
-            scale=float(self.scale), causal=self.mask_kind in ("causal", "sliding_window"),
+            scale=float(self.scale), causal=self.mask_kind in ("causal", "sliding_window", "chunked"),
             sliding_window=int(self.window or 0), softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi_slopes,
-            num_kv_heads=int(self.num_kv_heads), head_size_v=int(self.value.meta["val"].shape[-1]), sinks=self.sinks)
+            num_kv_heads=int(self.num_kv_heads), head_size_v=int(self.value.meta["val"].shape[-1]), sinks=self.sinks,
+            **chunk)
 
     def skip(self, reason: str) -> "AttentionSite":
         self.status, self.reason = "skipped", reason
@@ -96,8 +102,12 @@ class AttentionSite:
             "softcap": self.softcap,
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
+            "chunk": self.chunk,
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
-            "mask_probed_up_to": self.probed_up_to,
+            "key_padding_ignores_true": None if self.key_padding is None else not self.key_padding_keeps_true,
+            "mask_established": self.mask_how,
+            "mask_up_to": self.mask_up_to,
+            "position_inputs": list(self.position_inputs),
             "attention": self.attention,
         }
 

@@ -71,10 +71,12 @@ def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: Atten
 
     gm, in_spec, out_spec = flat_graph_module(ep)
     before = copy_graph_module(gm)
-    res = rewrite_graph(gm, flat, backend, mask_hints=mask_hints)
+    res = rewrite_graph(gm, flat, backend, mask_hints=mask_hints,
+                        max_length=info.max_length if info is not None else None)
     rm = RewrittenModel(res.dropin, res.paged, in_spec, out_spec, res.report, res.cache_specs, backend, block_size,
                         example_inputs=flat, info=info)
     rm.graph_views = graph_views(before, res.paged, res.sites, res.paged_sites)
+    rm.position_inputs = res.position_inputs
     rm.static_sizes = static_sizes(ep, flat)
     return rm
 

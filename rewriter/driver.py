@@ -42,6 +42,13 @@ class RewriteResult:
         return [s.report() for s in self.sites]
 
     @property
+    def position_inputs(self) -> dict[int, str]:
+        """Flat input index -> name of inputs a rewritten site's mask reads as positions."""
+        names = [n.name for n in self.dropin.graph.nodes if n.op == "placeholder"]
+        read = {p for s in self.sites if s.status == "rewritten" for p in s.position_inputs}
+        return {names.index(p): p for p in sorted(read) if p in names}
+
+    @property
     def skipped(self) -> list[str]:
         """Attention sites left as they were: a paged step would mix sequences through them."""
         return [f"{s.name}: {s.reason}" for s in self.sites if s.status != "rewritten" and s.attention]
@@ -49,17 +56,18 @@ class RewriteResult:
 
 def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionBackend,
                   constants: frozenset[int] = frozenset(),
-                  mask_hints: Optional[list[dict]] = None) -> RewriteResult:
+                  mask_hints: Optional[list[dict]] = None, max_length: Optional[int] = None) -> RewriteResult:
     """Run the passes on a flat ATen graph (changed in place into the drop-in graph).
 
     ``constants`` are positions of inputs that hold model state (parameters, buffers). ``mask_hints``
     (the report of a multi-token trace of the same model) gives the masks of a graph traced for a
-    single token, which no probe can settle. Every rewritten site must be one ``backend`` supports.
+    single token, which no probe can settle; ``max_length`` (the model's longest sequence) bounds
+    the lengths masks are established for. Every rewritten site must be one ``backend`` supports.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ctx = PassContext(example_inputs={p.name: x for p, x in zip(placeholders, example_inputs)},
                       constant_inputs=frozenset(placeholders[i].name for i in constants),
-                      mask_hints=None if mask_hints is None else list(mask_hints))
+                      mask_hints=None if mask_hints is None else list(mask_hints), max_length=max_length)
     t0 = time.perf_counter()
     reports = run_pipeline(gm, ctx, CANONICAL_PIPELINE)
     for s in ctx.sites:

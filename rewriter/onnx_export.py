@@ -70,7 +70,7 @@ def translations() -> dict:
 
     def paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale: float,
                         causal: bool, sliding_window: int, softcap: float, alibi_slopes=None, num_kv_heads: int = 1,
-                        head_size_v: int = 0, sinks=None):
+                        head_size_v: int = 0, sinks=None, chunk_size: int = 0):
         i64 = 7  # onnx TensorProto.INT64
         qshape = op.Shape(query)  # [T, Hq, D]
         T = op.Slice(qshape, [0], [1])
@@ -103,6 +103,10 @@ def translations() -> dict:
             allowed = op.And(allowed, op.GreaterOrEqual(back, op.Constant(value_int=0)))
             if sliding_window > 0:
                 allowed = op.And(allowed, op.Less(back, op.Constant(value_int=sliding_window)))
+            if chunk_size > 0:  # the query's own chunk: with j <= i, i // C == j // C is j >= i - i % C
+                chunk = op.Constant(value_int=chunk_size)
+                start = op.Sub(pos, op.Mod(pos, chunk))  # [T]
+                allowed = op.And(allowed, op.GreaterOrEqual(jj, op.Unsqueeze(start, [1])))
         # scores [T, Hkv, G, L] without repeating K/V for the query heads of a group
         q4 = op.Reshape(query, op.Concat(T, op.Constant(value_ints=[num_kv_heads, -1]),
                                          op.Slice(qshape, [2], [3]), axis=0))

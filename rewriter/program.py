@@ -17,7 +17,7 @@ from pagedattn.tracing import copy_graph_module, fits_static_sizes
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["RewrittenModel", "ModelInfo"]
+__all__ = ["RewrittenModel", "ModelInfo", "check_positions"]
 
 
 class ModelInfo:
@@ -27,8 +27,10 @@ class ModelInfo:
     or from a saved program's metadata.
     """
 
-    def __init__(self, vocab_size: Optional[int] = None, eos_token_id=None, model_type: Optional[str] = None):
+    def __init__(self, vocab_size: Optional[int] = None, eos_token_id=None, model_type: Optional[str] = None,
+                 max_length: Optional[int] = None):
         self.vocab_size, self.eos_token_id, self.model_type = vocab_size, eos_token_id, model_type
+        self.max_length = max_length  # the longest sequence the model takes (positions it has embeddings for)
 
     @classmethod
     def of(cls, model: Optional[nn.Module]) -> "ModelInfo":
@@ -40,7 +42,7 @@ class ModelInfo:
             eos = getattr(c, "eos_token_id", None) if c is not None else None
             if eos is not None:
                 break
-        return cls(getattr(text, "vocab_size", None), eos, getattr(text, "model_type", None))
+        return cls(getattr(text, "vocab_size", None), eos, getattr(text, "model_type", None), _max_length(text))
 
     def eos_ids(self) -> set[int]:
         eos = self.eos_token_id
@@ -49,12 +51,39 @@ class ModelInfo:
         return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
     def to_json(self) -> dict:
-        d = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, "model_type": self.model_type}
+        d = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, "model_type": self.model_type,
+             "max_length": self.max_length}
         return {k: v for k, v in d.items() if v is not None}
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelInfo":
-        return cls(d.get("vocab_size"), d.get("eos_token_id"), d.get("model_type"))
+        return cls(d.get("vocab_size"), d.get("eos_token_id"), d.get("model_type"), d.get("max_length"))
+
+
+def _max_length(cfg) -> Optional[int]:
+    """A config's longest sequence (the first of the names transformers' configs use for it)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx",
+                 "max_sequence_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_positions(flat: list, position_inputs: dict[int, str]) -> None:
+    """Refuse a dense (drop-in) call whose positions do not count up by one along each row (packed
+    documents restarting at 0, say): the masks that read them were established for positions that do."""
+    for i, name in position_inputs.items():
+        t = flat[i]
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] < 2:
+            continue
+        rows = t.reshape(-1, t.shape[-1])
+        if not bool((rows[:, 1:] - rows[:, :-1] == 1).all()):
+            raise ValueError(
+                f"input {name!r} does not count up by one along each row (e.g. packed sequences restarting at 0): "
+                "the rewritten masks were established for positions that do. Serve packed sequences through "
+                "paged mode (PagedEngine, or paged_context with one sequence per document), or pass one sequence "
+                "per row")
 
 
 class RewrittenModel(nn.Module):
@@ -83,6 +112,9 @@ class RewrittenModel(nn.Module):
         self.static_sizes: dict[int, dict[int, int]] = {}
         self.retrace: Optional[Callable[[tuple, dict], "RewrittenModel"]] = None
         self._variants: dict[tuple, "RewrittenModel"] = {}
+        # flat input index -> name of inputs whose values the rewritten masks read as positions: proven for
+        # positions that count up by one along each row, which drop-in calls must keep to
+        self.position_inputs: dict[int, str] = {}
         self._exported: Optional[torch.export.ExportedProgram] = None
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
@@ -129,6 +161,7 @@ class RewrittenModel(nn.Module):
             if self.dropin_module is None:
                 raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
+            check_positions(flat, self.position_inputs)
             return self._unflatten(self.dropin_module(*flat))
         refuse_if_unpaged(self._skipped)
         with use_backend(ctx.backend or self.backend):

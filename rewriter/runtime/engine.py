@@ -101,7 +101,8 @@ class PagedEngine:
         # same layout as the device caches, so swap_blocks moves whole blocks between the two
         self.host_kv_caches = sv.allocate_kv_caches(num_host_blocks, device="cpu") if num_host_blocks else []
         self.states = StatePool(sv.state.slots, self.device) if sv.state is not None else None
-        self.blocks = BlockManager(self.num_blocks, block_size, enable_prefix_caching, num_host_blocks)
+        # the servable's block size: a ServableModel passed in keeps its own, whatever block_size says
+        self.blocks = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode,
                                    max_chunk=1 if sv.token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)

@@ -1,10 +1,21 @@
+import dataclasses
+
 import pytest
 import torch
 
-from pagedattn.backends import build_metadata, get_backend
-from pagedattn.backends.base import AttentionMetadata
+from pagedattn.backends import (
+    AttentionMetadata,
+    AttentionParams,
+    CacheSpec,
+    active_backend,
+    build_metadata,
+    get_backend,
+    use_backend,
+)
+from pagedattn.backends.params import params_schema
+from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-from .paged_batch import make_batch
+from ..support import make_batch
 
 
 def test_build_metadata_fields():
@@ -20,9 +31,13 @@ def test_build_metadata_fields():
 
 def test_metadata_is_frozen():
     m = build_metadata([(0, 2, [0])], block_size=4)
-    with pytest.raises(Exception):
-        m.max_seq_len = 3  # type: ignore[misc]
-    assert isinstance(m.to("cpu"), AttentionMetadata)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.block_size = 8  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.seq_lens = torch.tensor([3])  # type: ignore[misc]
+    moved = m.to("cpu")
+    assert isinstance(moved, AttentionMetadata) and moved.block_size == 4
+    assert [t.tolist() for t in moved.tensors()] == [t.tolist() for t in m.tensors()]
 
 
 @pytest.mark.parametrize(
@@ -38,9 +53,10 @@ def _attend(b, **over):
     a = dict(query=b.query, key=b.key, value=b.value, kv_cache=b.kv_cache, block_tables=b.meta.block_tables,
              seq_lens=b.meta.seq_lens, query_start_loc=b.meta.query_start_loc, num_kv_heads=b.key.shape[1])
     a.update(over)
+    p = AttentionParams(0.125, True, 0, 0.0, None, a["num_kv_heads"], a["value"].shape[2])
     return torch.ops.pagedattn.paged_attention(
         a["query"], a["key"], a["value"], a["kv_cache"], a["block_tables"], a["seq_lens"], a["query_start_loc"],
-        0.125, True, 0, 0.0, None, a["num_kv_heads"], a["value"].shape[2])
+        *p.args())
 
 
 def test_bad_slot_names_the_problem():
@@ -93,3 +109,55 @@ def test_registry():
     assert get_backend(torch.device("cpu")) is get_backend("cpu")
     with pytest.raises(ValueError, match="unknown target|no pagedattn backend"):
         get_backend("tpu9")
+
+
+def test_registry_takes_a_backend_instance():
+    mine = SdpaCpuBackend()
+    assert get_backend(mine) is mine and get_backend("cpu") is not mine
+    with pytest.raises(ValueError, match="unknown target"):
+        get_backend("not a device")
+
+
+def test_use_backend_binds_the_ops_to_an_instance():
+    mine, default = SdpaCpuBackend(), get_backend("cpu")
+    cpu = torch.device("cpu")
+    assert active_backend(cpu) is default
+    with use_backend(mine):
+        assert active_backend(cpu) is mine
+        with use_backend(None):  # nested: back to the defaults
+            assert active_backend(cpu) is default
+        assert active_backend(cpu) is mine
+    assert active_backend(cpu) is default
+
+
+def test_params_schema_follows_the_dataclass():
+    # the ops' flat schema is generated from AttentionParams: its fields, in order, with their defaults
+    names = [f.name for f in dataclasses.fields(AttentionParams)]
+    schema = params_schema()
+    assert [part.split()[1].split("=")[0] for part in schema.split(", ")] == names
+    assert "Tensor? sinks=None" in schema.split(", ") and "Tensor? alibi_slopes" in schema.split(", ")
+    p = AttentionParams(0.5, True, 4, 2.0, None, 2, 8)
+    assert AttentionParams.from_args(p.args()) == p and p.window == 4
+    assert dataclasses.replace(p, causal=False).window == 0  # a window applies to causal attention only
+    assert p.describe() == "scale 0.5, causal, window 4, softcap 2"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.scale = 1.0  # type: ignore[misc]
+
+
+def test_cache_spec_round_trips_through_json():
+    spec = CacheSpec("attn_0", 2, 8, torch.bfloat16)
+    assert spec.to_json() == {"site": "attn_0", "num_kv_heads": 2, "head_size": 8, "dtype": "bfloat16"}
+    assert CacheSpec.from_json(spec.to_json()) == spec
+    assert spec.bytes_per_block(16) == 2 * 16 * 2 * 8 * 2
+    assert spec.bytes_per_block(16, torch.float32) == 2 * 16 * 2 * 8 * 4
+    with pytest.raises(ValueError, match="unknown dtype 'float7'"):
+        CacheSpec.from_json({**spec.to_json(), "dtype": "float7"})
+
+
+def test_allocate_caches_from_specs():
+    specs = [CacheSpec("a", 2, 8, torch.float32), CacheSpec("b", 1, 4, torch.bfloat16)]
+    caches = get_backend("cpu").allocate_kv_caches(specs, num_blocks=3, block_size=4)
+    assert [(tuple(c.shape), c.dtype) for c in caches] == [((2, 3, 4, 2, 8), torch.float32),
+                                                          ((2, 3, 4, 1, 4), torch.bfloat16)]
+    (c,) = get_backend("cpu").allocate_kv_caches(specs[1:], 3, 4, dtype=torch.float16)
+    assert c.dtype == torch.float16

@@ -1,16 +1,21 @@
 import pytest
 import torch
 
-from .paged_batch import make_batch
+from pagedattn.backends import AttentionParams
+from pagedattn.backends.reference import dense_attention
+
+from ..support import batch_params, make_batch
 
 
-def _attn_args(b, window=0, softcap=0.0, alibi=None):
-    return (b.query, b.key, b.value, b.kv_cache, b.meta.block_tables, b.meta.seq_lens,
-            b.meta.query_start_loc, 0.125, True, window, softcap, alibi, b.key.shape[1], b.value.shape[2])
+def _attn_args(b, window=0, softcap=0.0, alibi=None, sinks=None):
+    p = batch_params(b, 0.125, True, window, softcap, alibi, sinks)
+    return (b.query, b.key, b.value, b.kv_cache, b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc,
+            *p.args())
 
 
-@pytest.mark.parametrize("feature", [{}, {"window": 6}, {"softcap": 4.0}, {"alibi": torch.tensor([0.5, 0.25, 0.125, 0.0625])}],
-                         ids=["plain", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("feature", [{}, {"window": 6}, {"softcap": 4.0}, {"alibi": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+                                     {"sinks": torch.tensor([-1.0, 0.0, 1.0, 2.0])}],
+                         ids=["plain", "window", "softcap", "alibi", "sinks"])
 def test_opcheck_paged_attention(feature):
     b = make_batch([(0, 6), (9, 1), (20, 4)], num_heads=4, num_kv_heads=2, head_size=16, block_size=4)
     torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
@@ -26,8 +31,9 @@ def test_opcheck_writes():
 
 def _step(query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
     torch.ops.pagedattn.write_kv_cache(key, value, kv_cache, slot_mapping)
+    p = AttentionParams(0.125, True, 0, 0.0, None, key.shape[1], value.shape[2])
     return torch.ops.pagedattn.paged_attention(query, key, value, kv_cache, block_tables, seq_lens,
-                                               query_start_loc, 0.125, True, 0, 0.0, None, key.shape[1], value.shape[2])
+                                               query_start_loc, *p.args())
 
 
 def test_fake_kernels_under_symbolic_shapes():
@@ -59,3 +65,28 @@ def test_export_with_dynamic_tokens():
     b2 = make_batch([(0, 9), (7, 1), (2, 3)], head_size=16, block_size=4)
     args2 = (b2.query, b2.key, b2.value, b2.kv_cache.clone(), b2.meta.slot_mapping, b2.meta.block_tables, b2.meta.seq_lens, b2.meta.query_start_loc)
     torch.testing.assert_close(ep.module()(*args2), _step(*args2[:3], b2.kv_cache, *args2[4:]))
+
+
+def _dense_operands(head_size_v=12):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)  # [B, Hq, S, D]
+    k = torch.randn(2, 2, 7, 8, generator=g)  # [B, Hkv, L, D]
+    v = torch.randn(2, 2, 7, head_size_v, generator=g)
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, :3] = 0  # the second row's first keys are left padding
+    return q, k, v, padding
+
+
+@pytest.mark.parametrize("params", [
+    AttentionParams(0.3, True, 0, 0.0, None, 2, 12),
+    AttentionParams(0.3, True, 3, 2.0, torch.tensor([0.5, 0.25, 0.125, 0.0625]), 2, 12, torch.tensor([0., 1, 2, 3])),
+    AttentionParams(0.3, False, 0, 0.0, None, 2, 12),
+], ids=["causal", "everything", "bidirectional"])
+def test_opcheck_dropin_attention(params):
+    # the drop-in op: value head size 12 differs from the key's 8, and key padding from a model input
+    q, k, v, padding = _dense_operands()
+    args = (q, k, v, padding, *params.args())
+    torch.library.opcheck(torch.ops.pagedattn.attention.default, args)
+    out = torch.ops.pagedattn.attention.default(*args)
+    assert out.shape == (2, 4, 5, 12)
+    torch.testing.assert_close(out, dense_attention(q, k, v, params, key_present=padding != 0))

@@ -581,3 +581,83 @@ def test_torch_compile_backend_on_xla_hands_the_graphs_to_openxla():
     for c, x in zip(caches, xcaches):
         torch.testing.assert_close(cpu_layout(x, c.shape[-1]), c, atol=1e-6, rtol=1e-6)
     assert (met.counter_value("CachedCompile") or 0) > before  # the second paged call reused a graph
+
+
+# ---------------------------------------------------------------- chunked local attention
+# A query at position q sees a key at k iff k <= q and q // C == k // C: the static mode computes it
+# through the reference; ragged_paged_attention has no chunk parameter and refuses it.
+
+
+def _chunked(b, chunk, **features) -> AttentionParams:
+    return dataclasses.replace(params_for(b, **features), chunk_size=chunk)
+
+
+def _float64_chunked(b, params: AttentionParams) -> torch.Tensor:
+    """The real tokens' rows by plain float64 masked softmax, the chunk condition written out here."""
+    p, outs, row = params, [], 0
+    for c, n, k, v in zip(b.contexts, b.q_lens, b.full_k, b.full_v):
+        q = b.query[row:row + n].double()
+        row += n
+        group = q.shape[1] // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * p.scale
+        if p.softcap > 0:
+            s = p.softcap * torch.tanh(s / p.softcap)
+        qi, kj = torch.arange(n)[:, None] + c, torch.arange(c + n)[None, :]
+        if p.alibi_slopes is not None:
+            s = s + p.alibi_slopes.double()[:, None, None] * (kj - qi)[None]
+        ok = (kj <= qi) & (qi // p.chunk_size == kj // p.chunk_size)
+        if p.sliding_window > 0:
+            ok = ok & (qi - kj < p.sliding_window)
+        s = s.masked_fill(~ok[None], float("-inf"))
+        if p.sinks is not None:
+            s = torch.cat([s, p.sinks.double()[:, None, None].expand(*s.shape[:2], 1)], -1)
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :-1], v))
+        else:
+            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
+    return torch.cat(outs)
+
+
+def _check_chunked(b, params: AttentionParams, backend=None, dtype=torch.float32, via_ops=False):
+    """XLA against the CPU ops, the reference and the float64 loop-free check, as ``_check`` does."""
+    out, cache = _xla_step(backend, b, params, via_ops=via_ops)
+    ref = cpu_step(b, params)
+    n = int(b.meta.query_start_loc[-1])
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(out[:n], reference_step(b, params), **tol)
+    torch.testing.assert_close(out[:n].double(), _float64_chunked(b, params), **tol)
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    assert torch.equal(cache, b.kv_cache)
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_chunked_through_the_ops(shape, chunk):
+    # chunks smaller than, not dividing, and equal to the 16-token blocks; GQA, padding tokens
+    b = make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, pad_tokens=3)
+    _check_chunked(b, _chunked(b, chunk), via_ops=True)
+
+
+@pytest.mark.parametrize("feature", [{"window": 4}, {"alibi": True}, {"sinks": True}, {"softcap": 4.0},
+                                     {"sinks": True, "window": 9}], ids=_ids)
+def test_chunked_features_static(feature):
+    b = make_batch(SHAPES["mixed"] + SHAPES["chunked"], num_heads=8, num_kv_heads=2, block_size=8,
+                   pad_tokens=2)
+    _check_chunked(b, _chunked(b, 12, **_features(feature, 8)), PallasXlaBackend("static"))
+
+
+def test_chunked_bfloat16_static():
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    _check_chunked(b, _chunked(b, 7), PallasXlaBackend("static"), dtype=torch.bfloat16)
+
+
+def test_chunked_refused_by_ragged_paged_attention():
+    chunked = _config(chunk_size=8)
+    for mode in ("kernel", "reference"):
+        reasons = PallasXlaBackend(mode).supports(chunked)
+        assert any("chunked local attention" in r and "PallasXlaBackend(mode='static')" in r for r in reasons)
+    assert PallasXlaBackend("static").supports(chunked) == []
+    b = make_batch([(0, 3)], num_heads=2, num_kv_heads=2, head_size=16, block_size=4)
+    with pytest.raises(ValueError, match="chunked local attention"):
+        _xla_step(PallasXlaBackend("reference"), b, _chunked(b, 2, scale=0.25))

@@ -5,21 +5,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedattn.backends import get_backend
-from pagedattn.backends.base import AttentionConfig
+from pagedattn.backends import AttentionConfig, AttentionParams, get_backend
 
-from .paged_batch import check_copy_and_swap, make_batch, reference_step, run_step
-
-TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-
-SHAPES = {
-    "all_prefill": [(0, 7), (0, 19), (0, 1), (0, 33)],
-    "all_decode": [(5, 1), (40, 1), (16, 1), (1, 1), (63, 1)],
-    "mixed": [(0, 12), (30, 1), (17, 5), (0, 1), (64, 1), (3, 9)],
-    "chunked": [(32, 16), (47, 3), (15, 17)],
-    "cached_prefix": [(16, 20), (32, 1), (48, 7)],
-    "many_blocks": [(300, 1), (257, 40), (0, 130)],
-}
+from ..support import ALIBI8, SHAPES, SINKS8, TOL, check_copy_and_swap, make_batch, reference_step, run_step
 
 
 def _check(batch, dtype, **kw):
@@ -70,9 +58,9 @@ def test_features(feature, dtype):
     feature = dict(feature)
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype)
     if feature.pop("alibi", False):
-        feature["alibi"] = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
-    if feature.pop("sinks", False):  # large enough to take a real share of every row's probability
-        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
+        feature["alibi"] = ALIBI8
+    if feature.pop("sinks", False):
+        feature["sinks"] = SINKS8
     _check(b, dtype, **feature)
 
 
@@ -93,7 +81,7 @@ def test_cross_attention_over_filled_cache():
     enc_lens = torch.tensor([c + n for c, n in zip(b.contexts, b.q_lens)], dtype=torch.int32)
     out = torch.ops.pagedattn.paged_attention(
         b.query, None, None, b.kv_cache, b.meta.block_tables, enc_lens, b.meta.query_start_loc,
-        0.125, False, 0, 0.0, None, 4, 64,
+        *AttentionParams(0.125, False, 0, 0.0, None, 4, 64).args(),
     )
     ref = reference_step(b, 0.125, causal=False)
     torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=2e-4)
@@ -145,13 +133,22 @@ def test_copy_and_swap_blocks():
     check_copy_and_swap(backend)
 
 
+def _config(num_heads, num_kv_heads, head_size, dtype=torch.float32, **params):
+    p = dict(scale=0.1, causal=True, sliding_window=0, softcap=0.0, alibi_slopes=None, num_kv_heads=num_kv_heads,
+             head_size_v=head_size)
+    p.update(params)
+    return AttentionConfig(AttentionParams(**p), num_heads, head_size, dtype)
+
+
 def test_supports_gives_reasons():
     backend = get_backend("cpu")
-    ok = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1)
-    assert backend.supports(ok) == []
-    bad = AttentionConfig(num_heads=6, num_kv_heads=4, head_size=64, scale=0.1, dtype=torch.float64)
+    ok = _config(8, 2, 64)
+    assert backend.supports(ok) == [] and ok.group_size == 4
+    bad = _config(6, 4, 64, torch.float64)
     reasons = backend.supports(bad)
     assert any("float64" in r for r in reasons) and any("multiple" in r for r in reasons)
+    reasons = backend.supports(_config(8, 2, 64, causal=False, sliding_window=8, head_size_v=32))
+    assert any("needs causal" in r for r in reasons) and any("value head size" in r for r in reasons)
 
 
 def test_cache_shape():

@@ -14,16 +14,11 @@ import torch
 
 pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
 
-from pagedattn.backends import build_metadata  # noqa: E402
+from pagedattn.backends import AttentionConfig, AttentionParams, build_metadata, get_backend  # noqa: E402
 from pagedattn.backends import xformers_cuda  # noqa: E402
-from pagedattn.backends import AttentionConfig, AttentionParams  # noqa: E402
 
-from .paged_batch import check_copy_and_swap, make_batch, reference_step  # noqa: E402
-from .test_sdpa_cpu import SHAPES  # noqa: E402
+from ..support import ALIBI8, SHAPES, SINKS8, TOL, batch_params, check_copy_and_swap, make_batch, reference_step  # noqa: E402
 from .xformers_emulation import install  # noqa: E402
-
-TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-ALIBI8 = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
 
 
 @pytest.fixture
@@ -33,7 +28,7 @@ def backend():
 
 def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
     backend.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    params = AttentionParams(scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks)
+    params = batch_params(b, scale, causal, window, softcap, alibi, sinks)
     meta = dataclasses.replace(b.meta, slot_mapping=None)
     return backend.attend(b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache, meta, params)
 
@@ -91,7 +86,7 @@ def test_features(monkeypatch, backend, feature, dtype):
     if feature.pop("alibi", False):
         feature["alibi"] = ALIBI8
     if feature.pop("sinks", False):
-        feature["sinks"] = torch.linspace(-2.0, 4.0, 8)
+        feature["sinks"] = SINKS8
     _check(backend, make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
 
 
@@ -145,8 +140,8 @@ def test_cross_attention_over_filled_cache(monkeypatch, backend):
     b = make_batch([(20, 3), (9, 1), (33, 6)], num_heads=4, num_kv_heads=4, dtype=torch.float16)
     backend.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
     enc_lens = torch.tensor([c + n for c, n in zip(b.contexts, b.q_lens)], dtype=torch.int32)
-    out = backend.attend(b.query, None, None, b.kv_cache, b.meta.block_tables, enc_lens,
-                         b.meta.query_start_loc, 0.125, False, 0, 0.0, None, 4)
+    meta = dataclasses.replace(b.meta, slot_mapping=None, seq_lens=enc_lens)
+    out = backend.attend(b.query, None, None, b.kv_cache, meta, AttentionParams(0.125, False, 0, 0.0, None, 4, 64))
     ref = reference_step(b, 0.125, causal=False)
     torch.testing.assert_close(out.double(), ref, atol=4e-3, rtol=4e-3)
     assert _bias_types(op) == {"PagedBlockDiagonalPaddedKeysMask"}
@@ -182,16 +177,20 @@ def test_without_any_operator_falls_back_exactly_and_says_why(monkeypatch, backe
     text = caplog.text
     assert "no xFormers operator takes it" in text and "device=cpu" in text
     assert "ALiBi attention runs through PyTorch SDPA" in text
-    assert all(path in ("sdpa",) for _, path in backend.paths)
+    assert backend.paths and all(path == "sdpa" for _, path in backend.paths), backend.paths
+
+
+def _config(num_heads, num_kv_heads, head_size, dtype, softcap=0.0, alibi=None):
+    return AttentionConfig(AttentionParams(0.1, True, 0, softcap, alibi, num_kv_heads, head_size), num_heads,
+                           head_size, dtype)
 
 
 def test_supports_and_fallback_reasons(backend):
-    ok = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=64, scale=0.1, dtype=torch.float16)
+    ok = _config(8, 2, 64, torch.float16)
     assert backend.supports(ok) == [] and backend.fallback_reasons(ok) == []
-    bad = AttentionConfig(num_heads=6, num_kv_heads=4, head_size=64, scale=0.1, dtype=torch.float64)
+    bad = _config(6, 4, 64, torch.float64)
     assert len(backend.supports(bad)) == 2
-    slow = AttentionConfig(num_heads=8, num_kv_heads=2, head_size=72, scale=0.1, softcap=30.0, alibi=True,
-                           dtype=torch.float32)
+    slow = _config(8, 2, 72, torch.float32, softcap=30.0, alibi=ALIBI8)
     reasons = " ".join(backend.fallback_reasons(slow, block_size=8))
     for word in ("float32", "soft-cap", "ALiBi", "head size 72", "block size 8"):
         assert word in reasons
@@ -229,8 +228,6 @@ def test_cache_shape_and_geometry(backend):
 
 
 def test_write_matches_cpu_backend_and_skips_padding(backend):
-    from pagedattn.backends import get_backend
-
     b = make_batch([(0, 4), (5, 1), (17, 3)], pad_tokens=2, dtype=torch.float16)
     mine = b.kv_cache.clone()
     backend.write(b.key, b.value, mine, b.meta.slot_mapping)
@@ -249,8 +246,6 @@ def test_copy_and_swap_blocks(backend):
 
 
 def test_registered_for_cuda():
-    from pagedattn.backends import get_backend
-
     assert get_backend("cuda").name == "xformers_cuda"
 
 
@@ -260,8 +255,6 @@ def test_registered_for_cuda():
 def test_operators_that_need_no_cpp_extension_are_let_through():
     # xFormers refuses every CUDA operator when its C++ extension did not load; flash (through
     # PyTorch's kernel) and triton_splitk never use it, cutlass does
-    import dataclasses
-
     from xformers.ops.fmha import cutlass, triton_splitk
 
     reason = xformers_cuda._NO_CPP_REASON

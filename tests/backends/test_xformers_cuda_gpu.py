@@ -13,13 +13,21 @@ pytestmark = [
 ]
 pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
 
-from pagedattn.backends import get_backend  # noqa: E402
+from pagedattn.backends import AttentionParams, get_backend  # noqa: E402
 
-from .paged_batch import make_batch, reference_step, run_step  # noqa: E402
-from .test_sdpa_cpu import SHAPES  # noqa: E402
-
-TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 2e-4}
-ALIBI8 = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])
+from ..support import (  # noqa: E402
+    ALIBI8,
+    LONG_PROMPTS,
+    SHAPES,
+    SINKS8,
+    TOL,
+    hf_generate,
+    make_batch,
+    prompts,
+    reference_step,
+    run_step,
+    wide_model,
+)
 
 
 def _cuda(b):
@@ -80,9 +88,6 @@ def test_features(feature, dtype):
     if feature.pop("alibi", False):
         feature["alibi"] = ALIBI8
     _check(make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype), dtype, **feature)
-
-
-SINKS8 = torch.linspace(-2.0, 4.0, 8)  # large enough to take a real share of every row's probability
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -169,7 +174,8 @@ def test_cross_attention_over_filled_cache():
     torch.ops.pagedattn.write_kv_cache(g.key, g.value, g.kv_cache, g.meta.slot_mapping)
     enc = torch.tensor([c + n for c, n in zip(b.contexts, b.q_lens)], dtype=torch.int32, device="cuda")
     out = torch.ops.pagedattn.paged_attention(g.query, None, None, g.kv_cache, g.meta.block_tables, enc,
-                                              g.meta.query_start_loc, 0.125, False, 0, 0.0, None, 4, 64)
+                                              g.meta.query_start_loc,
+                                              *AttentionParams(0.125, False, 0, 0.0, None, 4, 64).args())
     torch.testing.assert_close(out.cpu().double(), reference_step(b, 0.125, causal=False), atol=4e-3, rtol=4e-3)
 
 
@@ -208,36 +214,8 @@ def test_write_copy_swap_on_gpu():
 # --------------------------------------------------------------- a tiny HF model end to end
 
 
-def _tiny(arch: str, dtype: torch.dtype, device: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.1)
-    if arch == "mistral":
-        kw["sliding_window"] = 24
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(arch, **kw)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    return model.to(device=device, dtype=dtype).eval()
-
-
 def _prompts():
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 37, 9, 70, 2)]
-    shared = torch.randint(0, 128, (40,), generator=g).tolist()
-    return prompts + [shared + [7, 8], shared + [9]]
-
-
-def _hf_generate(model, prompts, new):
-    out = []
-    dev = next(model.parameters()).device
-    for p in prompts:
-        ids = torch.tensor([p], device=dev)
-        with torch.no_grad():
-            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                               do_sample=False, pad_token_id=0)  # both stop at EOS
-        out.append(g[0, len(p):].tolist())
-    return out
+    return prompts(**LONG_PROMPTS)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -246,8 +224,8 @@ def _hf_generate(model, prompts, new):
 def test_engine_fp16_matches_hf_generate_on_gpu(arch, setting):
     from pagedattn import PagedEngine
 
-    model = _tiny(arch, torch.float16, "cuda")
-    ref = _hf_generate(model, _prompts(), 12)
+    model = wide_model(arch, torch.float16, "cuda")
+    ref = hf_generate(model, _prompts(), 12)
     backend = get_backend("cuda")
     backend.paths.clear()
     got = PagedEngine(model, target="cuda", **setting).generate(_prompts(), max_new_tokens=12)
@@ -276,9 +254,9 @@ def test_engine_alibi_and_softcap_models_on_gpu(arch):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     if arch == "bloom":
         model = model.to("cuda", torch.float16)
-        ref = _hf_generate(model, _prompts(), 12)
+        ref = hf_generate(model, _prompts(), 12)
     else:  # HF's fp16 eager soft-cap rounds its scores in fp16: compare in fp32, against the CPU
-        ref = _hf_generate(model, _prompts(), 12)
+        ref = hf_generate(model, _prompts(), 12)
         model = model.to("cuda")
     backend = get_backend("cuda")
     backend.paths.clear()
@@ -291,9 +269,9 @@ def test_engine_alibi_and_softcap_models_on_gpu(arch):
 def test_engine_float32_on_gpu_matches_cpu():
     from pagedattn import PagedEngine
 
-    cpu_model = _tiny("llama", torch.float32, "cpu")
-    ref = _hf_generate(cpu_model, _prompts(), 12)
-    got = PagedEngine(_tiny("llama", torch.float32, "cuda"), target="cuda").generate(_prompts(), max_new_tokens=12)
+    cpu_model = wide_model("llama", torch.float32, "cpu")
+    ref = hf_generate(cpu_model, _prompts(), 12)
+    got = PagedEngine(wide_model("llama", torch.float32, "cuda"), target="cuda").generate(_prompts(), max_new_tokens=12)
     assert got == ref
 
 
@@ -301,4 +279,4 @@ def test_engine_refuses_a_model_on_another_device():
     from pagedattn import PagedEngine
 
     with pytest.raises(ValueError, match="move the model first"):
-        PagedEngine(_tiny("llama", torch.float32, "cpu"), target="cuda")
+        PagedEngine(wide_model("llama", torch.float32, "cpu"), target="cuda")

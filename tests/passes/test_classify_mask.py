@@ -4,14 +4,16 @@ import torch
 from pagedattn.passes import classify_mask, match_attention
 
 from ..rewriter import zoo
-from .graphs import aten_graph
+from ..support import aten_graph
 
 
-def classified(module, args):
-    gm = aten_graph(module, args)
-    match_attention(gm)
-    classify_mask(gm)
-    return gm.meta["pagedattn_sites"]
+def classified(module, args, mask_hints=None):
+    """The sites of ``module`` after matching and mask classification."""
+    gm, ctx = aten_graph(module, args)
+    ctx.mask_hints = mask_hints
+    match_attention(gm, ctx)
+    classify_mask(gm, ctx)
+    return ctx.sites
 
 
 @pytest.mark.parametrize("name, kind, window", [
@@ -93,16 +95,12 @@ class Strided(zoo._Base):
 
 def test_arbitrary_mask_is_skipped():
     (site,) = classified(Strided(), zoo.example_args("nanogpt"))
-    assert site.status == "skipped" and "arbitrary mask" in site.reason
+    assert site.status == "skipped" and "neither causal, a sliding window, chunked nor absent" in site.reason
 
 
 def _single_token(name, hints):
-    gm = aten_graph(zoo.ATTENTION[name][0](), zoo.example_args(name, T=1))  # one query, one key: T static
-    if hints is not None:
-        gm.meta["pagedattn_mask_hints"] = hints
-    match_attention(gm)
-    classify_mask(gm)
-    return gm.meta["pagedattn_sites"]
+    # one query, one key: T static
+    return classified(zoo.ATTENTION[name][0](), zoo.example_args(name, T=1), hints)
 
 
 def test_single_token_graph_takes_the_mask_of_its_hint():

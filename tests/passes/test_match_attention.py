@@ -4,16 +4,23 @@ import torch
 from pagedattn.passes import match_attention
 
 from ..rewriter import zoo
-from .graphs import aten_graph
+from ..support import aten_graph
+
+
+def matched(module, args):
+    """``module``'s sites after ``match_attention``, with the pass's report and the graph's code before."""
+    gm, ctx = aten_graph(module, args)
+    before = gm.code
+    report = match_attention(gm, ctx)
+    return ctx.sites, report, before == gm.code
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "einsum_bshd", "bmm_3d", "baddbmm", "gqa_expand", "mqa_broadcast",
                                   "softcap", "split_scale", "sdpa_mask", "cross_attention"])
 def test_matches_and_recovers_layout(name):
-    gm = aten_graph(zoo.ATTENTION[name][0](), zoo.example_args(name))
-    res = match_attention(gm)
-    assert not res.changed  # matching only records what it found
-    (site,) = gm.meta["pagedattn_sites"]
+    sites, report, unchanged = matched(zoo.ATTENTION[name][0](), zoo.example_args(name))
+    assert not report.changed and unchanged  # matching only records what it found
+    (site,) = sites
     assert site.status == "matched", site.reason
     expect = zoo.ATTENTION[name][1]
     assert (site.num_heads, site.head_dim) == (zoo.H, zoo.D)
@@ -25,9 +32,7 @@ def test_matches_and_recovers_layout(name):
 
 
 def test_mask_terms_collected():
-    gm = aten_graph(zoo.ALiBi(), zoo.example_args("alibi"))
-    match_attention(gm)
-    (site,) = gm.meta["pagedattn_sites"]
+    (site,), _, _ = matched(zoo.ALiBi(), zoo.example_args("alibi"))
     assert len(site.biases) == 1 and len(site.conds) == 1
 
 
@@ -35,11 +40,9 @@ def test_mask_terms_collected():
     (zoo.Router(), "not attention"),
 ])
 def test_not_attention(module, reason):
-    gm = aten_graph(module, zoo.example_args("router"))
-    before = gm.code
-    match_attention(gm)
-    assert all(s.status == "skipped" and reason in s.reason for s in gm.meta["pagedattn_sites"])
-    assert gm.code == before
+    sites, _, unchanged = matched(module, zoo.example_args("router"))
+    assert sites and all(s.status == "skipped" and reason in s.reason for s in sites), sites
+    assert unchanged
 
 
 class ReturnsWeights(zoo._Base):
@@ -68,9 +71,7 @@ class SoftmaxOverQueries(zoo._Base):
     (SoftmaxOverQueries, "last dimension"),
 ])
 def test_counter_examples(cls, reason):
-    gm = aten_graph(cls(), zoo.example_args("nanogpt"))
-    match_attention(gm)
-    (site,) = gm.meta["pagedattn_sites"]
+    (site,), _, _ = matched(cls(), zoo.example_args("nanogpt"))
     assert site.status == "skipped" and reason in site.reason
 
 
@@ -98,14 +99,10 @@ class ScoresValueRead(zoo._Base):
 
 
 def test_scores_read_for_their_shape_or_dtype_only_still_match():
-    gm = aten_graph(ScoresMetadataRead(), zoo.example_args("nanogpt"))
-    match_attention(gm)
-    (site,) = gm.meta["pagedattn_sites"]
+    (site,), _, _ = matched(ScoresMetadataRead(), zoo.example_args("nanogpt"))
     assert site.status == "matched", site.reason
 
 
 def test_scores_read_for_their_values_are_refused():
-    gm = aten_graph(ScoresValueRead(), zoo.example_args("nanogpt"))
-    match_attention(gm)
-    (site,) = gm.meta["pagedattn_sites"]
+    (site,), _, _ = matched(ScoresValueRead(), zoo.example_args("nanogpt"))
     assert site.status == "skipped" and "outside the softmax" in site.reason

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import pagedattn
-from pagedattn.backends import build_metadata
 
 from ..rewriter import zoo
+from ..support import run_packed
 
 C, H, D = zoo.C, zoo.H, zoo.D
 
@@ -65,19 +65,6 @@ class ClampedScores(zoo._Base):
         return self.merge(s.softmax(-1) @ v)
 
 
-def _paged(rm, seqs, block_size=4):
-    """Run sequences packed in one [1, T] row, each in fresh blocks; per-sequence outputs."""
-    tables, start = [], 0
-    for x in seqs:
-        n = -(-x.shape[1] // block_size)
-        tables.append((0, x.shape[1], list(range(start, start + n))))
-        start += n
-    caches = rm.allocate_kv_caches(start + 1)
-    with torch.no_grad(), pagedattn.paged_context(caches, build_metadata(tables, block_size)):
-        out = rm(torch.cat(seqs, 1))
-    return out.split([x.shape[1] for x in seqs], 1)
-
-
 def _rewritten_matches_eager(m):
     """Rewrite ``m`` (one site), then compare drop-in and packed paged outputs with eager; the site's report."""
     rm = pagedattn.rewrite(m, (torch.randn(2, 8, C),), block_size=4)
@@ -85,7 +72,7 @@ def _rewritten_matches_eager(m):
     assert site["status"] == "rewritten", site
     x = torch.randn(2, 11, C)
     a, b = torch.randn(1, 9, C), torch.randn(1, 4, C)
-    pa, pb = _paged(rm, [a, b])
+    pa, pb = run_packed(rm, [a, b])
     with torch.no_grad():
         torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
@@ -102,7 +89,7 @@ def test_value_head_size_differs_from_key():
     with torch.no_grad():
         torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
     a, b = torch.randn(1, 5, C), torch.randn(1, 9, C)
-    pa, pb = _paged(rm, [a, b])
+    pa, pb = run_packed(rm, [a, b])
     with torch.no_grad():
         torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
@@ -116,8 +103,9 @@ def test_router_softmax_does_not_block_paged_mode():
     assert len(attn) == 1 and attn[0]["status"] == "rewritten"
     assert len(other) == 1 and other[0]["status"] == "skipped" and "not attention" in other[0]["reason"]
     a, b = torch.randn(1, 6, C), torch.randn(1, 3, C)
-    pa, pb = _paged(rm, [a, b])
+    pa, pb = run_packed(rm, [a, b])
     with torch.no_grad():
+        torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)
 
 
@@ -126,7 +114,7 @@ def test_positions_numbered_in_the_model_follow_each_packed_sequence():
     rm = pagedattn.rewrite(m, (torch.randn(1, 8, C),), block_size=4)
     assert rm.report[0]["status"] == "rewritten"
     a, b = torch.randn(1, 7, C), torch.randn(1, 5, C)
-    pa, pb = _paged(rm, [a, b])
+    pa, pb = run_packed(rm, [a, b])
     with torch.no_grad():
         torch.testing.assert_close(pa, m(a), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(pb, m(b), atol=2e-5, rtol=1e-4)  # positions 0..4, not 7..11
@@ -242,8 +230,8 @@ def test_multiplicative_mask():
 
 
 @pytest.mark.parametrize("variant, reason", [
-    ("zero_only", "no later term masks"),
-    ("mask_then_zero", "no later term masks"),
+    ("zero_only", "zero is a score, not a mask"),
+    ("mask_then_zero", "zero is a score, not a mask"),
     ("scale", "not a 0/1 mask"),
 ])
 def test_multiplicative_mask_counter_examples(variant, reason):

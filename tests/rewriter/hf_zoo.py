@@ -416,18 +416,19 @@ def check(arch: str, stages=("eager", "sdpa", "compile")) -> dict:
         row["time_s"] = time.perf_counter() - t0
         return row
     if "eager" in stages:
-        row["eager"], row["engine"] = _check_eager(eager)
+        row["eager"], row["engine"] = check_eager(eager)
     if "sdpa" in stages:
-        row["sdpa"] = _check_sdpa(arch, eager, example)
+        row["sdpa"] = check_sdpa(arch, eager, example)
     no_attention = any(i in stages for i in ("eager", "sdpa")) and all(isinstance(row.get(i), dict) and row[i].get("sites") == 0 for i in ("eager", "sdpa")
                        if i in stages)
     if "compile" in stages and not no_attention:
-        row["compile"] = _check_compile(eager, example)
+        row["compile"] = check_compile(eager, example)
     row["time_s"] = time.perf_counter() - t0
     return row
 
 
-def _check_sdpa(arch, eager, example) -> dict:
+def check_sdpa(arch, eager, example) -> dict:
+    """The sdpa stage of ``check``: the architecture's SDPA model rewritten on ``example``, drop-in vs ``eager``."""
     import pagedattn
 
     try:
@@ -446,16 +447,17 @@ def _check_sdpa(arch, eager, example) -> dict:
     return res
 
 
-def _check_compile(model, example) -> dict:
+def check_compile(model, example) -> dict:
+    """The compile stage of ``check``: ``torch.compile(backend="pagedattn")`` logits vs the model's, and its sites."""
     import torch._dynamo
-    from pagedattn.compile import compile_reports
+    from pagedattn.compile import compiled_graphs
 
     torch._dynamo.reset()
-    before = len(compile_reports())
     try:
         c = torch.compile(model, backend="pagedattn", options={"inner": "eager"})
-        err = dropin_error(model, c, model)
-        report = [s for r in compile_reports()[before:] for s in r]
+        with compiled_graphs() as graphs:
+            err = dropin_error(model, c, model)
+        report = [s for g in graphs for s in g.report]
         res = _summary(report)
         res["max_err"] = err
         return res
@@ -465,17 +467,19 @@ def _check_compile(model, example) -> dict:
         torch._dynamo.reset()
 
 
-def _check_eager(model) -> tuple[dict, dict]:
+def check_eager(model) -> tuple[dict, dict]:
+    """The eager stage of ``check``: the rewrite the engine makes, drop-in error, and the engine's greedy tokens vs
+    Hugging Face ``generate`` (the model itself for models with recurrent state); (sites row, engine row)."""
     import pagedattn
-    from pagedattn.runtime.engine import _accepted, _example_kwargs
+    from pagedattn.adapter import accepted_inputs, example_inputs
 
-    names = _accepted(model)
+    names = accepted_inputs(model)
     try:
-        rm = pagedattn.rewrite(model, (), _example_kwargs(names, vocab_of(model)))
+        rm = pagedattn.rewrite(model, (), example_inputs(names, vocab_of(model)))
     except Exception as e:
         return {"error": _first_line(e), "export_failed": "torch.export could not trace" in str(e)}, {}
     res = _summary(rm.report)
-    from pagedattn.api import _without_hf_cache
+    from pagedattn.tracing import without_hf_cache
 
     try:  # drop-in, called the way the engine calls it: [1, T] tokens, explicit positions
         ids, _ = inputs(model, 1, 13)
@@ -486,11 +490,11 @@ def _check_eager(model) -> tuple[dict, dict]:
             kw["use_cache"] = False
         if "logits_to_keep" in names:
             kw["logits_to_keep"] = torch.arange(13)
-        with torch.no_grad(), _without_hf_cache(model):  # also where use_cache comes from the config
+        with torch.no_grad(), without_hf_cache(model):  # also where use_cache comes from the config
             res["max_err"] = float((_logits(rm(**kw)).float() - _logits(model(**kw)).float()).abs().max())
     except Exception as e:
         res["error"] = "drop-in run: " + _first_line(e)
-    from pagedattn.runtime.state import find_recurrent_state
+    from pagedattn.hf_state import find_recurrent_state
 
     try:
         stateful = find_recurrent_state(model) is not None
@@ -527,7 +531,7 @@ def _check_eager(model) -> tuple[dict, dict]:
 
 def _greedy_by_forward(model, ps, names, new=NEW_TOKENS) -> list[list[int]]:
     """Greedy decoding by running the whole sequence through the model's forward each step (no cache)."""
-    from pagedattn.api import _without_hf_cache
+    from pagedattn.tracing import without_hf_cache
 
     out = []
     for p in ps:
@@ -536,7 +540,7 @@ def _greedy_by_forward(model, ps, names, new=NEW_TOKENS) -> list[list[int]]:
             kw = {"input_ids": torch.tensor([ids])}
             if "use_cache" in names:
                 kw["use_cache"] = False
-            with torch.no_grad(), _without_hf_cache(model):  # also where use_cache comes from the config
+            with torch.no_grad(), without_hf_cache(model):  # also where use_cache comes from the config
                 ids.append(int(_logits(model(**kw))[0, -1].argmax()))
         out.append(ids[len(p):])
     return out

@@ -1,11 +1,18 @@
-"""rewrite-model end to end: subprocesses on checkpoints the tests write themselves."""
+"""rewrite-model end to end, on checkpoints the tests write themselves.
+
+Most commands run in this process (``main([...])``, as the ``rewrite-model`` script calls it); the README's
+main job and loading a saved program run in fresh processes, as users run them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,7 +20,7 @@ import torch
 from pagedattn.cli import main
 from pagedattn.inspection import graphviz_missing
 
-from .hf_models import tiny_model
+from ..support import hf_generate, tiny_model
 
 pytest.importorskip("transformers")
 
@@ -21,20 +28,36 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11]]
 NEW = 6
 
 
-def _cli(*args, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "pagedattn.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=600)
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _cli(*args, check=True) -> Result:
+    """``rewrite-model ARGS`` in this process; its exit status and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    r = Result(code, out.getvalue(), err.getvalue())
     if check and r.returncode != 0:
         raise AssertionError(f"rewrite-model {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     return r
 
 
+def _cli_process(*args) -> subprocess.CompletedProcess:
+    """``python -m pagedattn.cli ARGS`` in a fresh process (the installed command's own entry point)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pagedattn.cli", *args], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode != 0:
+        raise AssertionError(f"rewrite-model {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
 def _hf_greedy(model, prompt, n) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return hf_generate(model, [prompt], n)[0]  # the checkpoint has no EOS: always n tokens
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +245,7 @@ def test_run_and_inspect_errors(tmp_path, capsys, rewritten):
 
 def test_demo_main_job(tmp_path):
     """The README's main-job command: the built-in demo rewritten, reported, and generating its text."""
-    r = _cli("demo", "-o", str(tmp_path / "out"), "--run", "--max-new-tokens", "120")
+    r = _cli_process("demo", "-o", str(tmp_path / "out"), "--run", "--max-new-tokens", "120")
     assert "2 of 2 attention sites rewritten" in r.stdout
     assert "[0] Beautiful is better than ugly.\nExplicit is better than implicit." in r.stdout
     info = json.loads((tmp_path / "out" / "report.json").read_text())

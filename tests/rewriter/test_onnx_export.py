@@ -1,4 +1,4 @@
-"""The ONNX translations of the paged ops, run in onnxruntime against the float64 reference."""
+"""The ONNX translations of the paged ops, run in onnxruntime against the reference semantics in float64."""
 
 from __future__ import annotations
 
@@ -7,35 +7,35 @@ import math
 import pytest
 import torch
 
-from tests.backends.paged_batch import make_batch, reference_step
+from ..support import make_batch, reference_step
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from pagedattn.onnx_export import _translations  # noqa: E402
+from pagedattn.backends import AttentionParams  # noqa: E402
+from pagedattn.onnx_export import translations  # noqa: E402
 
 # (context, new tokens): fresh prefills, a chunked prefill over cached context, decodes
 MIXED = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1)]
 
 
 class Step(torch.nn.Module):
-    def __init__(self, scale, causal, window, softcap, alibi, num_kv_heads, head_size_v, sinks=None):
+    """One paged step: the functional cache write, then the paged attention over the new cache."""
+
+    def __init__(self, params: AttentionParams):
         super().__init__()
-        self.cfg = (scale, causal, window, softcap)
-        self.alibi, self.sinks = alibi, sinks
-        self.hkv, self.dv = num_kv_heads, head_size_v
+        self.params = params
 
     def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
         new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
-        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.cfg, self.alibi,
-                                                  self.hkv, self.dv, self.sinks)
+        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.params.args())
         return out, new
 
 
 def _export(step: Step, inputs, path):
     dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
-    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=_translations(),
+    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=translations(),
                              opset_version=18, verbose=False)
     prog.save(str(path))
     onnx.checker.check_model(str(path), full_check=True)
@@ -59,7 +59,7 @@ def test_translation_matches_reference(case, tmp_path):
     causal = case.get("causal", True)
     alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625]) if case.get("alibi") else None
     sinks = torch.tensor([-1.0, 0.5, 2.0, 3.0]) if case.get("sinks") else None
-    step = Step(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16, sinks)
+    step = Step(AttentionParams(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16, sinks))
     m = b.meta
     inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
     sess = _export(step.eval(), inputs, tmp_path / "step.onnx")

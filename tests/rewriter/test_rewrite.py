@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import pagedattn
-from pagedattn.backends import build_metadata
+from pagedattn.backends import CacheSpec, build_metadata
+from pagedattn.passes.canonical import is_attention, read_attention
 
 from . import zoo
 
@@ -52,10 +53,14 @@ def test_zoo_report_and_dropin_equality(name, rewritten):
 def test_counter_examples_are_left_alone(name, rewritten):
     m, rm = rewritten(name)
     expect = zoo.NOT_ATTENTION[name][1]
+    assert rm.report, "the softmax must be found as a site, to be left alone"
     for site in rm.report:
         assert site["status"] == "skipped"
         if expect:
             assert expect in site["reason"]
+        else:  # the router: a softmax that is no attention
+            assert not site["attention"]
+    assert rm.cache_specs == []
     assert not any(n.target is torch.ops.pagedattn.attention.default for n in rm.dropin_module.graph.nodes)
     args = zoo.example_args(name, 3, 11)
     with torch.no_grad():
@@ -77,8 +82,9 @@ def test_sliding_window_wider_than_example_is_found(rewritten):
 
 def test_alibi_slopes_recovered(rewritten):
     _, rm = rewritten("alibi")
-    slopes = rm.dropin_module._pagedattn_alibi_0
-    torch.testing.assert_close(slopes, zoo.alibi_slopes(zoo.H))
+    (node,) = [n for n in rm.dropin_module.graph.nodes if is_attention(n)]
+    slopes = read_attention(node).params.alibi_slopes  # a get_attr of the buffer holding them
+    torch.testing.assert_close(getattr(rm.dropin_module, slopes.target), zoo.alibi_slopes(zoo.H))
 
 
 SELF_ATTENTION = sorted(n for n in zoo.ATTENTION if n != "cross_attention")
@@ -114,7 +120,7 @@ def test_paged_graph_has_cache_and_metadata_inputs(rewritten):
     assert torch.ops.pagedattn.write_kv_cache.default in targets
     assert torch.ops.pagedattn.paged_attention.default in targets
     assert torch.ops.aten.softmax.int not in targets
-    assert rm.cache_specs == [{"site": rm.report[0]["name"], "num_kv_heads": 2, "head_size": zoo.D, "dtype": "float32"}]
+    assert rm.cache_specs == [CacheSpec(rm.report[0]["name"], 2, zoo.D, torch.float32)]
 
 
 def test_wrong_argument_structure_is_a_clear_error(rewritten):
@@ -168,13 +174,15 @@ def test_sizes_the_trace_fixed_are_traced_again():
     m = TokenLoop().eval()
     rm = pagedattn.rewrite(m, zoo.example_args("nanogpt"))  # [2, 8, C]
     assert rm.static_sizes == {0: {1: 8, 2: zoo.C}}  # the length, and the width the weights fix
+    variants, retrace = [], rm.retrace
+    rm.retrace = lambda args, kwargs: variants.append(retrace(args, kwargs)) or variants[-1]
     x = zoo.example_args("nanogpt", T=5)[0]
     with torch.no_grad():
         torch.testing.assert_close(rm(x), m(x), atol=ATOL, rtol=0)
         rm(zoo.example_args("nanogpt", T=5, seed=1)[0])  # the same sizes: the same variant
-    assert len(rm._variants) == 1
-    (variant,) = rm._variants.values()
-    assert variant.report[0]["status"] == "rewritten"
-    rm._retrace = None  # a loaded program has no model to trace again
+    assert len(variants) == 1
+    (variant,) = variants
+    assert variant.report[0]["status"] == "rewritten" and variant.static_sizes == {0: {1: 5, 2: zoo.C}}
+    rm.retrace = None  # a loaded program has no model to trace again
     with pytest.raises(ValueError, match="traced for fixed input sizes"):
         rm(zoo.example_args("nanogpt", T=6)[0])

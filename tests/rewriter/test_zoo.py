@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .hf_zoo import _check_eager, _check_sdpa, inputs, tiny_model  # noqa: E402
+from .hf_zoo import check_eager, check_sdpa, inputs, tiny_model  # noqa: E402
 
 CI_ARCHS = [
     "llama", "mistral", "qwen2", "gpt_neo", "qwen2_moe", "mixtral", "gemma2", "gemma3_text", "cohere2", "phi3",
@@ -27,7 +27,7 @@ CI_ARCHS = [
 @pytest.mark.parametrize("arch", CI_ARCHS)
 def test_zoo_arch_rewritten_and_generates_like_hf(arch):
     model = tiny_model(arch, "eager")
-    res, engine = _check_eager(model)
+    res, engine = check_eager(model)
     assert "error" not in res, res
     assert res["sites"] > 0 and res["rewritten"] == res["sites"], res
     assert res["max_err"] < 1e-4, res
@@ -43,7 +43,7 @@ STATE_ARCHS = ["lfm2_moe", "jamba", "minimax", "mamba2"]
 @pytest.mark.parametrize("arch", STATE_ARCHS)
 def test_zoo_model_with_state_generates_like_hf(arch):
     model = tiny_model(arch, "eager")
-    res, engine = _check_eager(model)
+    res, engine = check_eager(model)
     assert res["state"] and "error" not in res, res
     assert res["rewritten"] == res["sites"] and (res["sites"] > 0) == (arch != "mamba2"), res
     assert engine.get("equal") or engine.get("equal_to_forward"), engine
@@ -53,13 +53,13 @@ def test_zoo_model_with_state_generates_like_hf(arch):
 def test_zoo_sdpa_dropin(arch):
     eager = tiny_model(arch, "eager")
     ids, mask = inputs(eager, 2, 8, seed=1)
-    res = _check_sdpa(arch, eager, {"input_ids": ids, "attention_mask": mask, "use_cache": False})
+    res = check_sdpa(arch, eager, {"input_ids": ids, "attention_mask": mask, "use_cache": False})
     assert "error" not in res, res
     assert res["sites"] > 0 and res["rewritten"] == res["sites"] and res["max_err"] < 1e-4, res
 
 
 def test_token_dependent_sparsity_is_refused():
     # DeepSeek-V3.2's indexer keeps each query's top-k keys by score: no fixed mask can express that
-    res, engine = _check_eager(tiny_model("deepseek_v32", "eager"))
+    res, engine = check_eager(tiny_model("deepseek_v32", "eager"))
     assert res["sites"] > 0 and res["rewritten"] == 0, res
     assert all("token values" in r for r in res["skipped"]), res

@@ -1,4 +1,10 @@
-"""PagedEngine against Hugging Face generate, token for token."""
+"""PagedEngine against Hugging Face generate, token for token.
+
+The engine's settings (chunked prefill, preemption by recompute or swap, tiny blocks and budgets, prefix
+caching) run on three architectures whose attention differs where those settings bite: sliding windows
+(Mistral; Gemma 2 alternating with full layers, soft-capped), and ALiBi without position ids (BLOOM).
+Every architecture's plain serving is the zoo slice's (``tests/rewriter/test_zoo.py``).
+"""
 
 import pytest
 import torch
@@ -6,49 +12,13 @@ import torch
 import pagedattn
 from pagedattn import PagedEngine, RequestErrors
 
-from ..rewriter.hf_models import TINY, tiny_model
+from pagedattn.adapter import accepted_inputs
 
-ARCHS = sorted(TINY)  # 11 architectures
+from ..rewriter import zoo
+from ..support import engine_example, hf_generate, prompts, tiny_model
+
 NEW = 10
-
-
-def _prompts(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
-    shared = torch.randint(0, 128, (20,), generator=g).tolist()
-    return prompts + [shared + [7, 8], shared + [9]]  # the last two share a 20-token prefix
-
-
-def _reference(model, prompts, new=NEW):
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                               do_sample=False, pad_token_id=0)
-        out.append(g[0, len(p):].tolist())
-    return out
-
-
-@pytest.fixture(scope="module")
-def models():
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            m = tiny_model(arch, "eager")
-            cache[arch] = (m, _reference(m, _prompts()), pagedattn.rewrite(
-                m, (), _example(m)))
-        return cache[arch]
-
-    return get
-
-
-def _example(m):
-    from pagedattn.runtime.engine import _accepted, _example_kwargs
-
-    return _example_kwargs(_accepted(m), 128)
-
+SETTING_ARCHS = ["bloom", "gemma2", "mistral"]
 
 SETTINGS = {
     "default": dict(),
@@ -59,12 +29,31 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.fixture(scope="module")
+def models():
+    """arch -> (model, its HF greedy tokens for ``prompts()``, the model rewritten as the engine would)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            m = tiny_model(arch, "eager")
+            cache[arch] = (m, hf_generate(m, prompts(), NEW), pagedattn.rewrite(m, (), engine_example(m)))
+        return cache[arch]
+
+    return get
+
+
+def _first(ref, n):
+    """The first ``n`` tokens of each greedy generation (a shorter greedy run is a prefix of a longer one)."""
+    return [r[:n] for r in ref]
+
+
+@pytest.mark.parametrize("arch", SETTING_ARCHS)
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_equals_hf_generate(arch, setting, models):
     model, ref, rewritten = models(arch)
     engine = PagedEngine(rewritten, **SETTINGS[setting])
-    got = engine.generate(_prompts(), max_new_tokens=NEW)
+    got = engine.generate(prompts(), max_new_tokens=NEW)
     assert got == ref
     if setting == "preemption":
         assert engine.scheduler.num_preemptions > 0
@@ -74,34 +63,40 @@ def test_greedy_equals_hf_generate(arch, setting, models):
         assert engine.blocks.prefix_hits > 0  # the shared prefix was reused
 
 
+def test_phi_outside_the_zoo_slice(models):
+    # partial rotary; the one architecture of hf_models.TINY that the zoo slice does not serve
+    _, ref, rewritten = models("phi")
+    assert PagedEngine(rewritten).generate(prompts(), max_new_tokens=NEW) == ref
+
+
 def test_engine_rewrites_an_nn_module_itself():
     m = tiny_model("qwen2", "eager")
-    prompts = _prompts()[:3]
-    assert PagedEngine(m).generate(prompts, max_new_tokens=6) == _reference(m, prompts, 6)
-
-
-def test_sampling_is_seeded():
-    m = tiny_model("llama", "eager")
+    ps = prompts()[:3]
     engine = PagedEngine(m)
-    a = engine.generate(_prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
-    b = engine.generate(_prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
-    c = engine.generate(_prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=2)
+    assert isinstance(engine.model, pagedattn.RewrittenModel) and engine.model is engine.servable.step
+    assert engine.generate(ps, max_new_tokens=6) == hf_generate(m, ps, 6)
+
+
+def test_sampling_is_seeded(llama):
+    engine = PagedEngine(llama[2])
+    a = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
+    b = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
+    c = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=2)
     assert a == b and a != c
 
 
-def test_stop_tokens_end_a_request():
-    m = tiny_model("llama", "eager")
-    prompt = _prompts()[1]
-    ref = _reference(m, [prompt])[0]
+def test_stop_tokens_end_a_request(llama):
+    _, ref, rewritten = llama
+    ref = ref[1][:NEW]
     stop = ref[3]
-    (got,) = PagedEngine(m).generate([prompt], max_new_tokens=NEW, stop_token_ids=[stop])
+    (got,) = PagedEngine(rewritten).generate([prompts()[1]], max_new_tokens=NEW, stop_token_ids=[stop])
     assert got == ref[: ref.index(stop) + 1]
 
 
 def test_step_api_streams():
     m = tiny_model("gpt2", "eager")
     engine = PagedEngine(m, max_num_tokens=16)
-    ids = [engine.add_request(p, max_new_tokens=4) for p in _prompts()[:4]]
+    ids = [engine.add_request(p, max_new_tokens=4) for p in prompts()[:4]]
     finished, steps = {}, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -111,35 +106,48 @@ def test_step_api_streams():
     assert steps > 4  # prefills were split across steps by the token budget
 
 
-def test_bad_requests_are_named_and_others_go_on():
-    m = tiny_model("llama", "eager")
-    engine = PagedEngine(m, num_blocks=8, block_size=4)
-    good = _prompts()[0]
+def test_bad_requests_are_named_and_others_go_on(llama):
+    _, ref, rewritten = llama
+    engine = PagedEngine(rewritten, num_blocks=8, block_size=4)
+    good = prompts()[0]
     with pytest.raises(RequestErrors) as e:
         engine.generate([good, [], list(range(100)), [5, 999], good], max_new_tokens=4)
     msg = str(e.value)
     assert "request 1" in msg and "empty" in msg
     assert "request 2" in msg and "blocks" in msg
     assert "request 3" in msg and "vocabulary" in msg
-    ref = _reference(m, [good], 4)[0]
-    assert e.value.results[0] == ref and e.value.results[4] == ref
+    assert e.value.results[0] == ref[0][:4] and e.value.results[4] == ref[0][:4]
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.add_request(good, max_new_tokens=0)
 
 
-def test_memory_budget_sizes_the_cache():
-    m = tiny_model("llama", "eager")
-    engine = PagedEngine(m, memory=1 << 20)
-    per_block = sum(2 * 16 * s["num_kv_heads"] * s["head_size"] * 4 for s in engine.cache_specs)
+def test_memory_budget_sizes_the_cache(llama):
+    engine = PagedEngine(llama[2], memory=1 << 20)
+    per_block = sum(2 * 16 * s.num_kv_heads * s.head_size * 4 for s in engine.cache_specs)
+    assert per_block == engine.servable.bytes_per_block()
     assert engine.num_blocks == (1 << 20) // per_block
     assert engine.kv_bytes <= 1 << 20
 
 
-def test_compiled_model_through_engine():
-    torch._dynamo.reset()
-    m = tiny_model("llama", "eager")
-    prompts = _prompts()[:3]
-    ref = _reference(m, prompts, 6)
+def test_compiled_model_through_engine(llama, fresh_dynamo):
+    m, ref, _ = llama
     compiled = torch.compile(m, backend="pagedattn", options={"inner": "eager"})
-    assert PagedEngine(compiled).generate(prompts, max_new_tokens=6) == ref
-    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(**engine_example(m))  # compiled first ...
+        other = torch.compile(zoo.MQABroadcast().eval(), backend="pagedattn", options={"inner": "eager"})
+        other(*zoo.example_args("mqa_broadcast"))  # ... then another model, with one kv head
+    # the engine learns the caches from the compiled model's own graphs, not from the last one compiled
+    engine = PagedEngine(compiled)
+    assert engine.model is compiled and engine.servable.input_names == accepted_inputs(m)
+    assert [(s.num_kv_heads, s.head_size) for s in engine.cache_specs] == [(2, 8), (2, 8)]
+    ps = prompts()[:3]
+    assert engine.generate(ps, max_new_tokens=6) == _first(ref[:3], 6)
+    with pytest.raises(ValueError, match="compile=True applies to models the engine rewrites"):
+        PagedEngine(compiled, compile=True)
+
+
+def test_inductor_compiled_engine_matches_hf(llama):
+    # compile=True: the paged graph through Inductor, once for every step shape (dynamic)
+    m, ref, _ = llama
+    engine = PagedEngine(m, compile=True, block_size=4, max_num_tokens=16)
+    assert engine.generate(prompts(), max_new_tokens=6) == _first(ref, 6)

@@ -13,15 +13,24 @@ pytest.importorskip("xformers", reason="xformers is not installed (pip install '
 from pagedattn import PagedEngine  # noqa: E402
 from pagedattn.backends import get_backend  # noqa: E402
 
-from ..backends.test_xformers_cuda_gpu import _hf_generate, _prompts, _tiny  # noqa: E402
 from ..rewriter import hf_zoo  # noqa: E402
-from ..rewriter.hf_models import tiny_model  # noqa: E402
-from .test_engine import _prompts as _short_prompts  # noqa: E402
-from .test_engine import _reference  # noqa: E402
-from .test_engine_swap import NEW as SWAP_NEW  # noqa: E402
-from .test_engine_swap import _bytes_per_block  # noqa: E402
+from ..support import (  # noqa: E402
+    LONG_PROMPTS,
+    hf_generate,
+    prompts,
+    tiny_lfm2,
+    tiny_mamba,
+    tiny_model,
+    wide_model,
+)
 
 NEW = 12
+SWAP_NEW = 16  # as tests/runtime/test_engine_swap.py
+STATE_NEW = 8  # as tests/runtime/test_engine_state.py
+
+
+def _prompts():
+    return prompts(**LONG_PROMPTS)
 
 
 def _assert_swapped_without_recompute(engine):
@@ -33,8 +42,8 @@ def _assert_swapped_without_recompute(engine):
 
 @pytest.fixture(scope="module")
 def llama_fp16():
-    model = _tiny("llama", torch.float16, "cuda")  # head size 64: triton_splitk pages decode at 16-token blocks
-    return model, _hf_generate(model, _prompts(), NEW)
+    model = wide_model("llama", torch.float16, "cuda")  # head size 64: triton_splitk pages decode at 16-token blocks
+    return model, hf_generate(model, _prompts(), NEW)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -55,14 +64,14 @@ def test_swap_preemption_fp16_matches_hf_generate(llama_fp16, prefix_caching, ma
 def test_swap_preemption_fp32_matches_cpu_generate():
     # fp32 (the SDPA fallback) with 4-token blocks; too little swap space for every victim: some recompute
     cpu_model = tiny_model("llama", "eager")
-    ref = _reference(cpu_model, _short_prompts(), SWAP_NEW)
+    ref = hf_generate(cpu_model, prompts(), SWAP_NEW)
     model = cpu_model.to("cuda")
     full = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap")
-    assert full.generate(_short_prompts(), max_new_tokens=SWAP_NEW) == ref
+    assert full.generate(prompts(), max_new_tokens=SWAP_NEW) == ref
     _assert_swapped_without_recompute(full)
     small = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap",
-                        swap_space=4 * _bytes_per_block(full))
-    assert small.generate(_short_prompts(), max_new_tokens=SWAP_NEW) == ref
+                        swap_space=4 * full.servable.bytes_per_block())
+    assert small.generate(prompts(), max_new_tokens=SWAP_NEW) == ref
     assert small.stats["swap_outs"] > 0 and small.stats["recomputes"] > 0
 
 
@@ -92,14 +101,13 @@ def test_gpt_oss_sinks_on_gpu_match_cpu_generate(gpt_oss, setting):
 def test_models_with_state_on_gpu_match_cpu_generate(make):
     # recurrent state slots on the GPU beside the xFormers caches: LFM2 (conv state, chunked prefill and
     # preemption by recompute), Mamba-1 (state read a token per step, no attention at all)
-    from . import test_engine_state as state_tests
-
-    cpu_model, ref = getattr(state_tests, make).__wrapped__()
+    cpu_model = {"lfm2": tiny_lfm2, "mamba": tiny_mamba}[make]()
+    ref = hf_generate(cpu_model, prompts(), STATE_NEW)
     model = cpu_model.to("cuda")
     engine = PagedEngine(model, target="cuda", block_size=4, num_blocks=20, max_num_tokens=8)
     try:
         assert engine.states.tensors[0].device.type == "cuda"
-        assert engine.generate(state_tests._prompts(), max_new_tokens=state_tests.NEW) == ref
+        assert engine.generate(prompts(), max_new_tokens=STATE_NEW) == ref
     finally:
         cpu_model.to("cpu")
     assert engine.stats["preemptions"] > 0 and engine.states.slot_of == {}

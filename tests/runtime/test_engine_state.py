@@ -4,28 +4,25 @@ import pytest
 import torch
 
 from pagedattn import PagedEngine
-from pagedattn.runtime.state import StatePool, StateLayout, StateSlot, find_recurrent_state
+from pagedattn.adapter import prepare_model
+from pagedattn.hf_state import StateLayout, find_recurrent_state, get_state, set_state, state_tensors
+from pagedattn.runtime.state import StatePool, StateSlot
 
-from .test_engine import _prompts, _reference
+from ..support import hf_generate, prompts, tiny_lfm2, tiny_mamba, tiny_model, tiny_rwkv
 
 NEW = 8
 
 
 @pytest.fixture(scope="module")
 def lfm2():
-    """LFM2: a short-convolution layer (conv state) and a full attention layer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("lfm2", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               layer_types=["conv", "full_attention", "conv"])
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    return m, _reference(m, _prompts(), NEW)
+    """LFM2 (conv state beside a full attention layer), its HF greedy tokens, and the model prepared for the
+    engine with 4-token blocks (tracing its state steps once for the tests that only serve it)."""
+    m = tiny_lfm2()
+    return m, hf_generate(m, prompts(), NEW), prepare_model(m, block_size=4)
 
 
 def test_layout_names_the_conv_states(lfm2):
-    m, _ = lfm2
+    m, _, _ = lfm2
     layout = find_recurrent_state(m)
     kinds = m.config.layer_types
     assert layout is not None and layout.cache_arg == "past_key_values"
@@ -34,9 +31,7 @@ def test_layout_names_the_conv_states(lfm2):
 
 
 def test_models_without_state_have_no_layout():
-    from ..rewriter.hf_models import tiny_model as plain
-
-    assert find_recurrent_state(plain("llama")) is None
+    assert find_recurrent_state(tiny_model("llama")) is None
 
 
 @pytest.mark.parametrize("settings", [
@@ -46,18 +41,19 @@ def test_models_without_state_have_no_layout():
     {"num_blocks": 14, "block_size": 4, "preemption_mode": "swap"},  # the state slot waits while blocks are out
 ], ids=["default", "chunked", "recompute", "swap"])
 def test_generation_equals_hf(lfm2, settings):
-    m, ref = lfm2
-    engine = PagedEngine(m, **{"block_size": 4, **settings})
-    assert engine.state_layout is not None and engine.blocks.enable_prefix_caching is False
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    m, ref, servable = lfm2
+    # the default setting takes the model itself; the others serve the same preparation (4-token blocks)
+    engine = PagedEngine(servable, **settings) if settings else PagedEngine(m, block_size=4)
+    assert engine.servable.state is not None and engine.blocks.enable_prefix_caching is False
+    assert engine.block_size == engine.blocks.block_size == 4  # the servable's, whatever block_size says
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     if "num_blocks" in settings:
         assert engine.stats["preemptions"] > 0
     assert engine.states.slot_of == {}  # finished requests give their slots back
 
 
-def test_decode_steps_batch_the_sequences(lfm2):
-    m, _ = lfm2
-    engine = PagedEngine(m, block_size=4)
+def test_decode_steps_batch_the_sequences(lfm2, monkeypatch):
+    engine = PagedEngine(lfm2[2])
     calls = []
     inner = engine.model.forward
 
@@ -65,39 +61,35 @@ def test_decode_steps_batch_the_sequences(lfm2):
         calls.append(tuple(kw["input_ids"].shape))
         return inner(**kw)
 
-    engine.model.forward = spy
-    engine.generate(_prompts()[:3], max_new_tokens=3)
+    monkeypatch.setattr(engine.model, "forward", spy)  # the step is shared: put it back afterwards
+    engine.generate(prompts()[:3], max_new_tokens=3)
     assert (3, 1) in calls  # the three sequences' decode tokens as one batch of rows
-    assert all(b == 1 for b, t in calls if t > 1)  # a prefill chunk runs alone in its row
+    prefill = [b for b, t in calls if t > 1]
+    assert len(prefill) == 3 and set(prefill) == {1}  # a prefill chunk runs alone in its row
 
 
 def test_state_outside_the_cache_is_refused(lfm2, monkeypatch):
-    m, _ = lfm2
-    from pagedattn.runtime import state
+    m, _, _ = lfm2
+    from pagedattn import hf_state
 
     # a step that drops the carried state: the engine's check against the model's own forward catches it
-    real = state._set_state
-    monkeypatch.setattr(state, "_set_state", lambda cache, path, t: real(cache, path, torch.zeros_like(t)))
+    real = hf_state.set_state
+    monkeypatch.setattr(hf_state, "set_state", lambda cache, path, t: real(cache, path, torch.zeros_like(t)))
     with pytest.raises(ValueError, match="differ from the model's own forward"):
         PagedEngine(m, block_size=4)
 
 
 @pytest.fixture(scope="module")
 def mamba():
-    """Mamba-1: its selective scan reads the carried state on single-token steps only."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("mamba", vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2,
-                               expand=2, conv_kernel=3, time_step_rank=4)
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    return m, _reference(m, _prompts(), NEW)
+    """Mamba-1 (its selective scan reads the carried state on single-token steps only) and its HF tokens."""
+    m = tiny_mamba()
+    return m, hf_generate(m, prompts(), NEW)
 
 
 def test_state_read_one_token_at_a_time(mamba):
     m, ref = mamba
     engine = PagedEngine(m, block_size=4, num_blocks=20)  # 20 blocks: preemptions too
-    assert engine._token_steps and engine.cache_specs == []  # no attention at all: state alone
+    assert engine.servable.token_steps and engine.cache_specs == []  # no attention at all: state alone
     shapes, inner = [], engine.model.forward
 
     def spy(**kw):
@@ -105,36 +97,29 @@ def test_state_read_one_token_at_a_time(mamba):
         return inner(**kw)
 
     engine.model.forward = spy
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["preemptions"] > 0
     assert {t for _, t in shapes} == {1} and max(b for b, _ in shapes) > 1  # rows of one token, batched
 
 
 @pytest.fixture(scope="module")
 def rwkv():
-    """RWKV: a ``state`` list in and out of the forward, its running maximum starting at -1e30 (not zeros),
-    and a single-token path that broadcasts the rows of a batch into each other."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("rwkv", vocab_size=128, hidden_size=32, attention_hidden_size=32,
-                               intermediate_size=64, num_hidden_layers=2, context_length=256)
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    return m, _reference(m, _prompts()[:3], 4)
+    """RWKV (a state list that does not start from zeros, a single-token path mixing rows) and its HF tokens."""
+    m = tiny_rwkv()
+    return m, hf_generate(m, prompts()[:3], 4)
 
 
 def test_state_list_with_its_own_start_runs_a_row_per_call(rwkv):
     m, ref = rwkv
     engine = PagedEngine(m, block_size=4)
-    layout = engine.state_layout
+    sv = engine.servable
+    layout = sv.state
     assert layout.cache_arg == "state" and layout.cache_class is list and not layout.starts_from_zeros
-    assert engine.fresh_model is not None and engine._token_steps and engine._one_row
-    assert engine.generate(_prompts()[:3], max_new_tokens=4) == ref
+    assert sv.fresh_step is not None and sv.token_steps and sv.one_row
+    assert engine.generate(prompts()[:3], max_new_tokens=4) == ref
 
 
 def test_state_paths_through_nested_containers():
-    from pagedattn.runtime.state import _get_state, _set_state, _state_tensors
-
     class Own:  # xLSTM's cache: a dict of per-layer tuples beside a counter
         def __init__(self):
             self.rnn_state = {0: (torch.zeros(1, 2), torch.zeros(1, 3)), 1: (torch.zeros(1, 2), torch.zeros(1, 3))}
@@ -142,24 +127,31 @@ def test_state_paths_through_nested_containers():
             self._private = torch.ones(1)
 
     cache = Own()
-    paths = [p for p, _ in _state_tensors(cache)]
+    paths = [p for p, _ in state_tensors(cache)]
     assert paths == [("rnn_state", 0, 0), ("rnn_state", 0, 1), ("rnn_state", 1, 0), ("rnn_state", 1, 1),
                      ("seqlen_offset",)]
-    _set_state(cache, ("rnn_state", 1, 1), torch.ones(4, 3))  # a tuple member: the tuple is rebuilt
-    assert torch.equal(_get_state(cache, ("rnn_state", 1, 1)), torch.ones(4, 3))
+    set_state(cache, ("rnn_state", 1, 1), torch.ones(4, 3))  # a tuple member: the tuple is rebuilt
+    assert torch.equal(get_state(cache, ("rnn_state", 1, 1)), torch.ones(4, 3))
     assert isinstance(cache.rnn_state[1], tuple) and cache.rnn_state[1][0].shape == (1, 2)
     lst = [[], torch.zeros(1)]  # MiniMax's linear_cache: empty entries for layers without state
-    _set_state(lst, (3,), torch.ones(2))
+    set_state(lst, (3,), torch.ones(2))
     assert len(lst) == 4 and lst[2] == [] and torch.equal(lst[3], torch.ones(2))
 
 
-def _layout():
-    return StateLayout((StateSlot(("layers", 0, "conv_states", 0), (3, 2), torch.float32),
-                        StateSlot(("linear_cache", 1), (4,), torch.float32)), "past_key_values", object)
+def _slots():
+    return (StateSlot(("layers", 0, "conv_states", 0), (3, 2), torch.float32),
+            StateSlot(("linear_cache", 1), (4,), torch.float32))
+
+
+def test_layout_sizes_and_starts():
+    layout = StateLayout(_slots(), "past_key_values", object)
+    assert layout.bytes_per_sequence == (3 * 2 + 4) * 4
+    assert not layout.starts_from_zeros  # only LinearAttention layers ("layers", ...) start from zeros
+    assert StateLayout(_slots()[:1], "past_key_values", object).starts_from_zeros
 
 
 def test_pool_starts_zeroed_and_round_trips():
-    pool = StatePool(_layout(), torch.device("cpu"), capacity=2)
+    pool = StatePool(_slots(), torch.device("cpu"), capacity=2)
     pool.start(7), pool.start(9)
     new = [torch.ones(2, 3, 2), torch.arange(8.).reshape(2, 4)]
     pool.scatter([9, 7], new)
@@ -170,7 +162,7 @@ def test_pool_starts_zeroed_and_round_trips():
 
 
 def test_pool_grows_and_reuses_slots():
-    pool = StatePool(_layout(), torch.device("cpu"), capacity=1)
+    pool = StatePool(_slots(), torch.device("cpu"), capacity=1)
     for rid in range(5):
         pool.start(rid)
     assert pool.capacity >= 5 and len(set(pool.slot_of.values())) == 5

@@ -1,23 +1,12 @@
 """Swap preemption in PagedEngine: victims' blocks go to a host cache and come back, tokens unchanged."""
 
-import pagedattn
 import pytest
+
 from pagedattn import PagedEngine
 
-from ..rewriter.hf_models import tiny_model
-from .test_engine import _example, _prompts, _reference
+from ..support import prompts
 
-NEW = 16
-
-
-@pytest.fixture(scope="module")
-def llama():
-    m = tiny_model("llama", "eager")
-    return m, _reference(m, _prompts(), NEW), pagedattn.rewrite(m, (), _example(m))
-
-
-def _bytes_per_block(engine):
-    return sum(2 * engine.block_size * s["num_kv_heads"] * s["head_size"] for s in engine.cache_specs) * 4
+NEW = 16  # the shared ``llama`` fixture's reference length (conftest.py)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -26,7 +15,7 @@ def test_swapped_requests_continue_without_recompute(llama, prefix_caching, max_
     _, ref, rewritten = llama
     engine = PagedEngine(rewritten, num_blocks=16, block_size=4, max_num_tokens=max_num_tokens,
                          enable_prefix_caching=prefix_caching, preemption_mode="swap")
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     stats = engine.stats
     assert stats["swap_outs"] > 0 and stats["swap_ins"] == stats["swap_outs"]
     assert stats["recomputes"] == 0 and stats["preemptions"] == stats["swap_outs"]
@@ -39,9 +28,9 @@ def test_too_little_swap_space_falls_back_to_recompute(llama):
     probe = PagedEngine(rewritten, num_blocks=14, block_size=4)
     # four blocks of host cache: room for the smaller victims only
     engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap",
-                         swap_space=4 * _bytes_per_block(probe))
+                         swap_space=4 * probe.servable.bytes_per_block())
     assert engine.blocks.num_host_blocks == 4 and engine.host_kv_caches[0].shape[1] == 4
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["swap_outs"] > 0 and engine.stats["recomputes"] > 0
 
 
@@ -49,7 +38,7 @@ def test_no_swap_space_recomputes_every_victim(llama):
     _, ref, rewritten = llama
     engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0)
     assert engine.host_kv_caches == []
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["recomputes"] > 0 and engine.stats["swap_outs"] == 0
 
 
@@ -57,7 +46,7 @@ def test_recompute_stays_the_default(llama):
     _, ref, rewritten = llama
     engine = PagedEngine(rewritten, num_blocks=14, block_size=4)
     assert engine.host_kv_caches == [] and engine.blocks.num_host_blocks == 0
-    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["recomputes"] == engine.stats["preemptions"] > 0 and engine.stats["swap_outs"] == 0
 
 

@@ -1,0 +1,1322 @@
+"""A site's mask program read as a formula over query and key positions, and proofs about it (z3).
+
+The mask and bias terms ``match_attention`` found on a site's score path are computed by a small
+program of index arithmetic: ``arange``, comparisons, ``&``/``|``, ``where``, slices of buffers,
+lookups into inputs such as ``attention_mask``. :func:`read_mask` interprets that program
+symbolically: every tensor becomes one z3 expression in the index variables of its dimensions, so
+the combined mask is a formula ``allowed(b, h, i, j)`` for batch row ``b``, head ``h``, query row
+``i`` and key column ``j`` that holds for every size at once. :func:`establish` then proves which
+kind of mask it is (causal, sliding window, chunked, none; with key padding) for every length the
+program accepts, or says where it differs. Nothing is sampled: a window of 6,000 keys is found and
+proven on a graph traced with 8 tokens.
+
+What the program reads decides what a proof covers:
+
+- sizes (query and key counts, batch) are symbols; a slice of a buffer bounds them (the program
+  cannot run past the buffer), and so may the model's own maximum (``PassContext.max_length``);
+- a ``[batch, keys]`` 0/1 or boolean input (``attention_mask``, ``src_key_padding_mask``) is an
+  uninterpreted function: the proof holds whatever the caller passes;
+- an integer input that counted up by one in the example (``position_ids``) stands for positions
+  that count up by one from any offset per row; the proof covers those, and drop-in calls with
+  other positions (restarting, packed documents) must be refused or split (``RewrittenModel``);
+- constants (buffers, parameters) are read: small ones element by element, large 2-D ones when they
+  are exactly a lower-triangular (causal) matrix;
+- anything else (token values, float masks handed in, ops this interpreter does not know) makes
+  the program unreadable: :class:`NotEstablished` says why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from pagedattn.passes.site import MASK_LIMIT, AttentionSite, aten
+
+try:
+    import z3
+except ImportError:  # pragma: no cover - a declared dependency; refuse rather than guess without it
+    z3 = None
+
+__all__ = ["NotEstablished", "MaskFormula", "MaskKind", "read_mask", "establish", "extract_program",
+           "reads_by_value"]
+
+_NEG = -1e30  # stands for -inf and finfo.min: any value at or below MASK_LIMIT masks
+_SMALL_CONSTANT = 4096  # constants up to this many elements are read element by element
+_TIMEOUT_MS = 20_000
+_MAX_POSITIONS = 2 ** 31  # seq_lens and block tables are int32: no sequence is longer
+
+
+class NotEstablished(Exception):
+    """The mask could not be established for every length; the message says why."""
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def extract_program(gm: GraphModule, outputs: Sequence[Node]) -> tuple[GraphModule, list[Node]]:
+    """A module computing ``outputs`` from the placeholders they depend on (and those placeholders)."""
+    need: set[Node] = set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        stack.extend(n.all_input_nodes)
+    g = Graph()
+    env: dict[Node, Node] = {}
+    inputs = []
+    for n in gm.graph.nodes:
+        if n in need:
+            env[n] = g.node_copy(n, lambda a: env[a])
+            if n.op == "placeholder":
+                inputs.append(n)
+    g.output(tuple(env[o] for o in outputs))
+    return GraphModule(gm, g), inputs
+
+
+def reads_by_value(p: Node, nodes: set[Node]) -> bool:
+    """Whether the program reads a placeholder's values (not only its sizes)."""
+    return any(u in nodes and u.target is not aten.sym_size.int for u in p.users)
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class _Dim:
+    """One tensor dimension: its index (a z3 integer expression, None for a broadcast dimension whose
+    values do not vary) and its size (a z3 expression)."""
+
+    index: Any
+    size: Any
+
+
+@dataclass(frozen=True)
+class _Val:
+    dims: tuple  # of _Dim
+    expr: Any  # z3 expression in the dims' indices
+    kind: str  # "int" | "bool" | "float"
+
+
+def _kind_of(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "int"
+
+
+class _Unreadable(Exception):
+    pass
+
+
+class _Interpreter:
+    """Runs a mask program on z3 expressions instead of tensors."""
+
+    def __init__(self, module: GraphModule, roles: dict[str, str], constants: dict[str, torch.Tensor],
+                 prefix: str = "i"):
+        self.module = module
+        self.prefix = prefix  # index variables of one reading are named apart from another's
+        self.roles = roles  # placeholder -> "padding" | "positions" | "constant" | "shape"
+        self.constants = constants  # placeholder -> its value, for constant inputs
+        self.facts: list = []  # ranges of indices, validity of sizes
+        # what must hold at every index for the program to run (lookups inside their tensor): kept apart
+        # from the facts, which would otherwise shrink the indices a proof covers
+        self.obligations: list = []
+        self.sizes: dict[str, Any] = {}
+        self.counter = itertools.count()
+        self.functions: dict[str, Any] = {}
+        self.padding: dict[str, Any] = {}  # placeholder -> z3 function (b, k)
+        self.positions: list[str] = []
+        self.env: dict[Node, Any] = {}
+        self.concrete: dict[Node, Any] = {}  # nodes computed outright: constants and what only they feed
+
+    # --- sizes and indices
+
+    def size(self, s) -> Any:
+        if isinstance(s, bool):
+            raise _Unreadable("a boolean used as a size")
+        if isinstance(s, int):
+            return z3.IntVal(s)
+        if isinstance(s, torch.SymInt):
+            return self._sympy(s.node.expr)
+        raise _Unreadable(f"size {s!r}")
+
+    def _sympy(self, e) -> Any:
+        if e.is_Integer:
+            return z3.IntVal(int(e))
+        if e.is_Symbol:
+            name = str(e)
+            if name not in self.sizes:
+                self.sizes[name] = z3.Int(name)
+                self.facts.append(self.sizes[name] >= 1)
+            return self.sizes[name]
+        args = [self._sympy(a) for a in e.args]
+        name = type(e).__name__
+        if e.is_Add:
+            return z3.Sum(args)
+        if e.is_Mul:
+            return math.prod(args[1:], start=args[0])
+        if name == "FloorDiv":
+            return args[0] / args[1]
+        if name in ("Min", "Max"):
+            out = args[0]
+            for a in args[1:]:
+                out = z3.If(a < out, a, out) if name == "Min" else z3.If(a > out, a, out)
+            return out
+        raise _Unreadable(f"size expression {e}")
+
+    def fresh(self, size) -> Any:
+        v = z3.Int(f"{self.prefix}{next(self.counter)}")
+        self.facts += [v >= 0, v < size]
+        return v
+
+    def dims_of(self, shape) -> tuple:
+        out = []
+        for s in shape:
+            size = self.size(s)
+            out.append(_Dim(None, size) if isinstance(s, int) and s == 1 else _Dim(self.fresh(size), size))
+        return tuple(out)
+
+    # --- values
+
+    def const(self, x) -> _Val:
+        if isinstance(x, bool):
+            return _Val((), z3.BoolVal(x), "bool")
+        if isinstance(x, int):
+            return _Val((), z3.IntVal(x), "int")
+        if isinstance(x, float):
+            if math.isinf(x) or math.isnan(x) or abs(x) >= 1e30:
+                if math.isnan(x):
+                    raise _Unreadable("NaN in the mask program")
+                x = _NEG if x < 0 else -_NEG
+            return _Val((), z3.RealVal(x), "float")
+        if isinstance(x, torch.SymInt):
+            return _Val((), self.size(x), "int")
+        raise _Unreadable(f"constant {x!r}")
+
+    def get(self, a) -> _Val:
+        if isinstance(a, Node):
+            if a not in self.env and a in self.concrete:
+                value = self.concrete[a]
+                self.env[a] = self.constant(value, a.name) if isinstance(value, torch.Tensor) else self.const(value)
+            v = self.env[a]
+            if v is None:
+                raise _Unreadable(f"the values of {a.name}, which the program reads only by shape elsewhere")
+            return v
+        return self.const(a)
+
+    @staticmethod
+    def cast(v: _Val, kind: str) -> Any:
+        e = v.expr
+        if v.kind == kind:
+            return e
+        if kind == "bool":
+            return e != 0
+        if v.kind == "bool":
+            return z3.If(e, z3.IntVal(1), z3.IntVal(0)) if kind == "int" else z3.If(e, z3.RealVal(1), z3.RealVal(0))
+        if kind == "float":
+            return z3.ToReal(e)
+        return z3.ToInt(e)
+
+    def unify(self, vals: Sequence[_Val]) -> tuple[tuple, list[_Val]]:
+        """Right-aligned broadcasting: the result's dims, and the operands with the dimensions they share
+        under one index. An operand's own index is renamed in its expression, not tied by a fact, so a
+        later renaming of the result's index (a slice, a second use) reaches every operand."""
+        n = max((len(v.dims) for v in vals), default=0)
+        out, subs = [], [[] for _ in vals]
+        for k in range(n):
+            here = [(vi, v.dims[k - n + len(v.dims)]) for vi, v in enumerate(vals) if k - n + len(v.dims) >= 0]
+            varying = [(vi, d) for vi, d in here if d.index is not None and not _is_one(d.size)]
+            if not varying:  # one element everywhere: read for every index of the others
+                out.append(here[0][1] if here else _Dim(None, z3.IntVal(1)))
+                continue
+            first = varying[0][1]
+            chosen = first
+            if z3.is_const(first.index) and any(o.index is not None and o.index.eq(first.index) for o in out):
+                # one index in two dims (``a[:, None] - a[None, :]`` of one ``a``): they are independent
+                chosen = _Dim(self.fresh(first.size), first.size)
+            for vi, d in varying:
+                if d.index.eq(chosen.index):
+                    continue
+                if d.index.eq(first.index) or z3.is_const(d.index):
+                    # one element of the result reads the same position of each operand: one index
+                    subs[vi].append((d.index, chosen.index))
+                else:
+                    self.facts.append(d.index == chosen.index)
+                if not d.size.eq(chosen.size):
+                    self.facts.append(d.size == chosen.size)
+            out.append(chosen)
+        renamed = [_Val(v.dims, z3.substitute(v.expr, *sub), v.kind) if sub else v for v, sub in zip(vals, subs)]
+        return tuple(out), renamed
+
+    def data(self, name: str, dims: tuple, kind: str) -> Any:
+        sort = {"bool": z3.BoolSort(), "int": z3.IntSort(), "float": z3.RealSort()}[kind]
+        key = f"{name}:{len(dims)}:{kind}"
+        if key not in self.functions:
+            self.functions[key] = z3.Function(name, *([z3.IntSort()] * len(dims)), sort)
+        return self.functions[key](*[d.index if d.index is not None else z3.IntVal(0) for d in dims])
+
+    # --- inputs
+
+    def placeholder(self, n: Node) -> Optional[_Val]:
+        v = n.meta.get("val")
+        role = self.roles.get(n.name, "shape")
+        if isinstance(v, torch.SymInt):
+            return _Val((), self.size(v), "int")
+        if not isinstance(v, torch.Tensor) or role == "shape":
+            return None
+        if role == "constant":
+            return self.constant(self.constants[n.name], n.name)
+        if role in ("present", "present_false"):  # a padding input read as "every key present"
+            one = {"bool": z3.BoolVal(role == "present"), "int": z3.IntVal(1), "float": z3.RealVal(1)}[_kind_of(v.dtype)]
+            return _Val(tuple(_Dim(None, self.size(s)) for s in v.shape), one, _kind_of(v.dtype))
+        dims = self.dims_of(v.shape)
+        if role == "padding":
+            if len(dims) != 2:
+                raise _Unreadable(f"padding input {n.name} is not [batch, keys]")
+            f = self.data(f"pad_{n.name}", dims, _kind_of(v.dtype))
+            self.padding[n.name] = f.decl()
+            return _Val(dims, f, _kind_of(v.dtype))
+        if role == "positions":
+            # positions that count up by one along the last dimension, from any offset per row
+            self.positions.append(n.name)
+            offset = z3.Function(f"offset_{n.name}", *([z3.IntSort()] * (len(dims) - 1)), z3.IntSort())
+            lead = [d.index if d.index is not None else z3.IntVal(0) for d in dims[:-1]]
+            off = offset(*lead)
+            self.facts.append(off >= 0)
+            return _Val(dims, dims[-1].index + off if dims[-1].index is not None else off, "int")
+        raise _Unreadable(f"input {n.name} ({role})")
+
+    def constant(self, t: torch.Tensor, name: str) -> _Val:
+        """A buffer or parameter: a band around the diagonal (causal, windowed) as such, else element by
+        element when small, else (float) as a table of unknown values in its range."""
+        t = t.detach().cpu()
+        kind = _kind_of(t.dtype)
+        if t.numel() == 1:
+            x = t.reshape(()).item()
+            c = self.const(bool(x) if kind == "bool" else float(x) if kind == "float" else int(x))
+            return _Val(tuple(_Dim(None, z3.IntVal(1)) for _ in t.shape), c.expr, c.kind)
+        dims = self.dims_of(tuple(t.shape))
+        band = _diagonal_band(t)
+        if band is not None:  # a causal or windowed matrix over its last two dimensions (nanoGPT's `bias`)
+            on, off, lo, hi = band
+            i, j = dims[-2].index, dims[-1].index
+            value = {"bool": lambda x: z3.BoolVal(bool(x)), "float": _real, "int": lambda x: z3.IntVal(int(x))}[kind]
+            inside = z3.And([c for c in (None if lo is None else i - j >= lo, None if hi is None else i - j <= hi)
+                             if c is not None] or [z3.BoolVal(True)])
+            return _Val(dims, z3.If(inside, value(on), value(off)), kind)
+        line = _affine_rows(t) if kind != "bool" else None
+        if line is not None and dims[-1].index is not None:
+            # ALiBi tables (MPT's, built for the longest length): value = start + step * position in every row
+            start, step = line
+            lead = dims[:-1]
+            k = dims[-1].index if kind == "int" else z3.ToReal(dims[-1].index)
+            return _Val(dims, self._elementwise(start, lead, kind) + self._elementwise(step, lead, kind) * k, kind)
+        if t.numel() <= _SMALL_CONSTANT:
+            return _Val(dims, self._elementwise(t, dims, kind), kind)
+        if kind == "float":
+            # a learned table (a relative-position bias): its values are unknown to the proof, so only what
+            # holds for every value follows from it (an additive table is never ALiBi, say)
+            # (beyond their range, clamped in: a table of finite values never hides a key)
+            table = z3.Function(f"table_{name}", *([z3.IntSort()] * len(dims)), z3.RealSort())
+            raw = table(*[d.index if d.index is not None else z3.IntVal(0) for d in dims])
+            low, high = _real(t.min().item()), _real(t.max().item())
+            return _Val(dims, z3.If(raw < low, low, z3.If(raw > high, high, raw)), kind)
+        raise _Unreadable(f"constant {name} of shape {tuple(t.shape)} is neither small nor a band around the "
+                          "diagonal (a causal or windowed matrix)")
+
+    @staticmethod
+    def _elementwise(t: torch.Tensor, dims: tuple, kind: str) -> Any:
+        flat = t.reshape(-1).tolist()
+        strides = [math.prod(t.shape[k + 1:]) for k in range(t.dim())]
+
+        def value(x):
+            if kind == "bool":
+                return z3.BoolVal(bool(x))
+            if kind == "float":
+                return _real(x)
+            return z3.IntVal(int(x))
+
+        index = z3.Sum([d.index * s for d, s in zip(dims, strides) if d.index is not None] or [z3.IntVal(0)])
+        out = value(flat[-1])
+        for pos in range(len(flat) - 2, -1, -1):
+            if flat[pos] != flat[-1]:
+                out = z3.If(index == pos, value(flat[pos]), out)
+        return out
+
+    # --- the program
+
+    def run(self, outputs: Sequence[Node]) -> list[_Val]:
+        for n in self.module.graph.nodes:
+            if n.op == "output":
+                break
+            if n.op == "placeholder":
+                if self.roles.get(n.name) == "constant":
+                    self.concrete[n] = self.constants[n.name]
+                else:
+                    self.env[n] = self.placeholder(n)
+            elif n.op == "get_attr":
+                obj = self.module
+                for part in n.target.split("."):
+                    obj = getattr(obj, part)
+                if not isinstance(obj, torch.Tensor):
+                    raise _Unreadable(f"attribute {n.target}")
+                self.concrete[n] = obj
+            elif self._fold(n):
+                continue
+            else:
+                handler = _HANDLERS.get(n.target)
+                if handler is None:
+                    raise _Unreadable(f"op {getattr(n.target, '__name__', n.target)}")
+                self.env[n] = handler(self, n)
+        return [self.get(o) for o in outputs]
+
+    def _fold(self, n: Node) -> bool:
+        """Compute a node whose inputs are all known constants (ALiBi slopes from ``pow``, a causal buffer
+        built with ``tril``): the program then reads its values like any constant's."""
+        args = n.all_input_nodes
+        if not all(a in self.concrete for a in args) or any(
+                isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((n.args, n.kwargs))):
+            return False
+        if not args and n.target not in _FOLDABLE_SOURCES:
+            return False
+        real = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: self.concrete[a])
+        try:
+            with torch.no_grad():
+                self.concrete[n] = n.target(*real[0], **real[1])
+        except Exception:  # not computable here (e.g. a device this process lacks): read symbolically
+            return False
+        return True
+
+    # --- reasoning inside the program
+
+    def always(self, claim) -> bool:
+        """Whether ``claim`` holds for every index and size the facts allow."""
+        s = z3.Solver()
+        s.set("timeout", _TIMEOUT_MS)
+        s.add(*self.facts)
+        s.add(z3.Not(claim))
+        return s.check() == z3.unsat
+
+
+def _affine_rows(t: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(start, step)`` over ``t``'s leading dims when every row along the last dim is
+    ``start + step * position`` (to the rounding of ``t``'s dtype), else None."""
+    if t.dim() < 1 or t.shape[-1] < 3 or not bool(torch.isfinite(t).all()):
+        return None
+    rows = t.reshape(-1, t.shape[-1]).double()
+    start, step = rows[:, 0], rows[:, 1] - rows[:, 0]
+    if not bool((step != 0).any()):
+        return None
+    fit = start[:, None] + step[:, None] * torch.arange(t.shape[-1], dtype=torch.float64)
+    tol = 0.0 if not t.dtype.is_floating_point else 4 * torch.finfo(t.dtype).eps * float(rows.abs().max())
+    if float((fit - rows).abs().max()) > tol:
+        return None
+    lead = t.shape[:-1]
+    if t.dtype.is_floating_point:  # the step from the ends: exact for a rounded table
+        step = (rows[:, -1] - rows[:, 0]) / (t.shape[-1] - 1)
+    return start.reshape(lead).to(t.dtype), step.reshape(lead).to(t.dtype)
+
+
+def _real(x: float) -> Any:
+    """A float constant for the solver; infinities (and float32's huge fill values) become a finite
+    "minus a lot" that reads the same in a mask."""
+    if math.isinf(x) or abs(x) >= 1e30:
+        x = _NEG if x < 0 else -_NEG
+    return z3.RealVal(x)
+
+
+def _diagonal_band(t: torch.Tensor) -> Optional[tuple]:
+    """``(value inside, value outside, lo, hi)`` when ``t``'s last two dims hold one value where
+    ``lo <= row - column <= hi`` and another elsewhere, the same in every leading slice (a causal matrix:
+    ``lo = 0``, a window of ``w``: also ``hi = w - 1``); a bound the matrix never reaches is None."""
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
+        return None
+    m = t.reshape(-1, *t.shape[-2:])
+    if not bool((m == m[:1]).all()):
+        return None
+    m, n = m[0], t.shape[-1]
+    values = m.unique()
+    if values.numel() != 2:
+        return None
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]  # row - column
+    for on, off in ((values[0], values[1]), (values[1], values[0])):
+        inside = m == on
+        lo, hi = int(d[inside].min()), int(d[inside].max())
+        if bool((inside == ((d >= lo) & (d <= hi))).all()):
+            return on.item(), off.item(), (None if lo == -(n - 1) else lo), (None if hi == n - 1 else hi)
+    return None
+
+
+# ------------------------------------------------------------------------------ op handlers
+
+
+def _same(it, n):
+    return it.get(n.args[0])
+
+
+def _sym_size(it, n):
+    return _Val((), it.size(n.meta["val"]), "int")
+
+
+def _arange(it, n):
+    a = n.args
+    if n.target is aten.arange.default:
+        start, step = z3.IntVal(0), z3.IntVal(1)
+    else:
+        start = it.get(a[0]).expr
+        step = it.get(a[2]).expr if n.target is aten.arange.start_step else z3.IntVal(1)
+    size = it.size(n.meta["val"].shape[0])
+    v = it.fresh(size)
+    return _Val((_Dim(v, size),), start + step * v, "int")
+
+
+def _cast(it, n):
+    src = it.get(n.args[0])
+    k = _kind_of(n.meta["val"].dtype)
+    return _Val(src.dims, it.cast(src, k), k)
+
+
+def _unsqueeze(it, n):
+    src = it.get(n.args[0])
+    d = n.args[1] % (len(src.dims) + 1)
+    dims = list(src.dims)
+    dims.insert(d, _Dim(None, z3.IntVal(1)))
+    return _Val(tuple(dims), src.expr, src.kind)
+
+
+def _squeeze(it, n):
+    src = it.get(n.args[0])
+    if n.target is aten.squeeze.default:
+        drop = {k for k, d in enumerate(src.dims) if d.index is None}
+    else:
+        ds = [n.args[1]] if n.target is aten.squeeze.dim else list(n.args[1])
+        drop = {d % len(src.dims) for d in ds if src.dims[d % len(src.dims)].index is None}
+    return _Val(tuple(d for k, d in enumerate(src.dims) if k not in drop), src.expr, src.kind)
+
+
+def _expand(it, n):
+    src = it.get(n.args[0])
+    out = n.meta["val"].shape
+    dims = [_Dim(None, z3.IntVal(1))] * (len(out) - len(src.dims)) + list(src.dims)
+    # a broadcast dimension expanded keeps its values: it stays without an index, with the new size
+    return _Val(tuple(d if d.index is not None else _Dim(None, it.size(s)) for d, s in zip(dims, out)),
+                src.expr, src.kind)
+
+
+def _view(it, n):
+    """Views that insert or drop size-1 dims, merge dims into one, or split one into several."""
+    src = it.get(n.args[0])
+    out_shape = tuple(n.meta["val"].shape)
+    big_in = [d for d in src.dims if not _is_one(d.size)]
+    out_sizes = [it.size(s) for s in out_shape]
+    big_out = [k for k, s in enumerate(out_shape) if not (isinstance(s, int) and s == 1)]
+    dims = [_Dim(None, z3.IntVal(1)) if k not in big_out else None for k in range(len(out_shape))]
+    a, b = 0, 0
+    while a < len(big_in) and b < len(big_out):
+        d = big_in[a]
+        if it.always(d.size == out_sizes[big_out[b]]):
+            dims[big_out[b]] = d
+            a, b = a + 1, b + 1
+            continue
+        # merge: consecutive input dims whose sizes multiply to the output's
+        for m in range(a + 2, len(big_in) + 1):
+            group = big_in[a:m]
+            if it.always(math.prod([g.size for g in group[1:]], start=group[0].size) == out_sizes[big_out[b]]):
+                if all(g.index is None for g in group):  # constant along all of them: still constant
+                    dims[big_out[b]] = _Dim(None, out_sizes[big_out[b]])
+                    a, b = m, b + 1
+                    break
+                index, stride = z3.IntVal(0), z3.IntVal(1)
+                for g in reversed(group):
+                    # a dim the values do not vary along still spans its size in the merged index
+                    part = g.index if g.index is not None else it.fresh(g.size)
+                    index, stride = index + part * stride, stride * g.size
+                dims[big_out[b]] = _Dim(index, out_sizes[big_out[b]])
+                a, b = m, b + 1
+                break
+        else:
+            # split: consecutive output dims whose sizes multiply to the input's
+            for m in range(b + 2, len(big_out) + 1):
+                group = [out_sizes[k] for k in big_out[b:m]]
+                if it.always(math.prod(group[1:], start=group[0]) == d.size):
+                    parts = [it.fresh(s) for s in group]
+                    index, stride = z3.IntVal(0), z3.IntVal(1)
+                    for p, s in zip(reversed(parts), reversed(group)):
+                        index, stride = index + p * stride, stride * s
+                    if d.index is not None:
+                        it.facts.append(d.index == index)
+                    for k, p, s in zip(big_out[b:m], parts, group):
+                        dims[k] = _Dim(p, s)
+                    a, b = a + 1, m
+                    break
+            else:
+                raise _Unreadable(f"view {tuple(src.dims)} -> {out_shape}")
+    if a != len(big_in) or b != len(big_out):
+        raise _Unreadable(f"view to {out_shape}")
+    return _Val(tuple(dims), src.expr, src.kind)
+
+
+def _is_one(size) -> bool:
+    return z3.is_int_value(size) and size.as_long() == 1
+
+
+def _slice(it, n):
+    """``x[start:end]`` along a dim; its size is what slicing gives at run time (clamped to the source), so
+    a slice of a buffer bounds the lengths the program runs at where it meets a longer dimension."""
+    a = list(n.args) + [None] * (5 - len(n.args))
+    src = it.get(a[0])
+    dim = (a[1] or 0) % len(src.dims)
+    start, end, step = a[2] or 0, a[3], a[4] or 1
+    if step != 1:
+        raise _Unreadable("a strided slice")
+    d = src.dims[dim]
+    off = it.get(start).expr if isinstance(start, (Node, torch.SymInt)) else z3.IntVal(start)
+    stop = d.size if end is None or (isinstance(end, int) and end >= 2 ** 62) else \
+        (it.get(end).expr if isinstance(end, (Node, torch.SymInt)) else z3.IntVal(end))
+    if not it.always(off >= 0) or not it.always(stop >= 0):
+        raise _Unreadable("a slice from the end (negative bounds)")
+    stop = z3.If(stop > d.size, d.size, stop)
+    size = z3.If(stop > off, stop - off, z3.IntVal(0))
+    static = n.meta["val"].shape[dim]
+    if isinstance(static, int):  # a size the trace fixed: exact as it is
+        size = z3.IntVal(static)
+    elif it.always(size == 1):  # e.g. the last S rows of a dimension of one (MPT's ALiBi row): one, always
+        size, static = z3.IntVal(1), 1
+    dims = list(src.dims)
+    if d.index is None:
+        dims[dim] = _Dim(None, size)
+        return _Val(tuple(dims), src.expr, src.kind)
+    if isinstance(static, int) and static == 1:  # one element: the source at the slice's start
+        dims[dim] = _Dim(None, size)
+        return _Val(tuple(dims), z3.substitute(src.expr, (d.index, off)) if z3.is_const(d.index) else
+                    _bound(it, src.expr, d.index, off), src.kind)
+    nv = it.fresh(size)
+    dims[dim] = _Dim(nv, size)
+    return _Val(tuple(dims), z3.substitute(src.expr, (d.index, nv + off)) if z3.is_const(d.index) else
+                _bound(it, src.expr, d.index, nv + off), src.kind)
+
+
+def _bound(it, expr, index, value):
+    """``expr`` with the compound index ``index`` taking ``value``: stated as a fact (one element per index)."""
+    it.facts.append(index == value)
+    return expr
+
+
+def _select(it, n):
+    src = it.get(n.args[0])
+    dim = n.args[1] % len(src.dims)
+    d = src.dims[dim]
+    idx = it.get(n.args[2]).expr if isinstance(n.args[2], Node) else z3.IntVal(n.args[2])
+    expr = src.expr if d.index is None else (z3.substitute(src.expr, (d.index, idx)) if z3.is_const(d.index) else
+                                             _bound(it, src.expr, d.index, idx))
+    return _Val(tuple(x for k, x in enumerate(src.dims) if k != dim), expr, src.kind)
+
+
+def _permute(it, n):
+    src = it.get(n.args[0])
+    if n.target is aten.transpose.int:
+        perm = list(range(len(src.dims)))
+        i, j = n.args[1] % len(perm), n.args[2] % len(perm)
+        perm[i], perm[j] = perm[j], perm[i]
+    elif n.target is aten.t.default:
+        perm = list(range(len(src.dims)))[::-1]
+    else:
+        perm = [p % len(src.dims) for p in n.args[1]]
+    return _Val(tuple(src.dims[p] for p in perm), src.expr, src.kind)
+
+
+def _arith(op: str):
+    def handler(it, n):
+        dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+        k = "float" if "float" in (x.kind, y.kind) or op == "/" else "int"
+        xe, ye = it.cast(x, k), it.cast(y, k)
+        alpha = n.kwargs.get("alpha", 1)
+        if alpha != 1:
+            ye = ye * (z3.RealVal(alpha) if k == "float" else z3.IntVal(alpha))
+        e = {"+": lambda: xe + ye, "-": lambda: xe - ye, "*": lambda: xe * ye, "r-": lambda: ye - xe,
+             "/": lambda: xe / ye}[op]()
+        return _Val(dims, e, k)
+    return handler
+
+
+def _floordiv(it, n):
+    dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+    mode = n.kwargs.get("rounding_mode", "floor") if n.target is not aten.floor_divide.default else "floor"
+    if n.target in (aten.div.Tensor_mode, aten.div.Scalar_mode) and mode != "floor" and mode != "trunc":
+        raise _Unreadable("true division of indices")
+    if x.kind != "int" or y.kind != "int":
+        raise _Unreadable("division of non-integers")
+    if not it.always(y.expr > 0):
+        raise _Unreadable("division by a divisor that may be negative")
+    if mode == "trunc" and not it.always(x.expr >= 0):
+        raise _Unreadable("truncating division of values that may be negative")
+    return _Val(dims, x.expr / y.expr, "int")  # z3's integer division floors for y > 0
+
+
+def _remainder(it, n):
+    dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+    if x.kind != "int" or y.kind != "int" or not it.always(y.expr > 0):
+        raise _Unreadable("remainder of non-integers or by a divisor that may be negative")
+    return _Val(dims, x.expr % y.expr, "int")  # z3's mod is non-negative for y > 0
+
+
+def _compare(op: str):
+    def handler(it, n):
+        dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+        k = "float" if "float" in (x.kind, y.kind) else ("bool" if x.kind == y.kind == "bool" else "int")
+        xe, ye = it.cast(x, k), it.cast(y, k)
+        e = {"<": lambda: xe < ye, "<=": lambda: xe <= ye, ">": lambda: xe > ye, ">=": lambda: xe >= ye,
+             "==": lambda: xe == ye, "!=": lambda: xe != ye}[op]()
+        return _Val(dims, e, "bool")
+    return handler
+
+
+def _logic(fn):
+    def handler(it, n):
+        dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+        if x.kind != "bool" or y.kind != "bool":
+            raise _Unreadable("a bitwise operation on integers")
+        return _Val(dims, fn(x.expr, y.expr), "bool")
+    return handler
+
+
+def _not(it, n):
+    x = it.get(n.args[0])
+    if x.kind != "bool":
+        raise _Unreadable("a bitwise not of integers")
+    return _Val(x.dims, z3.Not(x.expr), "bool")
+
+
+def _neg(it, n):
+    x = it.get(n.args[0])
+    return _Val(x.dims, -x.expr, x.kind)
+
+
+def _abs(it, n):
+    x = it.get(n.args[0])
+    return _Val(x.dims, z3.If(x.expr < 0, -x.expr, x.expr), x.kind)
+
+
+def _minmax(fn):
+    def handler(it, n):
+        dims, (x, y) = it.unify([it.get(n.args[0]), it.get(n.args[1])])
+        k = "float" if "float" in (x.kind, y.kind) else "int"
+        xe, ye = it.cast(x, k), it.cast(y, k)
+        return _Val(dims, z3.If(fn(xe, ye), xe, ye), k)
+    return handler
+
+
+def _clamp(it, n):
+    x = it.get(n.args[0])
+    lo = n.args[1] if len(n.args) > 1 else n.kwargs.get("min")
+    hi = n.args[2] if len(n.args) > 2 else n.kwargs.get("max")
+    if n.target is aten.clamp_min.default:
+        hi = None
+    if n.target is aten.clamp_max.default:
+        lo, hi = None, n.args[1]
+    bounds = [(it.get(b), below) for b, below in ((lo, True), (hi, False)) if b is not None]
+    dims, (x, *bs) = it.unify([x] + [b for b, _ in bounds])
+    e = x.expr
+    for b, (_, below) in zip(bs, bounds):
+        be = it.cast(b, x.kind)
+        e = z3.If(e < be, be, e) if below else z3.If(e > be, be, e)
+    return _Val(dims, e, x.kind)
+
+
+def _where(it, n):
+    dims, (c, x, y) = it.unify([it.get(a) for a in n.args[:3]])
+    k = "float" if "float" in (x.kind, y.kind) else ("int" if "int" in (x.kind, y.kind) else "bool")
+    return _Val(dims, z3.If(it.cast(c, "bool"), it.cast(x, k), it.cast(y, k)), k)
+
+
+def _masked_fill(it, n):
+    dims, (x, c, v) = it.unify([it.get(a) for a in n.args[:3]])
+    k = "float" if "float" in (x.kind, v.kind) else x.kind
+    return _Val(dims, z3.If(it.cast(c, "bool"), it.cast(v, k), it.cast(x, k)), k)
+
+
+def _filled(it, n):
+    """``ones``/``zeros``/``full`` and their ``_like``/``new_`` forms: one value everywhere."""
+    v = n.meta["val"]
+    t = n.target
+    if t in (aten.full.default, aten.new_full.default, aten.full_like.default):
+        fill = n.args[1]
+    elif t is aten.scalar_tensor.default:
+        fill = n.args[0]
+    else:
+        fill = 1 if "ones" in str(t) else 0
+    k = _kind_of(v.dtype)
+    c = it.get(fill) if isinstance(fill, Node) else it.const(fill)
+    return _Val(tuple(_Dim(None, it.size(s)) for s in v.shape), it.cast(c, k), k)
+
+
+def _index(it, n):
+    """``base[i0, i1, ...]`` with index tensors for the leading dims: the base at those indices."""
+    base = it.get(n.args[0])
+    idx = list(n.args[1])
+    if any(i is None for i in idx):
+        raise _Unreadable("indexing that skips a dimension")
+    vals = [it.get(i) for i in idx]
+    if any(v.kind == "bool" for v in vals):
+        raise _Unreadable("boolean indexing")
+    if any(d.index is not None and not z3.is_const(d.index) for d in base.dims[:len(idx)]):
+        raise _Unreadable("indexing a merged dimension")
+    dims, vals = it.unify(vals)
+    sub = [(d.index, v.expr) for d, v in zip(base.dims, vals) if d.index is not None]
+    for d, v in zip(base.dims, vals):  # an index past the base's dimension is an error at run time
+        it.obligations.append(z3.And(v.expr >= 0, v.expr < d.size))
+    e = z3.substitute(base.expr, *sub) if sub else base.expr
+    return _Val(dims + tuple(base.dims[len(idx):]), e, base.kind)
+
+
+def _tri(it, n):
+    x = it.get(n.args[0])
+    diag = n.args[1] if len(n.args) > 1 else 0
+    if len(x.dims) < 2:
+        raise _Unreadable("tril/triu of a vector")
+    di, dj = x.dims[-2], x.dims[-1]
+    di = di if di.index is not None else _Dim(it.fresh(di.size), di.size)
+    dj = dj if dj.index is not None else _Dim(it.fresh(dj.size), dj.size)
+    keep = (dj.index - di.index <= diag) if n.target is aten.tril.default else (dj.index - di.index >= diag)
+    zero = z3.BoolVal(False) if x.kind == "bool" else it.cast(it.const(0), x.kind)
+    return _Val((*x.dims[:-2], di, dj), z3.If(keep, x.expr, zero), x.kind)
+
+
+def _diff(it, n):
+    """``diff(x, 1, dim, prepend)``: each element minus the one before it (the prepended one first)."""
+    a = list(n.args) + [None] * (5 - len(n.args))
+    x, order, dim, prepend, append = it.get(a[0]), a[1] or 1, a[2] if a[2] is not None else -1, a[3], a[4]
+    if order != 1 or append is not None:
+        raise _Unreadable("diff of order > 1 or with append")
+    dim %= len(x.dims)
+    d = x.dims[dim]
+    if d.index is None:  # the same value all along: give the dimension an index to difference over
+        d = _Dim(it.fresh(d.size), d.size)
+        x = _Val(tuple(d if k == dim else o for k, o in enumerate(x.dims)), x.expr, x.kind)
+    if not z3.is_const(d.index):
+        raise _Unreadable("diff along a merged dimension")
+    size = it.size(n.meta["val"].shape[dim])
+    v = it.fresh(size)
+    k = "int" if x.kind == "bool" else x.kind
+    dims = list(x.dims)
+    if prepend is not None:  # one element before the first: out[0] = x[0] - prepend
+        bdims, (x, p) = it.unify([x, it.get(prepend)])
+        dims = list(bdims)
+        xe = it.cast(x, k)
+        first = z3.substitute(xe, (d.index, z3.IntVal(0))) - it.cast(p, k)
+        e = z3.If(v == 0, first, z3.substitute(xe, (d.index, v)) - z3.substitute(xe, (d.index, v - 1)))
+    else:
+        xe = it.cast(x, k)
+        e = z3.substitute(xe, (d.index, v + 1)) - z3.substitute(xe, (d.index, v))
+    dims[dim] = _Dim(v, size)
+    return _Val(tuple(dims), e, k)
+
+
+def _cumsum(it, n):
+    """A running sum along a dimension: exact when the summed values are the same all along it."""
+    x = it.get(n.args[0])
+    dim = n.args[1] % len(x.dims)
+    d = x.dims[dim]
+    e = it.cast(x, "int") if x.kind == "bool" else x.expr
+    if _is_one(d.size):
+        return _Val(x.dims, e, "int" if x.kind == "bool" else x.kind)
+    if d.index is None:  # the same value all along: the running sum counts
+        v = it.fresh(d.size)
+        dims = list(x.dims)
+        dims[dim] = _Dim(v, d.size)
+        return _Val(tuple(dims), e * (v + 1), "int" if x.kind == "bool" else x.kind)
+    if not z3.is_const(d.index):
+        raise _Unreadable("a running sum along a merged dimension")
+    other = it.fresh(d.size)
+    if not it.always(z3.substitute(e, (d.index, other)) == e):
+        raise _Unreadable("a running sum of values that vary (token- or input-dependent)")
+    return _Val(x.dims, e * (d.index + 1), "int" if x.kind == "bool" else x.kind)
+
+
+def _sum(it, n):
+    x = it.get(n.args[0])
+    dims = n.args[1] if len(n.args) > 1 else list(range(len(x.dims)))
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    e = it.cast(x, "int") if x.kind == "bool" else x.expr
+    out = list(x.dims)
+    for dim in sorted((d % len(x.dims) for d in dims), reverse=True):
+        d = x.dims[dim]
+        if d.index is not None:
+            other = it.fresh(d.size)
+            if not z3.is_const(d.index) or not it.always(z3.substitute(e, (d.index, other)) == e):
+                raise _Unreadable("a sum of values that vary along the summed dimension")
+        e = e * d.size
+        if keep:
+            out[dim] = _Dim(None, z3.IntVal(1))
+        else:
+            del out[dim]
+    return _Val(tuple(out), e, "int" if x.kind in ("bool", "int") else x.kind)
+
+
+def _any_all(fn):
+    def handler(it, n):
+        x = it.get(n.args[0])
+        if x.kind != "bool":
+            raise _Unreadable("any/all of non-booleans")
+        dims = [n.args[1]] if len(n.args) > 1 and isinstance(n.args[1], int) else \
+            list(n.args[1]) if len(n.args) > 1 else list(range(len(x.dims)))
+        out = list(x.dims)
+        for dim in sorted((d % len(x.dims) for d in dims), reverse=True):
+            d = x.dims[dim]
+            if d.index is not None:
+                other = it.fresh(d.size)
+                if not z3.is_const(d.index) or not it.always(z3.substitute(x.expr, (d.index, other)) == x.expr):
+                    raise _Unreadable("any/all of values that vary")
+            del out[dim]
+        return _Val(tuple(out), x.expr, "bool")
+    return handler
+
+
+_IDENTITY = (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+             aten.detach_.default, aten.lift_fresh_copy.default, aten.lift_fresh.default,
+             aten.dropout.default)
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.type_as.default)
+
+# ops that make a constant from nothing but their static arguments
+_FOLDABLE_SOURCES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
+                     aten.zeros.default, aten.full.default, aten.scalar_tensor.default}
+
+def _size_arith(fn):
+    """Python arithmetic on sizes (``SymInt``s the trace kept as nodes)."""
+    def handler(it, n):
+        x, y = (it.get(a).expr for a in n.args[:2])
+        return _Val((), fn(x, y), "int")
+    return handler
+
+
+_HANDLERS: dict[Any, Callable] = {
+    operator.add: _size_arith(lambda a, b: a + b), operator.sub: _size_arith(lambda a, b: a - b),
+    operator.mul: _size_arith(lambda a, b: a * b), operator.floordiv: _size_arith(lambda a, b: a / b),
+    operator.mod: _size_arith(lambda a, b: a % b),
+    operator.truediv: lambda it, n: _Val((), it.cast(it.get(n.args[0]), "float") / it.cast(it.get(n.args[1]), "float"),
+                                         "float"),
+    torch.sym_float: lambda it, n: _Val((), it.cast(it.get(n.args[0]), "float"), "float"),
+    torch.sym_max: _size_arith(lambda a, b: z3.If(a >= b, a, b)),
+    torch.sym_min: _size_arith(lambda a, b: z3.If(a <= b, a, b)),
+    **{t: _same for t in _IDENTITY},
+    **{t: _cast for t in _CASTS},
+    aten._assert_tensor_metadata.default: lambda it, n: None,
+    aten.sym_size.int: _sym_size,
+    aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.default: _squeeze, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
+    aten.expand.default: _expand,
+    aten.view.default: _view, aten.reshape.default: _view, aten._unsafe_view.default: _view,
+    aten.slice.Tensor: _slice, aten.select.int: _select,
+    aten.permute.default: _permute, aten.transpose.int: _permute, aten.t.default: _permute,
+    aten.add.Tensor: _arith("+"), aten.add.Scalar: _arith("+"), aten.sub.Tensor: _arith("-"),
+    aten.sub.Scalar: _arith("-"), aten.mul.Tensor: _arith("*"), aten.mul.Scalar: _arith("*"),
+    aten.rsub.Scalar: _arith("r-"), aten.rsub.Tensor: _arith("r-"),
+    aten.div.Tensor: _arith("/"), aten.div.Scalar: _arith("/"),
+    aten.floor_divide.default: _floordiv, aten.div.Tensor_mode: _floordiv, aten.div.Scalar_mode: _floordiv,
+    aten.remainder.Tensor: _remainder, aten.remainder.Scalar: _remainder,
+    **{t: _compare(op) for op, ts in {
+        "<": (aten.lt.Tensor, aten.lt.Scalar), "<=": (aten.le.Tensor, aten.le.Scalar),
+        ">": (aten.gt.Tensor, aten.gt.Scalar), ">=": (aten.ge.Tensor, aten.ge.Scalar),
+        "==": (aten.eq.Tensor, aten.eq.Scalar), "!=": (aten.ne.Tensor, aten.ne.Scalar)}.items() for t in ts},
+    aten.__and__.Tensor: _logic(lambda a, b: z3.And(a, b)), aten.bitwise_and.Tensor: _logic(lambda a, b: z3.And(a, b)),
+    aten.logical_and.default: _logic(lambda a, b: z3.And(a, b)),
+    aten.__or__.Tensor: _logic(lambda a, b: z3.Or(a, b)), aten.bitwise_or.Tensor: _logic(lambda a, b: z3.Or(a, b)),
+    aten.logical_or.default: _logic(lambda a, b: z3.Or(a, b)),
+    aten.bitwise_xor.Tensor: _logic(lambda a, b: z3.Xor(a, b)), aten.logical_xor.default: _logic(lambda a, b: z3.Xor(a, b)),
+    aten.bitwise_not.default: _not, aten.logical_not.default: _not,
+    aten.neg.default: _neg, aten.abs.default: _abs,
+    aten.minimum.default: _minmax(lambda a, b: a <= b), aten.maximum.default: _minmax(lambda a, b: a >= b),
+    aten.clamp.default: _clamp, aten.clamp_min.default: _clamp, aten.clamp_max.default: _clamp,
+    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where, aten.where.Scalar: _where,
+    aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
+    aten.masked_fill_.Scalar: _masked_fill, aten.masked_fill_.Tensor: _masked_fill,
+    **{t: _filled for t in (aten.new_ones.default, aten.ones.default, aten.ones_like.default, aten.new_zeros.default,
+                            aten.zeros.default, aten.zeros_like.default, aten.full.default, aten.full_like.default,
+                            aten.new_full.default, aten.scalar_tensor.default)},
+    aten.index.Tensor: _index,
+    aten.tril.default: _tri, aten.triu.default: _tri,
+    aten.diff.default: _diff, aten.cumsum.default: _cumsum,
+    aten.sum.dim_IntList: _sum, aten.sum.default: _sum,
+    aten.any.dim: _any_all(z3.Or), aten.any.dims: _any_all(z3.Or), aten.all.dim: _any_all(z3.And),
+}
+
+
+# ------------------------------------------------------------------------------ the formula
+
+
+@dataclass
+class MaskFormula:
+    """A site's combined mask as a formula over score indices ``b, h, i, j`` (batch row, head, query
+    row, key column) and sizes ``B, H, S, L``: ``allowed`` (the key is seen) and ``bias`` (what is added
+    to a seen score), valid where ``facts`` hold."""
+
+    facts: list
+    b: Any
+    h: Any
+    i: Any
+    j: Any
+    B: Any
+    H: Any
+    S: Any
+    L: Any
+    allowed: Any
+    bias: Any  # z3 Real; 0 without additive terms
+    padding: dict  # input name -> z3 Bool "key j of row b is present" (keep-when-true reading)
+    positions: list  # position inputs the program reads
+
+    @property
+    def q_pos(self):
+        """The query's position: queries are the last S of L positions."""
+        return self.i + (self.L - self.S)
+
+    def holds(self, claim, *assume) -> tuple[Optional[bool], Any]:
+        """(True, None) when ``claim`` holds wherever the facts (and ``assume``) do; (False, model) with a
+        counterexample; (None, reason) when the solver gives up."""
+        s = z3.Solver()
+        s.set("timeout", _TIMEOUT_MS)
+        s.add(*self.facts, *assume)
+        s.add(z3.Not(claim))
+        r = s.check()
+        if r == z3.unsat:
+            return True, None
+        if r == z3.sat:
+            return False, s.model()
+        return None, s.reason_unknown()
+
+    def minimize(self, term, *where) -> Optional[int]:
+        """The least value of ``term`` over the indices and sizes where the facts and ``where`` hold."""
+        o = z3.Optimize()
+        o.set("timeout", _TIMEOUT_MS)
+        o.add(*self.facts, *where)
+        o.minimize(term)
+        if o.check() != z3.sat:
+            return None
+        v = o.model().eval(term, model_completion=True)
+        return v.as_long() if z3.is_int_value(v) else None
+
+    def maximize(self, term) -> Optional[int]:
+        """The largest value of ``term`` (None: unbounded, or the solver gave up)."""
+        o = z3.Optimize()
+        o.set("timeout", _TIMEOUT_MS)
+        o.add(*self.facts)
+        h = o.maximize(term)
+        if o.check() != z3.sat:
+            return None
+        v = o.upper(h)
+        return v.as_long() if z3.is_int_value(v) else None
+
+
+def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], constants: dict[str, torch.Tensor],
+              max_length: Optional[int] = None, keys_present: bool = False, prefix: str = "i") -> MaskFormula:
+    """Interpret the site's mask and bias terms. ``roles`` says what each placeholder the terms read by
+    value is ("padding", "positions", "constant"); ``keys_present`` reads padding inputs as all ones
+    (the mask's position-only part). Raises :class:`NotEstablished` when the program is unreadable."""
+    if z3 is None:
+        raise NotEstablished("proving masks needs z3 (pip install z3-solver)")
+    terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
+    module, inputs = extract_program(gm, terms)
+    inner_roles = dict(roles)
+    if keys_present:  # True: present as 1/True; "false": a boolean input whose True means "ignore"
+        present = "present_false" if keys_present == "false" else "present"
+        inner_roles = {k: (present if r == "padding" else r) for k, r in roles.items()}
+    it = _Interpreter(module, inner_roles, constants, prefix)
+    try:
+        outs = it.run(list(next(n for n in module.graph.nodes if n.op == "output").args[0]))
+    except _Unreadable as e:
+        raise NotEstablished(f"the mask program cannot be read for every length: {e}") from None
+    q, k = site.query.meta["val"], site.key.meta["val"]
+    B, H, S, L = it.size(q.shape[0]), z3.IntVal(int(site.num_heads)), it.size(q.shape[2]), it.size(k.shape[2])
+    b, h, i, j = it.fresh(B), it.fresh(H), it.fresh(S), it.fresh(L)
+    it.facts += [S <= L, L < _MAX_POSITIONS]
+    if max_length is not None:
+        it.facts.append(L <= max_length)
+    nb, nc = len(site.biases), len(site.conds)
+    masks, bias = [], z3.RealVal(0)
+    for (node, factor), v in zip(site.biases, outs[:nb]):
+        e = _aligned(it, v, b, h, i, j, B, H, S, L)
+        e = it.cast(_Val((), e, v.kind), "float")
+        if it.always(z3.Or(e == 0, e <= MASK_LIMIT)):  # a pure mask: 0 or a large negative value
+            masks.append(e > MASK_LIMIT)
+            continue
+        # a bias: only -inf / the dtype's minimum masks (a bias of -1e4 far from the query is a value)
+        masks.append(e > _NEG / 10)
+        bias = bias + z3.If(e > _NEG / 10, e * z3.RealVal(float(factor)), z3.RealVal(0))
+    for (node, keep_when_true), v in zip(site.conds, outs[nb:nb + nc]):
+        e = it.cast(_Val((), _aligned(it, v, b, h, i, j, B, H, S, L), v.kind), "bool")
+        masks.append(e if keep_when_true else z3.Not(e))
+    traced_length = k.shape[2].node.hint if isinstance(k.shape[2], torch.SymInt) else k.shape[2]
+    it.facts += _length_bound(it.facts, it.obligations, L, int(traced_length))
+    _check_example(it.facts, (B, S, L), (q.shape[0], q.shape[2], k.shape[2]))
+    _check_coverage(it.facts, b, h, i, j, B, H, S, L)
+    formula = MaskFormula(it.facts, b, h, i, j, B, H, S, L, z3.And(masks) if masks else z3.BoolVal(True),
+                          bias, {}, list(it.positions))
+    for (node, after_b, after_c), v in zip(site.factors, outs[nb + nc:]):
+        f = it.cast(_Val((), _aligned(it, v, b, h, i, j, B, H, S, L), v.kind), "float")
+        later = masks[:after_b] + masks[nb:nb + after_c]
+        ok, _ = formula.holds(z3.And(z3.Or(f == 0, f == 1), z3.Implies(f == 0, z3.Not(z3.And(later)) if later
+                                                                           else z3.BoolVal(False))))
+        if not ok:
+            raise NotEstablished("the scores are multiplied by a tensor that is not a 0/1 mask whose zeros a later "
+                                 "term masks (zero is a score, not a mask)")
+    for name, f in it.padding.items():
+        formula.padding[name] = f(b, j) if f.range() == z3.BoolSort() else f(b, j) != 0
+    return formula
+
+
+def _length_bound(facts: list, obligations: list, L, traced_length: int) -> list:
+    """What the program's lookups staying inside their tensors asks of the sizes: nothing when that holds
+    everywhere; else ``L <= n`` for the largest such ``n`` when a length bound is what it takes (the
+    program fails past it); else the lookups themselves, as conditions the sizes of a valid call meet
+    (a batch index of one input reading another's rows: the two batch sizes agree at run time; a key
+    index reading a mask input whose length is its own size), also when a bound would exclude the
+    ``traced_length`` the program ran at.
+    ``_check_coverage`` then makes sure no query, key, row or head is left out."""
+    if not obligations:
+        return []
+    need = z3.And(obligations)
+
+    def fine_up_to(n: Optional[int]) -> bool:
+        s = z3.Solver()
+        s.set("timeout", _TIMEOUT_MS)
+        s.add(*facts, z3.Not(need))
+        if n is not None:
+            s.add(L <= n)
+        return s.check() == z3.unsat
+
+    if fine_up_to(None):
+        return []
+    lo, hi = 0, _MAX_POSITIONS
+    while lo < hi:  # the largest n that is fine
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fine_up_to(mid) else (lo, mid - 1)
+    if lo >= max(traced_length, 1):
+        return [L <= lo]
+    return list(obligations)
+
+
+def _check_example(facts: list, sizes: tuple, traced: tuple) -> None:
+    """The sizes the model was traced at ran the program: a reading that excludes them is wrong."""
+    hints = [int(t.node.hint) if isinstance(t, torch.SymInt) else int(t) for t in traced]
+    s = z3.Solver()
+    s.set("timeout", _TIMEOUT_MS)
+    s.add(*facts, *[z == v for z, v in zip(sizes, hints)])
+    if s.check() == z3.unsat:
+        raise NotEstablished(f"the mask program's reading excludes the sizes it was traced at {tuple(hints)}")
+
+
+def _check_coverage(facts: list, b, h, i, j, B, H, S, L) -> None:
+    """Refuse a reading whose facts leave out some queries, keys, rows or heads: a proof would say nothing
+    about them. At the longest length the program runs at (or a very long one), the first and last of
+    each must be reachable."""
+    o = z3.Optimize()
+    o.set("timeout", _TIMEOUT_MS)
+    o.add(*facts)
+    top = o.maximize(L)
+    if o.check() != z3.sat:
+        raise NotEstablished("the mask program runs at no length at all")
+    upper = o.upper(top)
+    longest = upper.as_long() if z3.is_int_value(upper) else 2 ** 20
+    corners = [(i == S - 1, j == L - 1), (i == S - 1, j == 0), (i == 0, j == 0), (b == B - 1,), (h == H - 1,),
+               (b == 0, h == 0)]
+    for corner in corners:
+        s = z3.Solver()
+        s.set("timeout", _TIMEOUT_MS)
+        s.add(*facts, L == longest, *corner)
+        if s.check() == z3.unsat:
+            raise NotEstablished(f"the mask program's indices do not cover every query, key, row and head at "
+                                 f"{longest} keys")
+
+
+def _aligned(it: _Interpreter, v: _Val, b, h, i, j, B, H, S, L):
+    """A term's expression at score indices (b, h, i, j): its dims laid right-aligned over
+    ``[B, H, S, L]`` (or ``[B*H, S, L]`` for scores of a 3-D bmm)."""
+    dims = list(v.dims)
+    if len(dims) > 4:
+        raise NotEstablished(f"a mask term of {len(dims)} dimensions")
+    targets = [(i, S), (j, L)]
+    lead = dims[:-2] if len(dims) >= 2 else []
+    tail = dims[-2:] if len(dims) >= 2 else [None] * (2 - len(dims)) + dims
+    for d, (idx, size) in zip(tail, targets):
+        if d is None or _is_one(d.size):
+            continue
+        it.facts.append(d.size == size)  # the term broadcasts over the scores only at their own size
+        if d.index is not None:
+            it.facts.append(d.index == idx)
+    if len(lead) == 2:
+        for d, (idx, size) in zip(lead, ((b, B), (h, H))):
+            if d.index is not None and not _is_one(d.size):
+                it.facts += [d.index == idx, d.size == size]
+    elif len(lead) == 1 and lead[0].index is not None and not _is_one(lead[0].size):
+        d = lead[0]
+        for idx, size in ((b * H + h, B * H), (b, B), (h, H)):
+            s = z3.Solver()
+            s.add(*it.facts, d.size != size)
+            if s.check() == z3.unsat:
+                it.facts.append(d.index == idx)
+                break
+        else:
+            raise NotEstablished("a mask term's leading dimension fits neither batch, heads nor both")
+    return v.expr
+
+
+# ----------------------------------------------------------------------------- the kinds
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    """What a proof established: the kind (none, causal, sliding_window, chunked), its parameter, the
+    padding input and its convention, ALiBi slopes, and the longest key length the proof covers."""
+
+    kind: str
+    window: Optional[int] = None
+    chunk: Optional[int] = None
+    key_padding: Optional[str] = None
+    padding_keeps_true: bool = True  # False: True means "ignore" (nn.MultiheadAttention's convention)
+    alibi: Optional[torch.Tensor] = None
+    up_to: Optional[int] = None  # None: every length
+    positions: tuple = ()
+    how: str = "proof"
+
+
+def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:
+    """Prove the kind of mask for every length the program accepts, else raise NotEstablished.
+
+    ``read(keys_present, prefix)`` reads the site's mask program (see :func:`read_mask`).
+    """
+    present = True
+    f = read(True, "p")
+    try:
+        kind, window, chunk = _position_kind(f)
+    except NotEstablished:
+        if not padding_inputs:
+            raise
+        # boolean padding inputs whose True means "ignore this key" (nn.MultiheadAttention's convention)
+        present = "false"
+        f = read(present, "p")
+        kind, window, chunk = _position_kind(f)
+    alibi = _alibi(f, read(present, "r"))
+    with_padding = None
+    if padding_inputs:
+        try:
+            with_padding = read(False, "d")
+        except NotEstablished as e:
+            raise NotEstablished(f"its padding input is read in a way that cannot be established: {e}") from None
+    key_padding, keeps_true = None, True
+    if padding_inputs:
+        key_padding, keeps_true = _padding(with_padding, padding_inputs, kind, window, chunk)
+    longest = f.maximize(f.L)
+    up_to = None if longest is None or longest >= _MAX_POSITIONS - 1 else longest
+    return MaskKind(kind, window, chunk, key_padding, keeps_true, alibi, up_to, tuple(f.positions))
+
+
+def _visible(kind: str, q, k, window=None, chunk=None):
+    if kind == "none":
+        return z3.BoolVal(True)
+    out = k <= q
+    if window:
+        out = z3.And(out, q - k < window)
+    if chunk:
+        out = z3.And(out, q / chunk == k / chunk)
+    return out
+
+
+def _describe(f: MaskFormula, model, expected) -> str:
+    ev = lambda x: model.eval(x, model_completion=True)  # noqa: E731
+    seen = z3.is_true(ev(f.allowed))
+    return (f"at query position {ev(f.q_pos)} and key position {ev(f.j)} ({ev(f.L)} keys, {ev(f.S)} queries) the "
+            f"mask {'lets the key be seen' if seen else 'hides the key'}")
+
+
+def _position_kind(f: MaskFormula) -> tuple[str, Optional[int], Optional[int]]:
+    q, k = f.q_pos, f.j
+    ok, model = f.holds(f.allowed == _visible("causal", q, k))
+    if ok:
+        return "causal", None, None
+    if ok is None:
+        raise NotEstablished(f"the solver could not establish the mask ({model})")
+    causal_cx = _describe(f, model, None)
+    ok, _ = f.holds(f.allowed)
+    if ok and f.maximize(f.S) != 1:
+        return "none", None, None
+    # a key the causal mask shows but this one hides, as near the query as possible: the window
+    w = f.minimize(q - k, k <= q, z3.Not(f.allowed))
+    if w is not None and w >= 1 and f.holds(f.allowed == _visible("causal", q, k, window=w))[0]:
+        return "sliding_window", w, None
+    # the first query that cannot see the key right before it: where the second chunk starts
+    c = f.minimize(q, k == q - 1, q >= 1, z3.Not(f.allowed))
+    if c is not None and c >= 1:
+        if f.holds(f.allowed == _visible("causal", q, k, chunk=c))[0]:
+            return "chunked", None, c
+        if w is not None and w >= 1 and f.holds(f.allowed == _visible("causal", q, k, window=w, chunk=c))[0]:
+            return "chunked", w, c
+    raise NotEstablished(f"the mask is neither causal, a sliding window, chunked nor absent: {causal_cx} "
+                         "where causal attention would do the opposite")
+
+
+def _alibi(f: MaskFormula, other: MaskFormula) -> Optional[torch.Tensor]:
+    """Per-head slopes when the bias is ``slope * (key - query)`` plus anything constant per row, on every
+    seen key; None without a bias. ``other`` is a second reading of the same program (its own index
+    variables), so that two keys of one query row can be compared. Refuses any other bias."""
+    expected = _visible_of(f)
+    if f.holds(f.bias == 0, expected)[0]:
+        return None
+    row = [f.b == other.b, f.h == other.h, f.i == other.i, f.S == other.S, f.L == other.L]
+    both_seen = [expected, _visible_of(other)]
+    slopes = [_slope(f, other, head, row, both_seen) for head in range(f.H.as_long())]
+    for head, slope in enumerate(slopes):
+        # one head at a time, its index a constant in the claim: tables of per-head values then fold away
+        # and the claim stays linear
+        pin = [(f.h, z3.IntVal(head)), (other.h, z3.IntVal(head))]
+        claim = z3.simplify(z3.substitute(f.bias - other.bias - slope * z3.ToReal(f.j - other.j), *pin)) == 0
+        ok, model = f.holds(claim, f.h == head, *other.facts, *row, *both_seen)
+        if not ok:
+            where = _describe(f, model, None) if ok is False else f"the solver gave up ({model})"
+            raise NotEstablished(f"the additive bias is not ALiBi (a slope per head times the distance) for "
+                                 f"every length: {where}")
+    return torch.tensor([_float(v) for v in slopes], dtype=torch.float32)
+
+
+def _slope(f: MaskFormula, other: MaskFormula, head: int, row: list, both_seen: list):
+    """The bias difference between two adjacent seen keys of one row of ``head``."""
+    s = z3.Solver()
+    s.set("timeout", _TIMEOUT_MS)
+    s.add(*f.facts, *other.facts, *row, *both_seen, f.h == head, f.j == other.j + 1)
+    if s.check() != z3.sat:
+        raise NotEstablished("the additive bias has no two adjacent seen keys to read a slope from")
+    m = s.model()
+    return m.eval(f.bias - other.bias, model_completion=True)
+
+
+def _float(v) -> float:
+    if z3.is_rational_value(v):
+        return float(v.numerator_as_long()) / float(v.denominator_as_long())
+    return float(v.as_decimal(20).rstrip("?"))
+
+
+def _visible_of(f: MaskFormula):
+    """The mask's own seen keys (the bias matters only there)."""
+    return f.allowed
+
+
+def _padding(f: Optional[MaskFormula], names: Sequence[str], kind, window, chunk) -> tuple[str, bool]:
+    """The key-padding input and its convention: with it read as data, the mask must be the position-only
+    mask and the input's keys (True/nonzero = keep, or for booleans True = ignore)."""
+    if f is None:
+        raise NotEstablished("the mask's dependence on its padding input cannot be read")
+    expected = _visible(kind, f.q_pos, f.j, window, chunk)
+    for name in names:
+        present = f.padding.get(name)
+        if present is None:
+            continue
+        for keeps_true, term in ((True, present), (False, z3.Not(present))):
+            if f.holds(f.allowed == z3.And(expected, term))[0]:
+                return name, keeps_true
+    raise NotEstablished(f"the mask depends on input {names[0]!r} in a way that is not key padding")

@@ -1,0 +1,281 @@
+"""Masks and biases established for every length the model takes, by proof, or left with the reason.
+
+Each case here was once classified by evaluating the mask at a few lengths and then computed something
+else past them; the checks run at lengths beyond anything a probe reached.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import pagedattn
+
+from ..rewriter import zoo
+
+C, H, D = zoo.C, zoo.H, zoo.D
+
+
+class PositionMask(zoo._Base):
+    """A causal mask (and optional extras) computed from explicit query and key positions."""
+
+    def __init__(self, visible):
+        super().__init__()
+        self.visible = visible
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        i = torch.arange(T)[:, None]  # query positions
+        j = torch.arange(T)[None, :]  # key positions
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        s = s.masked_fill(~self.visible(i, j, T), float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+class ALiBiLike(zoo._Base):
+    """Causal attention with an additive bias ``bias(distance, T)`` per head."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        dist = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).float()  # key - query
+        slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])[:, None, None]
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5 + self.bias(slopes, dist, T)
+        s = s.masked_fill(dist > 0, float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def _rewrite(m, T=8):
+    return pagedattn.rewrite(m.eval(), (torch.randn(2, T, C),))
+
+
+def _site(rm):
+    (site,) = [r for r in rm.report if r["attention"]]
+    return site
+
+
+def _dropin_matches(m, rm, T):
+    x = torch.randn(1, T, C, generator=torch.Generator().manual_seed(T))
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=2e-5, rtol=1e-4)
+
+
+def test_a_window_wider_than_every_length_probed_is_found_and_proven():
+    m = PositionMask(lambda i, j, T: (j <= i) & (i - j < 6000))
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["window"]) == ("rewritten", "sliding_window", 6000), site
+    assert site["mask_established"] == "proof" and site["mask_up_to"] is None  # every length
+    _dropin_matches(m, rm, 6100)
+
+
+def test_sink_tokens_plus_a_window_are_not_called_causal():
+    # StreamingLLM: four always-visible tokens plus a window; causal up to 5004 keys, not past it
+    m = PositionMask(lambda i, j, T: (j <= i) & ((i - j < 5000) | (j < 4)))
+    site = _site(_rewrite(m))
+    assert site["status"] == "skipped" and "neither causal" in site["reason"], site
+
+
+def test_a_mask_that_changes_past_a_length_is_left():
+    # causal up to 5000 keys, a window of 16 beyond: no probe up to 4100 sees the change
+    m = PositionMask(lambda i, j, T: (j <= i) & ((T <= 5000) | (i - j < 16)))
+    site = _site(_rewrite(m))
+    assert site["status"] == "skipped", site
+
+
+def test_alibi_capped_at_a_distance_is_not_alibi():
+    m = ALiBiLike(lambda slopes, dist, T: slopes * dist.clamp(min=-280))
+    site = _site(_rewrite(m))
+    assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+
+
+def test_alibi_whose_slope_follows_the_length_is_not_alibi():
+    m = ALiBiLike(lambda slopes, dist, T: slopes * dist * (8.0 / T))
+    site = _site(_rewrite(m))
+    assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+
+
+def test_plain_alibi_is_proven_with_its_slopes():
+    m = ALiBiLike(lambda slopes, dist, T: slopes * dist)
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert site["status"] == "rewritten" and site["alibi"] and site["mask"] == "causal", site
+    slopes = [b for n, b in rm.dropin_module.named_buffers() if "alibi" in n]
+    torch.testing.assert_close(slopes[0], torch.tensor([2.0 ** -(h + 1) for h in range(H)]))
+    _dropin_matches(m, rm, 700)
+
+
+class WindowFromPositions(zoo._Base):
+    """A window computed from ``position_ids`` the caller passes."""
+
+    def forward(self, x, position_ids):
+        q, k, v = self.qkv(x)
+        p = position_ids[:, None, :, None]  # [B, 1, T, 1] query positions
+        r = position_ids[:, None, None, :]  # [B, 1, 1, T] key positions
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        s = s.masked_fill((r > p) | (p - r >= 5), float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def test_positions_that_are_inputs_hold_for_offsets_and_are_checked_at_call_time():
+    m = WindowFromPositions().eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), torch.arange(8).expand(2, 8)))
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["window"]) == ("rewritten", "sliding_window", 5), site
+    assert site["position_inputs"] == ["position_ids"]
+    x = torch.randn(2, 13, C)
+    offset = torch.arange(13).expand(2, 13) + torch.tensor([[100], [7]])
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x, offset), m(x, offset), atol=2e-5, rtol=1e-4)
+        packed = torch.cat([torch.arange(6), torch.arange(7)]).expand(2, 13)
+        with pytest.raises(ValueError, match="count up by one"):
+            rm(x, packed)
+
+
+def test_a_boolean_padding_mask_that_marks_keys_to_ignore():
+    """``nn.TransformerEncoder``'s ``src_key_padding_mask``: True means "ignore this key"."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(C, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    m = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False).eval()
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, pad):
+            return self.m(x, src_key_padding_mask=pad)
+
+    enc = Encoder().eval()
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 6:] = True
+    rm = pagedattn.rewrite(enc, (torch.randn(2, 9, C), pad))
+    site = _site(rm)
+    assert site["status"] == "rewritten" and site["key_padding"] == "pad" and site["key_padding_ignores_true"], site
+    x = torch.randn(2, 11, C)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[0, 8:] = True
+    with torch.no_grad():
+        out, ref = rm(x, pad), enc(x, pad)
+    keep = ~pad
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+
+
+def test_hugging_face_packed_positions_are_refused_in_drop_in_mode():
+    """Llama called with packed ``position_ids`` (restarting at 0 in one row) builds a per-document mask:
+    the rewrite must not let the second document see the first."""
+    from ..support import tiny_model
+
+    model = tiny_model("llama", "eager")
+    rm = pagedattn.rewrite(model, (), {"input_ids": torch.randint(0, 100, (1, 8)),
+                                       "position_ids": torch.arange(8)[None], "use_cache": False})
+    assert all(r["status"] == "rewritten" for r in rm.report)
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        ok = rm(input_ids=ids, position_ids=torch.arange(12)[None] + 3, use_cache=False).logits
+        torch.testing.assert_close(ok, model(input_ids=ids, position_ids=torch.arange(12)[None] + 3,
+                                             use_cache=False).logits, atol=1e-5, rtol=1e-5)
+        packed = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        with pytest.raises(ValueError, match="count up by one"):
+            rm(input_ids=ids, position_ids=packed, use_cache=False)
+
+
+def test_a_causal_buffer_bounds_the_lengths_established():
+    # nanoGPT's `bias` buffer is causal for 128 positions: the program cannot run past them
+    rm = _rewrite(zoo.NanoGPT())
+    site = _site(rm)
+    assert site["status"] == "rewritten" and site["mask"] == "causal" and site["mask_up_to"] == 128, site
+
+
+def test_the_model_maximum_bounds_what_a_window_means():
+    # a window wider than the model's longest sequence is causal attention for every input it takes
+    from ..support import tiny_model
+
+    model = tiny_model("mistral", "eager")
+    model.config.sliding_window = 6000
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = 6000
+    rm = pagedattn.rewrite(model, (), {"input_ids": torch.randint(0, 100, (1, 8)),
+                                       "position_ids": torch.arange(8)[None], "use_cache": False})
+    limit = model.config.max_position_embeddings
+    for site in rm.report:
+        assert site["status"] == "rewritten" and site["mask_up_to"] == limit, site
+        assert site["mask"] == ("causal" if limit <= 6000 else "sliding_window"), site
+
+
+@pytest.mark.parametrize("window", [3, 64])
+def test_windows_spelled_with_tril_and_triu(window):
+    m = PositionMask(lambda i, j, T: torch.ones(T, T, dtype=torch.bool).tril() &
+                     torch.ones(T, T, dtype=torch.bool).triu(-(window - 1)))
+    site = _site(_rewrite(m))
+    assert (site["status"], site["mask"], site["window"]) == ("rewritten", "sliding_window", window), site
+
+
+def test_token_value_masks_stay_refused():
+    class PadTokenMask(zoo._Base):
+        def forward(self, x, ids):
+            q, k, v = self.qkv(x)
+            s = (q @ k.transpose(-1, -2)) * D ** -0.5
+            s = s.masked_fill((ids == 0)[:, None, None, :], float("-inf"))
+            return self.merge(torch.softmax(s, -1) @ v)
+
+    m = PadTokenMask().eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), torch.randint(1, 50, (2, 8))))
+    site = _site(rm)
+    assert site["status"] == "skipped" and "token values" in site["reason"], site
+
+
+class BufferMask(zoo._Base):
+    """A mask read from a square buffer sliced to the length, in either convention: ``keep`` True marks
+    visible keys (nanoGPT, GPT-Neo), False marks hidden ones (``triu(1)`` filled with -inf)."""
+
+    def __init__(self, buffer, keep=True):
+        super().__init__()
+        self.register_buffer("pattern", buffer, persistent=False)
+        self.keep = keep
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        m = self.pattern[:T, :T]
+        if m.dtype.is_floating_point:
+            s = s + m
+        else:
+            s = s.masked_fill(~m if self.keep else m, float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def _band(n, lo, hi):
+    d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    return (d >= lo) & (d <= hi)
+
+
+@pytest.mark.parametrize("buffer, keep, kind, window", [
+    (_band(300, 0, 299), True, "causal", None),  # nanoGPT's tril
+    (_band(300, 0, 5), True, "sliding_window", 6),  # GPT-Neo's local layers
+    (~_band(300, 0, 299), False, "causal", None),  # triu(1): True hides
+    (~_band(300, 0, 9), False, "sliding_window", 10),
+    (torch.zeros(300, 300).masked_fill(~_band(300, 0, 299), float("-inf")), True, "causal", None),
+])
+def test_band_buffers_in_either_convention(buffer, keep, kind, window):
+    m = BufferMask(buffer, keep).eval()
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["window"], site["mask_up_to"]) == ("rewritten", kind, window, 300)
+    x = torch.randn(1, 280, C)  # far past the example's 8 tokens and past the window
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), m(x), atol=1e-5, rtol=1e-5)
+
+
+def test_buffers_that_are_no_band_stay_dense():
+    dilated = _band(300, 0, 299) & ((torch.arange(300)[:, None] - torch.arange(300)[None, :]) % 2 == 0)
+    site = _site(_rewrite(BufferMask(dilated)))
+    assert site["status"] == "skipped" and "band around the diagonal" in site["reason"], site
+    table = BufferMask(torch.randn(300, 300)).eval()  # a learned relative bias: values the proof cannot know
+    site = _site(_rewrite(table))
+    assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site

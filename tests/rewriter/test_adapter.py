@@ -1,0 +1,188 @@
+"""``prepare_model``: a plain, rewritten or compiled model becomes a ``ServableModel`` for the engine, or is
+refused saying why (tokens that influence each other outside attention, nothing to page, ...).
+
+A compiled model served (its caches from its own graphs, not another model's) is
+tests/runtime/test_engine.py::test_compiled_model_through_engine.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import pagedattn
+from pagedattn import PagedEngine
+from pagedattn.adapter import ServableModel, accepted_inputs, example_inputs, prepare_model
+from pagedattn.backends import CacheSpec, build_metadata, get_backend
+
+from ..support import VOCAB, greedy_by_forward, tiny_model
+from . import zoo
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]
+
+
+class _LM(nn.Module):
+    """Embeddings (tokens and positions), optionally a causal convolution, NanoGPT attention, a head."""
+
+    def __init__(self, conv: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = nn.Embedding(64, zoo.C), nn.Embedding(128, zoo.C)
+        self.conv = nn.Conv1d(zoo.C, zoo.C, 2) if conv else None
+        self.attn = zoo.NanoGPT()
+        self.head = nn.Linear(zoo.C, 64)
+
+    def logits(self, input_ids, position_ids):
+        x = self.emb(input_ids) + self.pos(position_ids)
+        if self.conv is not None:  # a causal convolution along the row: state outside attention
+            x = x + self.conv(nn.functional.pad(x.transpose(1, 2), (1, 0))).transpose(1, 2)
+        return self.head(self.attn(x))
+
+
+class PlainLM(_LM):
+    def forward(self, input_ids, position_ids):
+        return self.logits(input_ids, position_ids)
+
+
+class ConvLM(PlainLM):
+    def __init__(self):
+        super().__init__(conv=True)
+
+
+class IndexPositionsLM(_LM):
+    """Positions from the token's index in the row; no position_ids input."""
+
+    def forward(self, input_ids):
+        return self.logits(input_ids, torch.arange(input_ids.shape[1])[None])
+
+
+class KwargsPositionsLM(_LM):
+    """Positions arrive through ``**kwargs`` (Hugging Face's decoder-only wrappers pass them on that way)."""
+
+    def __init__(self, honour=True):
+        super().__init__()
+        self.honour = honour
+
+    def forward(self, input_ids, **kwargs):
+        pos = kwargs.get("position_ids") if self.honour else None
+        return self.logits(input_ids, pos if pos is not None else torch.arange(input_ids.shape[1])[None])
+
+
+class RouterLM(nn.Module):
+    """A softmax, but no attention: nothing to page."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.router, self.head = nn.Embedding(64, zoo.C), zoo.Router(), nn.Linear(zoo.C, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.router(self.emb(input_ids)))
+
+
+# --------------------------------------------------------------------------- what is served
+
+
+def test_plain_model_is_served():
+    m = PlainLM().eval()
+    engine = PagedEngine(m, block_size=4)
+    assert engine.servable.input_names == {"input_ids", "position_ids"}
+    assert engine.generate(PROMPTS, max_new_tokens=5) == greedy_by_forward(m, PROMPTS, 5, positions=True)
+
+
+def test_prepare_a_hugging_face_model():
+    m = tiny_model("llama")
+    sv = prepare_model(m, target="cpu", block_size=8)
+    assert isinstance(sv, ServableModel) and isinstance(sv.step, pagedattn.RewrittenModel)
+    assert sv.input_names == {"input_ids", "position_ids", "use_cache", "logits_to_keep"}
+    assert sv.backend is get_backend("cpu") and sv.device == torch.device("cpu") and sv.block_size == 8
+    assert sv.cache_specs == tuple(CacheSpec(r["name"], 2, 8, torch.float32) for r in sv.step.report)
+    assert sv.cache_dtype == torch.float32 and sv.vocab_size == VOCAB
+    assert sv.eos_ids == {m.generation_config.eos_token_id} and sv.state is None and sv.fresh_step is None
+    assert sv.bytes_per_block() == 2 * 2 * 8 * 8 * 4 * 2  # K and V, 8 tokens, 2 kv heads of 8, fp32, 2 layers
+    # two sequences packed in one step give each its own forward's last logits
+    caches = sv.allocate_kv_caches(4)
+    a, b = [5, 9, 3, 11, 2], [7, 1, 4]
+    meta = build_metadata([(0, len(a), [0]), (0, len(b), [2])], 8)
+    got = sv.run_packed(caches, meta, a + b, list(range(len(a))) + list(range(len(b))), [len(a) - 1, len(a) + len(b) - 1])
+    with torch.no_grad():
+        want = [m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1] for p in (a, b)]
+    torch.testing.assert_close(got, torch.stack(want), atol=2e-5, rtol=1e-4)
+
+
+def test_prepare_a_rewritten_model(llama):
+    rm = llama[2]
+    sv = prepare_model(rm, eos_token_id=[3, 4])
+    assert sv.step is rm and sv.input_names == rm.input_names and sv.cache_specs == tuple(rm.cache_specs)
+    assert sv.eos_ids == {3, 4} and sv.vocab_size == rm.info.vocab_size == VOCAB
+    assert PagedEngine(sv).servable is sv  # a ServableModel is served as it is
+
+
+class TwoGraphs(nn.Module):
+    """Attention on both sides of a graph break: two compiled graphs per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = PlainLM()
+        self.second = zoo.NanoGPT()
+
+    def forward(self, input_ids, position_ids):
+        x = self.lm.emb(input_ids) + self.lm.pos(position_ids)
+        x = self.lm.attn(x)
+        torch._dynamo.graph_break()
+        return self.lm.head(self.second(x))
+
+
+def test_a_compiled_model_with_attention_in_two_graphs_is_refused(fresh_dynamo):
+    compiled = torch.compile(TwoGraphs().eval(), backend="pagedattn", options={"inner": "eager"})
+    with pytest.raises(ValueError, match="runs its attention in 2 graphs"):
+        prepare_model(compiled)
+
+
+def test_inputs_the_model_takes():
+    m = tiny_model("llama")
+    names = accepted_inputs(m)
+    assert names == {"input_ids", "position_ids", "use_cache", "logits_to_keep"}
+    kw = example_inputs(names, VOCAB)
+    assert kw["input_ids"].shape == kw["position_ids"].shape == (1, 8) and kw["use_cache"] is False
+    assert not torch.equal(kw["input_ids"][0, 1:] - kw["input_ids"][0, :-1], torch.ones(7, dtype=torch.long))
+    assert kw["logits_to_keep"].tolist() == [7, 3]
+    assert set(example_inputs({"input_ids"}, VOCAB)) == {"input_ids"}
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def test_state_outside_attention_is_refused():
+    with pytest.raises(ValueError, match="outside attention"):
+        PagedEngine(ConvLM().eval())
+
+
+def test_nothing_to_page_is_refused():
+    with pytest.raises(ValueError, match="no rewritten attention sites: nothing to page"):
+        prepare_model(RouterLM().eval())
+
+
+def test_a_model_on_another_device_is_refused():
+    pytest.importorskip("xformers", reason="the cuda backend needs xformers to load")
+    with pytest.raises(ValueError, match="move the model first"):
+        prepare_model(PlainLM().eval(), target="cuda")
+
+
+def test_positions_from_the_row_index_are_made_per_sequence():
+    # the rewrite turns arange(T) feeding the position embedding into each packed sequence's positions
+    m = IndexPositionsLM().eval()
+    got = PagedEngine(m, block_size=4).generate(PROMPTS, max_new_tokens=4)
+    assert got == greedy_by_forward(m, PROMPTS, 4)
+
+
+def test_positions_through_kwargs_are_passed():
+    m = KwargsPositionsLM().eval()
+    engine = PagedEngine(m, block_size=4)
+    assert "position_ids" in engine.servable.input_names  # found by probing: shifted positions change the logits
+    assert engine.generate(PROMPTS, max_new_tokens=4) == greedy_by_forward(m, PROMPTS, 4)
+
+
+def test_kwargs_that_ignore_positions_are_not_passed():
+    m = KwargsPositionsLM(honour=False).eval()
+    assert "position_ids" not in accepted_inputs(m)
+    engine = PagedEngine(m, block_size=4)
+    assert "position_ids" not in engine.servable.input_names
