@@ -14,9 +14,8 @@ import argparse
 import statistics
 import time
 
-import torch
-
 import paged_cases  # benchmarks/paged_cases.py, beside this script
+import torch
 
 
 def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:

@@ -24,9 +24,9 @@ import logging
 import statistics
 import time
 
+import paged_cases  # benchmarks/paged_cases.py, beside this script
 import torch
 
-import paged_cases  # benchmarks/paged_cases.py, beside this script
 from pagedattn.backends import get_backend
 
 

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     caches = [torch.zeros(2, 256, 16, 2, zoo.D)]
     g = torch.Generator().manual_seed(0)
     graphs = []
-    for step in range(100):
+    for _step in range(100):
         batch = int(torch.randint(2, 9, (1,), generator=g))
         decode_step(c, caches, torch.randint(1, 200, (batch,), generator=g).tolist())
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -131,7 +131,8 @@ class _Interpreter:
         self.sizes: dict[str, Any] = {}
         self.counter = itertools.count()
         self.functions: dict[str, Any] = {}
-        self.padding: dict[str, Any] = {}  # placeholder -> z3 function (b, k)
+        self.padding: dict[str, Callable] = {}  # placeholder -> (b, k) -> z3 Bool "key k of row b present"
+        self.runs: dict[str, tuple] = {}  # placeholder -> (start, end): present keys as one run per row
         self.positions: list[str] = []
         self.env: dict[Node, Any] = {}
         self.concrete: dict[Node, Any] = {}  # nodes computed outright: constants and what only they feed
@@ -277,12 +278,30 @@ class _Interpreter:
             one = {"bool": z3.BoolVal(role == "present"), "int": z3.IntVal(1), "float": z3.RealVal(1)}[_kind_of(v.dtype)]
             return _Val(tuple(_Dim(None, self.size(s)) for s in v.shape), one, _kind_of(v.dtype))
         dims = self.dims_of(v.shape)
-        if role == "padding":
+        if role in ("padding", "padding_runs"):
             if len(dims) != 2:
                 raise _Unreadable(f"padding input {n.name} is not [batch, keys]")
-            f = self.data(f"pad_{n.name}", dims, _kind_of(v.dtype))
-            self.padding[n.name] = f.decl()
-            return _Val(dims, f, _kind_of(v.dtype))
+            kind = _kind_of(v.dtype)
+            if role == "padding":
+                # a 0/1 mask whatever its dtype (held to that at call time): a boolean per key, as a number
+                f = self.data(f"pad_{n.name}", dims, "bool")
+                fn = f.decl()
+                self.padding[n.name] = lambda b, k: fn(b, k)
+                one = {"bool": f, "int": z3.If(f, z3.IntVal(1), z3.IntVal(0)),
+                       "float": z3.If(f, z3.RealVal(1), z3.RealVal(0))}[kind]
+                return _Val(dims, one, kind)
+            # the present keys of each row are one run [start, end) (left or right padding): a guard at
+            # call time holds drop-in calls to that
+            start = z3.Function(f"start_{n.name}", z3.IntSort(), z3.IntSort())
+            end = z3.Function(f"end_{n.name}", z3.IntSort(), z3.IntSort())
+            row = dims[0].index if dims[0].index is not None else z3.IntVal(0)
+            self.facts += [start(row) >= 0, start(row) <= end(row), end(row) <= dims[1].size]
+            self.runs[n.name] = (start, end)
+            self.padding[n.name] = lambda b, k: z3.And(start(b) <= k, k < end(b))
+            present = self.padding[n.name](row, dims[1].index if dims[1].index is not None else z3.IntVal(0))
+            one = {"bool": present, "int": z3.If(present, z3.IntVal(1), z3.IntVal(0)),
+                   "float": z3.If(present, z3.RealVal(1), z3.RealVal(0))}[kind]
+            return _Val(dims, one, kind)
         if role == "positions":
             # positions that count up by one along the last dimension, from any offset per row
             self.positions.append(n.name)
@@ -836,8 +855,25 @@ def _cumsum(it, n):
         raise _Unreadable("a running sum along a merged dimension")
     other = it.fresh(d.size)
     if not it.always(z3.substitute(e, (d.index, other)) == e):
-        raise _Unreadable("a running sum of values that vary (token- or input-dependent)")
+        ranks = _run_ranks(it, x, e, d.index)
+        if ranks is None:
+            raise _Unreadable("a running sum of values that vary (token- or input-dependent)")
+        return _Val(x.dims, ranks, "int" if x.kind == "bool" else x.kind)
     return _Val(x.dims, e * (d.index + 1), "int" if x.kind == "bool" else x.kind)
+
+
+def _run_ranks(it, x: _Val, e, k) -> Any:
+    """The running count of a padding run's present keys (BLOOM's ALiBi positions from
+    ``attention_mask.cumsum(-1)``): 0 before the run, ``k + 1 - start`` in it, its length after."""
+    rows = [d.index for d in x.dims if d.index is not None and not d.index.eq(k)] + [z3.IntVal(0)]
+    for start, end in it.runs.values():
+        for r in rows:
+            inside = z3.And(start(r) <= k, k < end(r))
+            for one in (z3.IntVal(1), z3.RealVal(1)):
+                if e.sort() == one.sort() and it.always(e == z3.If(inside, one, 0 * one)):
+                    count = z3.If(k < start(r), 0, z3.If(k < end(r), k + 1 - start(r), end(r) - start(r)))
+                    return count if one.is_int() else z3.ToReal(count)
+    return None
 
 
 def _sum(it, n):
@@ -1024,7 +1060,9 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
     terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
     module, inputs = extract_program(gm, terms)
     inner_roles = dict(roles)
-    if keys_present:  # True: present as 1/True; "false": a boolean input whose True means "ignore"
+    if keys_present == "runs":  # padding inputs whose present keys are one run per row
+        inner_roles = {k: ("padding_runs" if r == "padding" else r) for k, r in roles.items()}
+    elif keys_present:  # True: present as 1/True; "false": a boolean input whose True means "ignore"
         present = "present_false" if keys_present == "false" else "present"
         inner_roles = {k: (present if r == "padding" else r) for k, r in roles.items()}
     it = _Interpreter(module, inner_roles, constants, prefix)
@@ -1040,7 +1078,7 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
         it.facts.append(L <= max_length)
     nb, nc = len(site.biases), len(site.conds)
     masks, bias = [], z3.RealVal(0)
-    for (node, factor), v in zip(site.biases, outs[:nb]):
+    for (_node, factor), v in zip(site.biases, outs[:nb]):
         e = _aligned(it, v, b, h, i, j, B, H, S, L)
         e = it.cast(_Val((), e, v.kind), "float")
         if it.always(z3.Or(e == 0, e <= MASK_LIMIT)):  # a pure mask: 0 or a large negative value
@@ -1049,7 +1087,7 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
         # a bias: only -inf / the dtype's minimum masks (a bias of -1e4 far from the query is a value)
         masks.append(e > _NEG / 10)
         bias = bias + z3.If(e > _NEG / 10, e * z3.RealVal(float(factor)), z3.RealVal(0))
-    for (node, keep_when_true), v in zip(site.conds, outs[nb:nb + nc]):
+    for (_node, keep_when_true), v in zip(site.conds, outs[nb:nb + nc]):
         e = it.cast(_Val((), _aligned(it, v, b, h, i, j, B, H, S, L), v.kind), "bool")
         masks.append(e if keep_when_true else z3.Not(e))
     traced_length = k.shape[2].node.hint if isinstance(k.shape[2], torch.SymInt) else k.shape[2]
@@ -1058,7 +1096,7 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
     _check_coverage(it.facts, b, h, i, j, B, H, S, L)
     formula = MaskFormula(it.facts, b, h, i, j, B, H, S, L, z3.And(masks) if masks else z3.BoolVal(True),
                           bias, {}, list(it.positions))
-    for (node, after_b, after_c), v in zip(site.factors, outs[nb + nc:]):
+    for (_node, after_b, after_c), v in zip(site.factors, outs[nb + nc:]):
         f = it.cast(_Val((), _aligned(it, v, b, h, i, j, B, H, S, L), v.kind), "float")
         later = masks[:after_b] + masks[nb:nb + after_c]
         ok, _ = formula.holds(z3.And(z3.Or(f == 0, f == 1), z3.Implies(f == 0, z3.Not(z3.And(later)) if later
@@ -1066,8 +1104,8 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
         if not ok:
             raise NotEstablished("the scores are multiplied by a tensor that is not a 0/1 mask whose zeros a later "
                                  "term masks (zero is a score, not a mask)")
-    for name, f in it.padding.items():
-        formula.padding[name] = f(b, j) if f.range() == z3.BoolSort() else f(b, j) != 0
+    for name, present in it.padding.items():
+        formula.padding[name] = present(b, j)
     return formula
 
 
@@ -1184,6 +1222,7 @@ class MaskKind:
     up_to: Optional[int] = None  # None: every length
     positions: tuple = ()
     how: str = "proof"
+    padding_runs: bool = False  # established for padding whose present keys are one run per row
 
 
 def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:
@@ -1203,18 +1242,25 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
         f = read(present, "p")
         kind, window, chunk = _position_kind(f)
     alibi = _alibi(f, read(present, "r"))
-    with_padding = None
+    key_padding, keeps_true, runs = None, True, False
     if padding_inputs:
+        # padding as any pattern of present keys; else as one run per row (left or right padding), which
+        # running counts of the padding (BLOOM's positions) need: calls are then held to such padding
         try:
-            with_padding = read(False, "d")
-        except NotEstablished as e:
-            raise NotEstablished(f"its padding input is read in a way that cannot be established: {e}") from None
-    key_padding, keeps_true = None, True
-    if padding_inputs:
-        key_padding, keeps_true = _padding(with_padding, padding_inputs, kind, window, chunk)
+            d, e, mode = read(False, "d"), read(False, "e"), False
+        except NotEstablished as first:
+            try:
+                d, e, mode = read("runs", "d"), read("runs", "e"), "runs"
+            except NotEstablished:
+                raise NotEstablished(f"its padding input is read in a way that cannot be established: {first}"
+                                     ) from None
+        key_padding, keeps_true = _padding(d, padding_inputs, kind, window, chunk)
+        _padding_keeps_bias(d, e, f, read(present, "r"), key_padding)
+        runs = mode == "runs"
     longest = f.maximize(f.L)
     up_to = None if longest is None or longest >= _MAX_POSITIONS - 1 else longest
-    return MaskKind(kind, window, chunk, key_padding, keeps_true, alibi, up_to, tuple(f.positions))
+    return MaskKind(kind, window, chunk, key_padding, keeps_true, alibi, up_to, tuple(f.positions),
+                    padding_runs=runs)
 
 
 def _visible(kind: str, q, k, window=None, chunk=None):
@@ -1306,17 +1352,38 @@ def _visible_of(f: MaskFormula):
     return f.allowed
 
 
+def _padding_keeps_bias(d: MaskFormula, e: MaskFormula, f: MaskFormula, r: MaskFormula, name: str) -> None:
+    """With padding, the bias between two seen keys of a row differs as it does with every key present
+    (``f``, ``r``): only a constant per row may change, which softmax ignores. ``d`` and ``e`` are two
+    readings with the padding as data, sharing its values."""
+    row = []
+    for a in (e, f, r):
+        row += [a.b == d.b, a.h == d.h, a.i == d.i, a.B == d.B, a.S == d.S, a.L == d.L]
+    seen = [d.allowed, e.allowed, d.padding[name], e.padding[name], f.j == d.j, r.j == e.j]
+    ok, model = d.holds((d.bias - e.bias) == (f.bias - r.bias), *e.facts, *f.facts, *r.facts, *row, *seen)
+    if not ok:
+        where = _describe(d, model, None) if ok is False else f"the solver gave up ({model})"
+        raise NotEstablished(f"the additive bias changes with the padding input {name!r} other than by a constant "
+                             f"per row: {where}")
+
+
 def _padding(f: Optional[MaskFormula], names: Sequence[str], kind, window, chunk) -> tuple[str, bool]:
     """The key-padding input and its convention: with it read as data, the mask must be the position-only
     mask and the input's keys (True/nonzero = keep, or for booleans True = ignore)."""
     if f is None:
         raise NotEstablished("the mask's dependence on its padding input cannot be read")
     expected = _visible(kind, f.q_pos, f.j, window, chunk)
+    gave_up = None
     for name in names:
         present = f.padding.get(name)
         if present is None:
             continue
         for keeps_true, term in ((True, present), (False, z3.Not(present))):
-            if f.holds(f.allowed == z3.And(expected, term))[0]:
+            ok, why = f.holds(f.allowed == z3.And(expected, term))
+            if ok:
                 return name, keeps_true
+            gave_up = why if ok is None else gave_up
+    if gave_up is not None:
+        raise NotEstablished(f"the mask's dependence on input {names[0]!r} could not be established (the solver gave "
+                             f"up: {gave_up}; a product of the padding and positions, say)")
     raise NotEstablished(f"the mask depends on input {names[0]!r} in a way that is not key padding")

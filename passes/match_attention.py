@@ -21,11 +21,11 @@ from torch.fx import GraphModule, Node
 
 from pagedattn.passes.context import PassContext, PassReport
 from pagedattn.passes.site import (
-    MASK_LIMIT,
     CAST_OPS,
     CONTRACTION_OPS,
     IDENTITY_OPS,
     INPLACE_ALIASES,
+    MASK_LIMIT,
     SDPA_OPS,
     SOFTMAX_OPS,
     VIEW_OPS,

@@ -69,6 +69,7 @@ class AttentionSite:
     alibi_slopes: Optional[torch.Tensor] = None
     key_padding: Optional[Node] = None
     key_padding_keeps_true: bool = True  # False: True marks keys to ignore (nn.MultiheadAttention)
+    key_padding_runs: bool = False  # established for padding whose present keys are one run per row
     mask_up_to: Optional[int] = None  # the longest key length the mask is established for (None: every length)
     mask_how: Optional[str] = None  # "proof", "the operator" (SDPA's own mask), a hint
     position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
@@ -105,6 +106,7 @@ class AttentionSite:
             "chunk": self.chunk,
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
             "key_padding_ignores_true": None if self.key_padding is None else not self.key_padding_keeps_true,
+            "key_padding_runs": self.key_padding is not None and self.key_padding_runs,
             "mask_established": self.mask_how,
             "mask_up_to": self.mask_up_to,
             "position_inputs": list(self.position_inputs),

@@ -77,6 +77,7 @@ def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: Atten
                         example_inputs=flat, info=info)
     rm.graph_views = graph_views(before, res.paged, res.sites, res.paged_sites)
     rm.position_inputs = res.position_inputs
+    rm.padding_inputs = res.padding_inputs
     rm.static_sizes = static_sizes(ep, flat)
     return rm
 

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 
 from pagedattn.backends import AttentionBackend, get_backend, use_backend
 from pagedattn.driver import RewriteResult, rewrite_graph
-from pagedattn.program import check_positions
+from pagedattn.program import check_padding, check_positions
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import quiet_tracing
 
@@ -115,6 +115,7 @@ class CompiledGraph:
         self.dropin, self.paged = result.dropin, result.paged
         self.report, self.cache_specs, self.skipped = result.report, result.cache_specs, result.skipped
         self.position_inputs = result.position_inputs
+        self.padding_inputs = result.padding_inputs
         self.backend, self.inner = backend, inner
         self._dropin_fn: Optional[Callable] = None
         self._paged_fn: Optional[Callable] = None
@@ -133,6 +134,7 @@ class CompiledGraph:
         if ctx is None or self.num_sites == 0:
             if ctx is None:
                 check_positions(list(args), self.position_inputs)
+                check_padding(list(args), self.padding_inputs)
             if self._dropin_fn is None:
                 self._dropin_fn = _inner_compile(self.dropin, self.inner)
             return self._dropin_fn(*args)

@@ -49,6 +49,17 @@ class RewriteResult:
         return {names.index(p): p for p in sorted(read) if p in names}
 
     @property
+    def padding_inputs(self) -> dict[int, tuple[str, bool]]:
+        """Flat input index -> (name, whether its present keys were established as one run per row) of the
+        padding inputs rewritten sites read: 0/1 masks, and where the flag says so, left or right padding."""
+        names = [n.name for n in self.dropin.graph.nodes if n.op == "placeholder"]
+        read: dict[str, bool] = {}
+        for s in self.sites:
+            if s.status == "rewritten" and s.key_padding is not None:
+                read[s.key_padding.name] = read.get(s.key_padding.name, False) or s.key_padding_runs
+        return {names.index(p): (p, runs) for p, runs in sorted(read.items()) if p in names}
+
+    @property
     def skipped(self) -> list[str]:
         """Attention sites left as they were: a paged step would mix sequences through them."""
         return [f"{s.name}: {s.reason}" for s in self.sites if s.status != "rewritten" and s.attention]

@@ -17,7 +17,7 @@ from pagedattn.tracing import copy_graph_module, fits_static_sizes
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["RewrittenModel", "ModelInfo", "check_positions"]
+__all__ = ["RewrittenModel", "ModelInfo", "check_positions", "check_padding"]
 
 
 class ModelInfo:
@@ -86,6 +86,27 @@ def check_positions(flat: list, position_inputs: dict[int, str]) -> None:
                 "per row")
 
 
+def check_padding(flat: list, padding_inputs: dict[int, tuple[str, bool]]) -> None:
+    """Refuse a dense (drop-in) call whose padding mask holds values other than 0 and 1, or, where the masks
+    were established for left or right padding, leaves gaps inside a row (present keys in several runs)."""
+    for i, (name, runs) in padding_inputs.items():
+        t = flat[i]
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            continue
+        if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"input {name!r} is a padding mask but holds values other than 0 and 1: pass 1 for "
+                             "keys to attend to and 0 for padding")
+        if not runs:
+            continue
+        nonzero = t != 0  # what the proof took as one run [start, end) per row
+        starts = (nonzero[:, 1:] & ~nonzero[:, :-1]).sum(-1) + nonzero[:, 0].long()
+        if bool((starts > 1).any()):
+            raise ValueError(
+                f"input {name!r} marks present keys that are not one run per row (padding with gaps): the "
+                "rewritten masks were established for left or right padding. Pass padding at the ends of each "
+                "row, or serve the sequences through paged mode (PagedEngine)")
+
+
 class RewrittenModel(nn.Module):
     """A model whose attention runs through pagedattn.
 
@@ -115,6 +136,8 @@ class RewrittenModel(nn.Module):
         # flat input index -> name of inputs whose values the rewritten masks read as positions: proven for
         # positions that count up by one along each row, which drop-in calls must keep to
         self.position_inputs: dict[int, str] = {}
+        # padding inputs the rewritten masks read: 0/1 masks, some established for one run of keys per row
+        self.padding_inputs: dict[int, tuple[str, bool]] = {}
         self._exported: Optional[torch.export.ExportedProgram] = None
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
@@ -162,6 +185,7 @@ class RewrittenModel(nn.Module):
                 raise RuntimeError("this rewritten program was loaded from disk and runs in paged mode only: "
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
             check_positions(flat, self.position_inputs)
+            check_padding(flat, self.padding_inputs)
             return self._unflatten(self.dropin_module(*flat))
         refuse_if_unpaged(self._skipped)
         with use_backend(ctx.backend or self.backend):

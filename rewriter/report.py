@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 COLUMNS = ("name", "status", "num_heads", "num_kv_heads", "head_dim", "scale", "mask", "window", "softcap", "alibi", "sinks",
            "key_padding", "reason")
 

@@ -14,8 +14,13 @@ import torch
 
 pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
 
-from pagedattn.backends import AttentionConfig, AttentionParams, build_metadata, get_backend  # noqa: E402
-from pagedattn.backends import xformers_cuda  # noqa: E402
+from pagedattn.backends import (  # noqa: E402
+    AttentionConfig,
+    AttentionParams,
+    build_metadata,
+    get_backend,
+    xformers_cuda,  # noqa: E402
+)
 
 from ..support import ALIBI8, SHAPES, SINKS8, TOL, batch_params, check_copy_and_swap, make_batch, reference_step  # noqa: E402
 from .xformers_emulation import install  # noqa: E402

@@ -279,3 +279,84 @@ def test_buffers_that_are_no_band_stay_dense():
     table = BufferMask(torch.randn(300, 300)).eval()  # a learned relative bias: values the proof cannot know
     site = _site(_rewrite(table))
     assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+
+
+class PaddingBias(zoo._Base):
+    """Causal attention with a key padding mask and a bias read from the padding: ``ranks`` gives BLOOM's
+    ALiBi over the running count of present keys; ``first_key`` a distance bias only rows whose first
+    key is present get (with padding it changes other than by a constant per row)."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        if self.variant == "ranks":
+            slopes = torch.tensor([2.0 ** -(h + 1) for h in range(H)])[:, None, None]
+            rank = ((mask.cumsum(-1) - 1) * mask)[:, None, None, :].float()  # [B, 1, 1, T]
+            s = s + slopes * rank
+        else:
+            s = s + 0.5 * mask[:, :1, None, None].float() * torch.arange(T)[None, :]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).tril().logical_not(), float("-inf"))
+        s = s.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def test_alibi_over_the_running_count_of_present_keys_holds_for_one_run_per_row():
+    m = PaddingBias("ranks").eval()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), mask))
+    site = _site(rm)
+    assert site["status"] == "rewritten" and site["alibi"] and site["key_padding_runs"], site
+    x = torch.randn(3, 40, C)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, :17] = 0  # left padding
+    mask[2, 30:] = 0  # right padding
+    with torch.no_grad():
+        out, ref = rm(x, mask), m(x, mask)
+    keep = mask.bool() & ~torch.isnan(ref).any(-1)
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    gaps = mask.clone()
+    gaps[0, 10:12] = 0  # present keys in two runs: the ranks are no longer positions
+    with pytest.raises(ValueError, match="not one run per row"):
+        rm(x, gaps)
+
+
+def test_a_bias_that_changes_with_the_padding_is_refused():
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    site = _site(pagedattn.rewrite(PaddingBias("first_key").eval(), (torch.randn(2, 8, C), mask)))
+    assert site["status"] == "skipped" and "changes with the padding input" in site["reason"], site
+
+
+class LongMaskLM(nn.Module):
+    """One narrow attention layer under a position mask, as a language model the engine serves."""
+
+    def __init__(self, visible):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.attn, self.head = nn.Embedding(64, C), PositionMask(visible), nn.Linear(C, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.attn(self.emb(input_ids)))
+
+
+@pytest.mark.parametrize("visible, kind", [
+    (lambda i, j, T: (j <= i) & (i - j < 6000), ("sliding_window", 6000, None)),
+    (lambda i, j, T: (j <= i) & (i // 4500 == j // 4500), ("chunked", None, 4500)),
+], ids=["window_6000", "chunk_4500"])
+def test_wide_windows_and_chunks_through_the_engine_past_their_width(visible, kind):
+    from pagedattn import PagedEngine
+
+    from ..support import greedy_by_forward
+
+    m = LongMaskLM(visible).eval()
+    engine = PagedEngine(m, block_size=64, max_num_tokens=2048)
+    (site,) = [r for r in engine.servable.step.report if r["attention"]]
+    assert (site["mask"], site["window"], site["chunk"]) == kind, site
+    prompt = torch.randint(0, 64, (6100,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert engine.generate([prompt], max_new_tokens=3) == greedy_by_forward(m, [prompt], 3)

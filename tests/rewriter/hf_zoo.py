@@ -308,7 +308,7 @@ def tiny_model(arch: str, attn_implementation: str = "eager", seed: int = 0):
 
 def vocab_of(model) -> int:
     emb = model.get_input_embeddings()
-    n = getattr(emb, "num_embeddings", None) or getattr(emb, "weight").shape[0]
+    n = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
     return min(int(n), VOCAB)
 
 
@@ -450,6 +450,7 @@ def check_sdpa(arch, eager, example) -> dict:
 def check_compile(model, example) -> dict:
     """The compile stage of ``check``: ``torch.compile(backend="pagedattn")`` logits vs the model's, and its sites."""
     import torch._dynamo
+
     from pagedattn.compile import compiled_graphs
 
     torch._dynamo.reset()

@@ -179,7 +179,7 @@ def test_no_recompile_per_decode_step():
         c(torch.randn(1, 8, zoo.C))  # drop-in warm-up
     caches = None
     g = torch.Generator().manual_seed(0)
-    for step in range(100):
+    for _step in range(100):
         batch = int(torch.randint(2, 9, (1,), generator=g))
         lengths = torch.randint(1, 200, (batch,), generator=g).tolist()
         if caches is None:

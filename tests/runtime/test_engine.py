@@ -11,7 +11,6 @@ import torch
 
 import pagedattn
 from pagedattn import PagedEngine, RequestErrors
-
 from pagedattn.adapter import accepted_inputs
 
 from ..rewriter import zoo

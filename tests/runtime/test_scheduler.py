@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from pagedattn.backends import get_backend
 from pagedattn.runtime.blocks import BlockManager, BlockTable, NoFreeBlocks
 from pagedattn.runtime.scheduler import (
