@@ -24,14 +24,17 @@ from pagedattn.tracing import export_model, flat_graph_module
 
 
 def _timed_rewrite(model, kwargs):
-    """(export s, passes s, rewritten sites, total sites)."""
+    """(export s, passes s, mask proofs s, distinct mask programs, rewritten sites, total sites)."""
     t0 = time.perf_counter()
     gm, _, _ = flat_graph_module(export_model(model, (), kwargs))
     t1 = time.perf_counter()
     flat = torch.utils._pytree.tree_flatten(((), kwargs))[0]
-    sites = rewrite_graph(gm, flat, get_backend("cpu")).sites
+    res = rewrite_graph(gm, flat, get_backend("cpu"), max_length=model.config.max_position_embeddings)
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, sum(s.status == "rewritten" for s in sites), len(sites)
+    (proof,) = [p for p in res.passes if p.name == "classify_mask"]
+    programs = int(proof.detail.split(" from ")[1].split()[0])
+    return (t1 - t0, t2 - t1, proof.seconds, programs, sum(s.status == "rewritten" for s in res.sites),
+            len(res.sites))
 
 
 def main(argv=None) -> None:
@@ -54,14 +57,16 @@ def main(argv=None) -> None:
     for label, cfg in shapes.items():
         device = cfg.pop("device")
         print(f"\n{label}")
-        print(f"{'layers':>6} {'export s':>9} {'passes s':>9} {'total s':>8} {'s/layer':>8} {'passes %':>9} {'sites':>9}")
+        print(f"{'layers':>6} {'export s':>9} {'passes s':>9} {'proofs s':>9} {'programs':>8} {'total s':>8} "
+              f"{'s/layer':>8} {'passes %':>9} {'sites':>9}")
         for n in a.layers:
             with torch.device(device):
                 model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=n, max_position_embeddings=8192, **cfg)).eval()
             kw = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "use_cache": False}
-            t_exp, t_pass, rw, total = _timed_rewrite(model, kw)
+            t_exp, t_pass, t_proof, programs, rw, total = _timed_rewrite(model, kw)
             t = t_exp + t_pass
-            print(f"{n:>6} {t_exp:9.2f} {t_pass:9.2f} {t:8.2f} {t / n:8.3f} {100 * t_pass / t:8.1f}% {rw:>4}/{total:<4}")
+            print(f"{n:>6} {t_exp:9.2f} {t_pass:9.2f} {t_proof:9.2f} {programs:>8} {t:8.2f} {t / n:8.3f} "
+                  f"{100 * t_pass / t:8.1f}% {rw:>4}/{total:<4}")
             del model
 
 

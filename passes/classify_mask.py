@@ -75,7 +75,7 @@ def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
         site.mask_up_to, site.mask_how = result.up_to, result.how
         site.position_inputs = result.positions
     n = sum(s.mask_kind is not None for s in ctx.sites)
-    return PassReport("classify_mask", False, f"{n} masks established")
+    return PassReport("classify_mask", False, f"{n} masks established from {len(memo)} distinct mask programs")
 
 
 def _plain(site: AttentionSite) -> None:
@@ -145,6 +145,9 @@ def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict
         if not reads_by_value(inner[p.name], nodes) or not isinstance(p.meta.get("val"), torch.Tensor):
             continue
         example = ctx.example_inputs.get(p.name)
+        if isinstance(example, torch.Tensor) and example.is_meta:
+            raise NotEstablished(f"the mask reads input '{p.name}', whose example has no values (a meta tensor): "
+                                 "trace with real inputs")
         if p.name in ctx.constant_inputs:
             roles[p.name], constants[p.name] = "constant", example
         elif _looks_like_padding(p, example, key_len):

@@ -315,6 +315,8 @@ class _Interpreter:
     def constant(self, t: torch.Tensor, name: str) -> _Val:
         """A buffer or parameter: a band around the diagonal (causal, windowed) as such, else element by
         element when small, else (float) as a table of unknown values in its range."""
+        if t.is_meta:
+            raise _Unreadable(f"constant {name} has no values (a meta tensor): load the weights first")
         t = t.detach().cpu()
         kind = _kind_of(t.dtype)
         if t.numel() == 1:

@@ -268,6 +268,33 @@ class LearnedRelativeBias(_Base):
         return self.merge(s.softmax(-1) @ v)
 
 
+class T5RelativeBias(_Base):
+    """T5's decoder self-attention: no scaling, a learned bias per head looked up by a log-spaced bucket
+    of the key-query distance (causal: keys at or before the query), and the causal mask."""
+
+    buckets, max_distance = 32, 128
+
+    def __init__(self):
+        super().__init__()
+        self.rel = nn.Embedding(self.buckets, H)
+
+    def bucket(self, rel):  # rel = key - query
+        n = -torch.min(rel, torch.zeros_like(rel))  # distance back to the key, >= 0
+        exact = self.buckets // 2
+        large = exact + (torch.log(n.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
+                         * (self.buckets - exact)).to(torch.long)
+        return torch.where(n < exact, n, torch.min(large, torch.full_like(large, self.buckets - 1)))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        rel = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # [T, T]
+        bias = self.rel(self.bucket(rel)).permute(2, 0, 1)  # [H, T, T]
+        s = q @ k.transpose(-1, -2) + bias
+        s = s.masked_fill(~_causal(T), float("-inf"))
+        return self.merge(s.softmax(-1) @ v)
+
+
 class CallerMask(_Base):
     def forward(self, x, mask):
         q, k, v = self.qkv(x)
@@ -306,6 +333,8 @@ ATTENTION = {
 NOT_ATTENTION = {
     "router": (Router, None),
     "learned_relative_bias": (LearnedRelativeBias, "not ALiBi"),
+    # a position-only bias, but not a kind with a kernel: kept dense until a generic mask/bias path serves it
+    "t5_relative_bias": (T5RelativeBias, "for every length"),
     "caller_mask": (CallerMask, "caller-provided"),
     "caller_bool_mask": (CallerBoolMask, "caller-provided"),
 }
