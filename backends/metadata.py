@@ -210,6 +210,7 @@ def validate_write(
 def validate_attend(
     query: torch.Tensor, num_blocks: int, kv_heads: int, head_size: int, cache_dtype: torch.dtype,
     cache_device: torch.device, metadata: AttentionMetadata, num_kv_heads: int, causal: bool,
+    max_seq_len: int = 0,
 ) -> None:
     """Check one paged attention call against the cache it reads."""
     block_tables, seq_lens, query_start_loc = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
@@ -232,6 +233,7 @@ def validate_attend(
            f"paged_attention: query_start_loc must have {n + 1} entries, got {tuple(query_start_loc.shape)}")
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    _check(max_seq_len <= 0 or max(lens, default=0) <= max_seq_len, f"paged_attention: {too_long(max_seq_len)}")
     _check(qsl[0] == 0 and all(b >= a for a, b in zip(qsl, qsl[1:])),
            f"paged_attention: query_start_loc {qsl} must start at 0 and never decrease")
     _check(qsl[-1] <= query.shape[0], f"paged_attention: query_start_loc ends at {qsl[-1]} but there are "
@@ -314,7 +316,7 @@ def check_write_cheap(key: torch.Tensor, value: torch.Tensor, num_slots: int, kv
 
 def check_attend_cheap(query: torch.Tensor, kv_heads: int, head_size: int, cache_dtype: torch.dtype,
                        cache_device: torch.device, metadata: AttentionMetadata, num_kv_heads: int,
-                       causal: bool) -> None:
+                       causal: bool, max_seq_len: int = 0) -> None:
     """The O(tokens + sequences) checks of a paged attention call that run on every call."""
     op = "paged_attention"
     tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
@@ -334,7 +336,7 @@ def check_attend_cheap(query: torch.Tensor, kv_heads: int, head_size: int, cache
         _fail(op, f"seq_lens {tuple(seq_lens.shape)}, block_tables {tuple(tables.shape)} and query_start_loc "
                   f"{tuple(qsl.shape)} must describe the same sequences ([S], [S, blocks], [S + 1])")
     if n == 0 or qsl.device.type not in ("cpu", "cuda") or \
-            _checked("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size)):
+            _checked("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size, max_seq_len)):
         return
     q_lens = qsl[1:] - qsl[:-1]
     _value_check(op, (qsl[0] == 0) & (q_lens >= 0).all() & (qsl[-1] <= query.shape[0]),
@@ -344,4 +346,12 @@ def check_attend_cheap(query: torch.Tensor, kv_heads: int, head_size: int, cache
     _value_check(op, (seq_lens >= 0).all() & (seq_lens <= tables.shape[1] * metadata.block_size).all(),
                  f"a seq_len is negative or longer than its block table covers ({tables.shape[1]} blocks of "
                  f"{metadata.block_size})")
-    _passed("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size))
+    if max_seq_len > 0:
+        _value_check(op, (seq_lens <= max_seq_len).all(), too_long(max_seq_len))
+    _passed("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size, max_seq_len))
+
+
+def too_long(max_seq_len: int) -> str:
+    return (f"a sequence is longer than the {max_seq_len} positions this site's mask was established for (the "
+            "model's maximum length, a buffer its mask reads, or the sizes a static graph was compiled at): "
+            "cap requests at that length, or compile with dynamic shapes")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from pagedattn.backends import reference
 from pagedattn.backends.base import active_backend
-from pagedattn.backends.metadata import AttentionMetadata, validation_enabled
+from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_enabled
 from pagedattn.backends.params import AttentionParams, params_schema
 
 __all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET"]
@@ -105,7 +105,10 @@ def attention(query: Tensor, key: Tensor, value: Tensor, key_padding: Optional[T
     :mod:`pagedattn.backends.reference`. Returns ``[B, Hq, S, Dv]``.
     """
     present = None if key_padding is None else key_padding != 0
-    return reference.dense_attention(query, key, value, AttentionParams.from_args(params), key_present=present)
+    p = AttentionParams.from_args(params)
+    if 0 < p.max_seq_len < key.shape[2]:
+        raise ValueError(f"pagedattn::attention: {key.shape[2]} keys: {too_long(p.max_seq_len)}")
+    return reference.dense_attention(query, key, value, p, key_present=present)
 
 
 @attention.register_fake

@@ -48,10 +48,6 @@ from pagedattn.backends import reference
 from pagedattn.backends.base import AttentionBackend, common_reasons, register_backend
 from pagedattn.backends.metadata import (
     AttentionMetadata,
-    check_attend_cheap,
-    check_write_cheap,
-    validate_attend,
-    validate_write,
 )
 from pagedattn.backends.params import AttentionConfig, AttentionParams
 
@@ -148,22 +144,10 @@ class PallasXlaBackend(AttentionBackend):
 
     # --- cache maintenance
 
-    def check_write(self, key, value, kv_cache, slot_mapping, full=False):
-        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
-        check = validate_write if full else check_write_cheap
-        check(key, value, nb * bs, hkv, key.shape[2], kv_cache.dtype, kv_cache.device, slot_mapping)
-        _check_head(key.shape[2], dp, self.head_align, "write_kv_cache")
-
-    def check_attend(self, query, kv_cache, metadata, params, full=False):
-        nb, bs, hkv, dp = self.cache_geometry(kv_cache)
-        d = query.shape[2]
-        if full:
-            validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
-                            params.causal)
-        else:
-            check_attend_cheap(query, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
-                               params.causal)
-        _check_head(d, dp, self.head_align, "paged_attention")
+    def stored_head_size(self, kv_cache, tokens) -> int:
+        # heads are padded to the kernel's alignment in the cache: the tokens carry the real size
+        _check_head(tokens.shape[2], self.cache_geometry(kv_cache)[3], self.head_align, "the paged ops")
+        return tokens.shape[2]
 
     def write(self, key, value, kv_cache, slot_mapping):
         nb, bs, hkv, dp = self.cache_geometry(kv_cache)

@@ -33,6 +33,9 @@ class AttentionParams(Generic[T]):
     into chunks of that many positions and lets a query see only keys of its own chunk (causal
     attention only; with a window too, a key must satisfy both).
     ``head_size_v`` is the value head size (the output's last dimension).
+    ``max_seq_len > 0`` is the longest sequence the site's mask was established for (the model's
+    maximum, a buffer the mask reads, or the sizes a static graph was compiled at): longer ones are
+    refused, not computed with a mask nobody proved there.
     Which keys are visible is stated once, in :mod:`pagedattn.backends.reference`.
     """
 
@@ -45,6 +48,7 @@ class AttentionParams(Generic[T]):
     head_size_v: int
     sinks: Optional[T] = None
     chunk_size: int = 0
+    max_seq_len: int = 0
 
     @property
     def window(self) -> int:

@@ -109,6 +109,10 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
     else:
         site.mask_kind, site.window, site.chunk = h["mask"], h.get("window"), h.get("chunk")
         site.mask_up_to, site.mask_how = h.get("mask_up_to"), "hint from a multi-token trace"
+        if site.mask_up_to:
+            log.warning("%s: a single-token graph takes its %s mask from a multi-token trace of fixed sizes, where "
+                        "it was established up to %d positions only; longer sequences assume it holds there too",
+                        site.name, site.mask_kind, site.mask_up_to)
 
 
 # ----------------------------------------------------------------------------- one site

@@ -295,7 +295,8 @@ class _Interpreter:
             start = z3.Function(f"start_{n.name}", z3.IntSort(), z3.IntSort())
             end = z3.Function(f"end_{n.name}", z3.IntSort(), z3.IntSort())
             row = dims[0].index if dims[0].index is not None else z3.IntVal(0)
-            self.facts += [start(row) >= 0, start(row) <= end(row), end(row) <= dims[1].size]
+            # (a row without any present key is refused at call time: nothing to attend to)
+            self.facts += [start(row) >= 0, start(row) < end(row), end(row) <= dims[1].size]
             self.runs[n.name] = (start, end)
             self.padding[n.name] = lambda b, k: z3.And(start(b) <= k, k < end(b))
             present = self.padding[n.name](row, dims[1].index if dims[1].index is not None else z3.IntVal(0))
@@ -864,17 +865,36 @@ def _cumsum(it, n):
     return _Val(x.dims, e * (d.index + 1), "int" if x.kind == "bool" else x.kind)
 
 
+def _run_interval_count(it, dims: list, e, d: _Dim) -> Any:
+    """The sum along ``d`` of 1 on one side of a padding run and 0 elsewhere: the keys before the run
+    (Llama 4's left-padding count), in it, or after it."""
+    k = d.index
+    rows = [o.index for o in dims if o.index is not None and not o.index.eq(k)] + [z3.IntVal(0)]
+    for start, end in it.runs.values():
+        for r in rows:
+            for lo, hi in ((z3.IntVal(0), start(r)), (start(r), end(r)), (end(r), d.size)):
+                for one in (z3.IntVal(1), z3.RealVal(1)):
+                    if e.sort() == one.sort() and it.always(e == z3.If(z3.And(lo <= k, k < hi), one, 0 * one)):
+                        return (hi - lo) if one.is_int() else z3.ToReal(hi - lo)
+    return None
+
+
 def _run_ranks(it, x: _Val, e, k) -> Any:
     """The running count of a padding run's present keys (BLOOM's ALiBi positions from
-    ``attention_mask.cumsum(-1)``): 0 before the run, ``k + 1 - start`` in it, its length after."""
+    ``attention_mask.cumsum(-1)``: 0 before the run, ``k + 1 - start`` in it, its length after), or of
+    the keys outside it (pad-aware chunk offsets from ``(1 - attention_mask).cumsum(-1)``)."""
     rows = [d.index for d in x.dims if d.index is not None and not d.index.eq(k)] + [z3.IntVal(0)]
     for start, end in it.runs.values():
         for r in rows:
             inside = z3.And(start(r) <= k, k < end(r))
+            present = z3.If(k < start(r), 0, z3.If(k < end(r), k + 1 - start(r), end(r) - start(r)))
             for one in (z3.IntVal(1), z3.RealVal(1)):
-                if e.sort() == one.sort() and it.always(e == z3.If(inside, one, 0 * one)):
-                    count = z3.If(k < start(r), 0, z3.If(k < end(r), k + 1 - start(r), end(r) - start(r)))
-                    return count if one.is_int() else z3.ToReal(count)
+                if e.sort() != one.sort():
+                    continue
+                for counted, count in ((z3.If(inside, one, 0 * one), present),
+                                       (z3.If(inside, 0 * one, one), k + 1 - present)):
+                    if it.always(e == counted):
+                        return count if one.is_int() else z3.ToReal(count)
     return None
 
 
@@ -889,7 +909,15 @@ def _sum(it, n):
         if d.index is not None:
             other = it.fresh(d.size)
             if not z3.is_const(d.index) or not it.always(z3.substitute(e, (d.index, other)) == e):
-                raise _Unreadable("a sum of values that vary along the summed dimension")
+                count = _run_interval_count(it, out, e, d)
+                if count is None:
+                    raise _Unreadable("a sum of values that vary along the summed dimension")
+                e = count
+                if keep:
+                    out[dim] = _Dim(None, z3.IntVal(1))
+                else:
+                    del out[dim]
+                continue
         e = e * d.size
         if keep:
             out[dim] = _Dim(None, z3.IntVal(1))
@@ -1253,9 +1281,9 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
         except NotEstablished as first:
             try:
                 d, e, mode = read("runs", "d"), read("runs", "e"), "runs"
-            except NotEstablished:
-                raise NotEstablished(f"its padding input is read in a way that cannot be established: {first}"
-                                     ) from None
+            except NotEstablished as second:
+                raise NotEstablished(f"its padding input is read in a way that cannot be established: {first}; "
+                                     f"as left or right padding: {second}") from None
         key_padding, keeps_true = _padding(d, padding_inputs, kind, window, chunk)
         _padding_keeps_bias(d, e, f, read(present, "r"), key_padding)
         runs = mode == "runs"

@@ -79,6 +79,10 @@ class AttentionSite:
     def params(self) -> AttentionParams:
         """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""
         chunk = {"chunk_size": int(self.chunk)} if self.chunk else {}
+        if self.mask_up_to and not (self.mask_how or "").startswith("hint"):
+            # a hint's bound is the multi-token trace's size, not the model's: the hint is taken as it is
+            # (reported, and logged when the site takes it)
+            chunk["max_seq_len"] = int(self.mask_up_to)
         return AttentionParams(
             scale=float(self.scale), causal=self.mask_kind in ("causal", "sliding_window", "chunked"),
             sliding_window=int(self.window or 0), softcap=float(self.softcap or 0.0), alibi_slopes=self.alibi_slopes,

@@ -98,11 +98,12 @@ def check_padding(flat: list, padding_inputs: dict[int, tuple[str, bool]]) -> No
                              "keys to attend to and 0 for padding")
         if not runs:
             continue
-        nonzero = t != 0  # what the proof took as one run [start, end) per row
+        nonzero = t != 0  # what the proof took as one run [start, end) per row, never empty
         starts = (nonzero[:, 1:] & ~nonzero[:, :-1]).sum(-1) + nonzero[:, 0].long()
-        if bool((starts > 1).any()):
+        if bool((starts != 1).any()):
             raise ValueError(
-                f"input {name!r} marks present keys that are not one run per row (padding with gaps): the "
+                f"input {name!r} marks present keys that are not one run per row (padding with gaps, or a row "
+                "of padding only): the "
                 "rewritten masks were established for left or right padding. Pass padding at the ends of each "
                 "row, or serve the sequences through paged mode (PagedEngine)")
 

@@ -287,3 +287,31 @@ def greedy_by_forward(model, prompts: Sequence[Sequence[int]], new: int, positio
                 ids.append(int(model(torch.tensor([ids]), **kw)[0, -1].argmax()))
         out.append(ids[len(p):])
     return out
+
+
+def record_decode_masks(monkeypatch) -> list:
+    """Wraps the CPU backend's decode kernel call; returns the masks (or None) it was given."""
+    from pagedattn.backends import sdpa_cpu
+
+    seen = []
+    inner = sdpa_cpu._partial_attention
+
+    def spy(q, k, v, bias, scale, softcap):
+        seen.append(bias)
+        return inner(q, k, v, bias, scale, softcap)
+
+    monkeypatch.setattr(sdpa_cpu, "_partial_attention", spy)
+    return seen
+
+
+class Step(torch.nn.Module):
+    """One paged step: the functional cache write, then the paged attention over the new cache."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = params
+
+    def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
+        new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
+        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.params.args())
+        return out, new

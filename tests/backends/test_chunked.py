@@ -18,7 +18,7 @@ import torch
 from pagedattn.backends import AttentionConfig, AttentionParams, get_backend, reference, sdpa_cpu
 from pagedattn.backends.params import params_schema
 
-from ..support import ALIBI8, SHAPES, SINKS8, TOL, make_batch
+from ..support import ALIBI8, SHAPES, SINKS8, TOL, make_batch, record_decode_masks
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -184,7 +184,7 @@ def test_chunks_apply_to_causal_attention_only():
 
 def test_schema_appends_the_chunk_size():
     # saved programs call the ops with the fields up to sinks: the new field is last, with its default
-    assert params_schema().endswith("Tensor? sinks=None, int chunk_size=0")
+    assert params_schema().endswith("Tensor? sinks=None, int chunk_size=0, int max_seq_len=0")
     old = AttentionParams.from_args((0.5, True, 0, 0.0, None, 2, 8, None))
     assert old.chunk_size == 0 and old.chunk == 0
     assert AttentionParams.from_args(dataclasses.replace(old, chunk_size=6).args()).chunk == 6
@@ -293,19 +293,6 @@ def test_cpu_chunked_prefill_masks_only_the_run_that_starts_inside_a_chunk(monke
 DECODES = [(100, 1), (3, 1), (57, 1), (0, 9), (40, 1), (23, 1), (47, 1)]
 
 
-def _record_decode_masks(monkeypatch) -> list:
-    """Wraps the decode kernel call; returns the masks (or None) it was given."""
-    seen = []
-    inner = sdpa_cpu._partial_attention
-
-    def spy(q, k, v, bias, scale, softcap):
-        seen.append(bias)
-        return inner(q, k, v, bias, scale, softcap)
-
-    monkeypatch.setattr(sdpa_cpu, "_partial_attention", spy)
-    return seen
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("feature", FEW_FEATURES, ids=_ids)
 @pytest.mark.parametrize("chunk", [5, 12, 24, 64])
@@ -330,14 +317,14 @@ def test_decode_without_mask_when_every_key_in_reach_is_visible(monkeypatch, bud
     # chunks of 32 over blocks of 16, decodes on a chunk's last position: the keys gathered (the chunk's
     # two blocks, all sequences alike, so no chunk of keys is padded) are all visible: no mask
     monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", budget_blocks * 16 * 2 * 2 * 64 * dtype.itemsize)
-    seen = _record_decode_masks(monkeypatch)
+    seen = record_decode_masks(monkeypatch)
     b = make_batch([(63, 1), (31, 1), (127, 1), (95, 1)], num_heads=8, num_kv_heads=2, dtype=dtype)
     _check(b, _params(b, 32), dtype)
     assert seen and all(m is None for m in seen)
 
 
 def test_decode_masks_a_chunk_that_starts_inside_a_block(monkeypatch):
-    seen = _record_decode_masks(monkeypatch)
+    seen = record_decode_masks(monkeypatch)
     b = make_batch([(55, 1)], num_heads=4, num_kv_heads=2)  # chunk 40..59: block 2 holds keys 32..47
     p = _params(b, 20)
     _poison_out_of_reach(b, p)

@@ -592,32 +592,6 @@ def _chunked(b, chunk, **features) -> AttentionParams:
     return dataclasses.replace(params_for(b, **features), chunk_size=chunk)
 
 
-def _float64_chunked(b, params: AttentionParams) -> torch.Tensor:
-    """The real tokens' rows by plain float64 masked softmax, the chunk condition written out here."""
-    p, outs, row = params, [], 0
-    for c, n, k, v in zip(b.contexts, b.q_lens, b.full_k, b.full_v):
-        q = b.query[row:row + n].double()
-        row += n
-        group = q.shape[1] // k.shape[1]
-        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q, k) * p.scale
-        if p.softcap > 0:
-            s = p.softcap * torch.tanh(s / p.softcap)
-        qi, kj = torch.arange(n)[:, None] + c, torch.arange(c + n)[None, :]
-        if p.alibi_slopes is not None:
-            s = s + p.alibi_slopes.double()[:, None, None] * (kj - qi)[None]
-        ok = (kj <= qi) & (qi // p.chunk_size == kj // p.chunk_size)
-        if p.sliding_window > 0:
-            ok = ok & (qi - kj < p.sliding_window)
-        s = s.masked_fill(~ok[None], float("-inf"))
-        if p.sinks is not None:
-            s = torch.cat([s, p.sinks.double()[:, None, None].expand(*s.shape[:2], 1)], -1)
-            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1)[..., :-1], v))
-        else:
-            outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
-    return torch.cat(outs)
-
-
 def _check_chunked(b, params: AttentionParams, backend=None, dtype=torch.float32, via_ops=False):
     """XLA against the CPU ops, the reference and the float64 loop-free check, as ``_check`` does."""
     out, cache = _xla_step(backend, b, params, via_ops=via_ops)
@@ -626,7 +600,7 @@ def _check_chunked(b, params: AttentionParams, backend=None, dtype=torch.float32
     tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(out[:n], reference_step(b, params), **tol)
-    torch.testing.assert_close(out[:n].double(), _float64_chunked(b, params), **tol)
+    torch.testing.assert_close(out[:n].double(), float64_step(b, params), **tol)
     assert torch.all(out[n:] == 0), "padding rows must be zero"
     assert torch.equal(cache, b.kv_cache)
 

@@ -7,7 +7,17 @@ from hypothesis import strategies as st
 
 from pagedattn.backends import AttentionConfig, AttentionParams, get_backend
 
-from ..support import ALIBI8, SHAPES, SINKS8, TOL, check_copy_and_swap, make_batch, reference_step, run_step
+from ..support import (
+    ALIBI8,
+    SHAPES,
+    SINKS8,
+    TOL,
+    check_copy_and_swap,
+    make_batch,
+    record_decode_masks,
+    reference_step,
+    run_step,
+)
 
 
 def _check(batch, dtype, **kw):
@@ -168,19 +178,6 @@ def test_split_decode_merges_chunks(monkeypatch, feature):
     _check(b, torch.float32, **feature)
 
 
-def _record_masks(monkeypatch, sdpa_cpu):
-    """Wraps the decode kernel call; returns the list of masks (or None) it was given."""
-    seen = []
-    inner = sdpa_cpu._partial_attention
-
-    def spy(q, k, v, bias, scale, softcap):
-        seen.append(bias)
-        return inner(q, k, v, bias, scale, softcap)
-
-    monkeypatch.setattr(sdpa_cpu, "_partial_attention", spy)
-    return seen
-
-
 @pytest.mark.parametrize("budget_blocks", [3, 8, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_without_mask_when_every_key_is_visible(monkeypatch, budget_blocks, dtype):
@@ -189,7 +186,7 @@ def test_decode_without_mask_when_every_key_is_visible(monkeypatch, budget_block
     from pagedattn.backends import sdpa_cpu
 
     monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", budget_blocks * 4 * 2 * 2 * 64 * dtype.itemsize)
-    seen = _record_masks(monkeypatch, sdpa_cpu)
+    seen = record_decode_masks(monkeypatch)
     b = make_batch([(63, 1)] * 4, num_heads=8, num_kv_heads=2, block_size=4, dtype=dtype)
     _check(b, dtype)
     assert seen and all(m is None for m in seen)
@@ -199,7 +196,7 @@ def test_decode_masks_only_groups_with_hidden_keys(monkeypatch):
     from pagedattn.backends import sdpa_cpu
 
     monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 4 * 4 * 2 * 2 * 64 * 4)  # 4 blocks a group
-    seen = _record_masks(monkeypatch, sdpa_cpu)
+    seen = record_decode_masks(monkeypatch)
     b = make_batch([(63, 1), (29, 1), (2, 1)], num_heads=4, num_kv_heads=2, block_size=4)
     _check(b, torch.float32)
     assert any(m is None for m in seen) and any(m is not None for m in seen)

@@ -120,6 +120,8 @@ def float64_step(b: Batch, params: AttentionParams) -> torch.Tensor:
             s = s + p.alibi_slopes.double()[:, None, None] * (kj - qi)[None]
         if p.causal:
             ok = (kj <= qi) & ((qi - kj < p.sliding_window) if p.sliding_window > 0 else True)
+            if p.chunk_size > 0:  # the query's own chunk only
+                ok = ok & (qi // p.chunk_size == kj // p.chunk_size)
             s = s.masked_fill(~ok[None], float("-inf"))
         if p.sinks is not None:  # one more logit per head, dropped after the softmax
             s = torch.cat([s, p.sinks.double()[:, None, None].expand(*s.shape[:2], 1)], -1)

@@ -63,21 +63,36 @@ def test_zoo_through_compile():
     assert got == sorted(map(_expected, SELF_ATTENTION), key=str)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="library bug: a graph Dynamo compiles with static sizes classifies its mask "
-                                       "at those sizes only, so a sliding window wider than them reads as causal, "
-                                       "and paged steps of that size over a longer cache attend past the window")
-def test_a_static_graph_keeps_a_wide_window_in_paged_steps():
-    m = zoo.SlidingWindow().eval()  # a window of 100 keys
+def _paged_in_steps_of_8(c, x, graphs) -> torch.Tensor:
+    caches = graphs[0].backend.allocate_kv_caches(graphs[0].cache_specs, num_blocks=8, block_size=16)
+    outs = []
+    for start in range(0, x.shape[1], 8):  # paged steps of the first call's size
+        with pagedattn.paged_context(caches, build_metadata([(start, 8, list(range(8)))], 16)):
+            outs.append(c(x[:, start:start + 8]))
+    return torch.cat(outs, 1)
+
+
+def test_a_static_graph_refuses_paged_steps_past_its_sizes():
+    # a graph Dynamo compiles for [1, 8, C] shows its mask at 8 keys only: causal there, while the model
+    # has a window of 100; paged steps of that size over a longer cache would reuse it
+    m = zoo.SlidingWindow().eval()
     c = torch.compile(m, backend="pagedattn", options={"inner": "eager"})
     x = torch.randn(1, 128, zoo.C, generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), compiled_graphs() as graphs:
-        c(x[:, :8])  # drop-in, as the engine's first call: a graph for [1, 8, C]
-        caches = graphs[0].backend.allocate_kv_caches(graphs[0].cache_specs, num_blocks=8, block_size=16)
-        outs = []
-        for start in range(0, 128, 8):  # then paged steps of the same size: the same graph
-            with pagedattn.paged_context(caches, build_metadata([(start, 8, list(range(8)))], 16)):
-                outs.append(c(x[:, start:start + 8]))
-        torch.testing.assert_close(torch.cat(outs, 1), m(x), atol=2e-5, rtol=1e-4)
+        c(x[:, :8])
+        assert [s["mask_up_to"] for s in graphs[0].report] == [8]
+        with pytest.raises(ValueError, match="longer than the 8 positions"):
+            _paged_in_steps_of_8(c, x, graphs)
+
+
+def test_a_dynamic_graph_keeps_a_wide_window_in_paged_steps():
+    m = zoo.SlidingWindow().eval()  # a window of 100 keys
+    c = torch.compile(m, backend="pagedattn", options={"inner": "eager"}, dynamic=True)
+    x = torch.randn(1, 128, zoo.C, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), compiled_graphs() as graphs:
+        c(x[:, :8])
+        assert [(s["mask"], s["window"]) for s in graphs[0].report] == [("sliding_window", 100)]
+        torch.testing.assert_close(_paged_in_steps_of_8(c, x, graphs), m(x), atol=2e-5, rtol=1e-4)
 
 
 def test_cross_attention_through_compile():
@@ -192,7 +207,9 @@ def test_no_recompile_per_decode_step():
 def test_decode_time_does_not_grow_with_cache_size():
     """A functionalized write would clone the whole cache each step: time would grow with it."""
     m = zoo.GQAExpand().eval()
-    c = torch.compile(m, backend="pagedattn")
+    # dynamic: a graph of static sizes proves its mask for those sizes only, and paged steps over longer
+    # caches are refused (test_a_static_graph_refuses_paged_steps_past_its_sizes)
+    c = torch.compile(m, backend="pagedattn", dynamic=True)
     lengths = [40, 75, 12, 130]
     small = [torch.zeros(2, 8192, 16, 2, zoo.D)]  # 16 MiB
     large = [torch.zeros(2, 65536, 16, 2, zoo.D)]  # 8x the blocks: 128 MiB

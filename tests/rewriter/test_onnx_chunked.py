@@ -12,7 +12,7 @@ import torch
 
 from pagedattn.backends import AttentionParams, reference
 
-from ..support import make_batch
+from ..support import Step, make_batch
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -23,19 +23,6 @@ from pagedattn.onnx_export import translations  # noqa: E402
 # (context, new tokens): fresh prefills, chunked prefills over cached context (starting inside a chunk),
 # decodes
 SEQS = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1), (5, 14)]
-
-
-class Step(torch.nn.Module):
-    """One paged step: the functional cache write, then the paged attention over the new cache."""
-
-    def __init__(self, params: AttentionParams):
-        super().__init__()
-        self.params = params
-
-    def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
-        new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
-        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.params.args())
-        return out, new
 
 
 def _expected(b, p: AttentionParams) -> torch.Tensor:
@@ -56,7 +43,7 @@ def test_translation_signature_follows_the_op_schema():
     # torch.onnx binds the op's arguments to the translation by name and position
     names = list(inspect.signature(translations()[torch.ops.pagedattn.paged_attention.default]).parameters)
     schema = [a.name for a in torch.ops.pagedattn.paged_attention.default._schema.arguments]
-    assert names == schema and names[-2:] == ["sinks", "chunk_size"]
+    assert names == schema and names[-3:] == ["sinks", "chunk_size", "max_seq_len"]
 
 
 @pytest.mark.parametrize("case", [

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ..support import make_batch, reference_step
+from ..support import Step, make_batch, reference_step
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -18,19 +18,6 @@ from pagedattn.onnx_export import translations  # noqa: E402
 
 # (context, new tokens): fresh prefills, a chunked prefill over cached context, decodes
 MIXED = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1)]
-
-
-class Step(torch.nn.Module):
-    """One paged step: the functional cache write, then the paged attention over the new cache."""
-
-    def __init__(self, params: AttentionParams):
-        super().__init__()
-        self.params = params
-
-    def forward(self, q, k, v, cache, slots, tables, seq_lens, starts):
-        new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
-        out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.params.args())
-        return out, new
 
 
 def _export(step: Step, inputs, path):

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from .hf_zoo import check_eager, check_sdpa, inputs, tiny_model  # noqa: E402
+from .hf_zoo import check_eager, check_sdpa, hf_generate, inputs, tiny_model  # noqa: E402
 
 CI_ARCHS = [
     "llama", "mistral", "qwen2", "gpt_neo", "qwen2_moe", "mixtral", "gemma2", "gemma3_text", "cohere2", "phi3",
@@ -35,9 +35,8 @@ def test_zoo_arch_rewritten_and_generates_like_hf(arch):
 
 
 # hybrids and state-space models: a state slot per request beside the paged cache (pagedattn.runtime.state);
-# LFM2-MoE (short convolutions), Jamba (Mamba-1, read one token per step; attention masks from hints),
-# MiniMax (its own cache class), Mamba-2 (no attention at all)
-STATE_ARCHS = ["lfm2_moe", "jamba", "minimax", "mamba2"]
+# LFM2-MoE (short convolutions), MiniMax (its own cache class), Mamba-2 (no attention at all); Jamba below
+STATE_ARCHS = ["lfm2_moe", "minimax", "mamba2"]
 
 
 @pytest.mark.parametrize("arch", STATE_ARCHS)
@@ -47,6 +46,21 @@ def test_zoo_model_with_state_generates_like_hf(arch):
     assert res["state"] and "error" not in res, res
     assert res["rewritten"] == res["sites"] and (res["sites"] > 0) == (arch != "mamba2"), res
     assert engine.get("equal") or engine.get("equal_to_forward"), engine
+
+
+def test_hint_masks_are_reported_with_the_length_they_were_established_for(caplog):
+    # Jamba (Mamba-1) runs one token per step; its attention masks come from a multi-token trace whose
+    # sizes the model's forward fixes: the report and a warning say up to which length that holds
+    import pagedattn
+
+    model = tiny_model("jamba", "eager")
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        engine = pagedattn.PagedEngine(model, block_size=4)
+    sites = [r for r in engine.servable.step.report if r["attention"]]
+    assert sites and all(r["mask_established"] == "hint from a multi-token trace" and r["mask_up_to"] for r in sites)
+    assert "established up to" in caplog.text
+    ps = [[5, 9, 3, 11, 2, 8], [7, 1, 4, 2]]
+    assert engine.generate(ps, max_new_tokens=8) == hf_generate(model, ps, 8)
 
 
 @pytest.mark.parametrize("arch", ["afmoe", "gemma2", "qwen2_moe", "granitemoe"])
