@@ -108,7 +108,13 @@ def attention(query: Tensor, key: Tensor, value: Tensor, key_padding: Optional[T
     p = AttentionParams.from_args(params)
     if 0 < p.max_seq_len < key.shape[2]:
         raise ValueError(f"pagedattn::attention: {key.shape[2]} keys: {too_long(p.max_seq_len)}")
-    return reference.dense_attention(query, key, value, p, key_present=present)
+    q_pos = k_pos = None
+    if p.positions_from_first_key and present is not None and present.dim() == 2:
+        L, Q = key.shape[2], query.shape[2]
+        first = (present.cumsum(-1) == 0).sum(-1, keepdim=True)  # [B, 1] left-padding keys
+        q_pos = reference.query_positions(L, Q, key.device)[None] - first  # [B, Q]
+        k_pos = torch.arange(L, device=key.device)[None] - first  # [B, L]
+    return reference.dense_attention(query, key, value, p, q_pos=q_pos, k_pos=k_pos, key_present=present)
 
 
 @attention.register_fake

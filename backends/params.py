@@ -36,6 +36,9 @@ class AttentionParams(Generic[T]):
     ``max_seq_len > 0`` is the longest sequence the site's mask was established for (the model's
     maximum, a buffer the mask reads, or the sizes a static graph was compiled at): longer ones are
     refused, not computed with a mask nobody proved there.
+    ``positions_from_first_key`` (drop-in calls with key padding only) counts positions from each
+    row's first present key, as Hugging Face's chunked masks do under left padding; paged sequences
+    hold no padding, so it changes nothing there.
     Which keys are visible is stated once, in :mod:`pagedattn.backends.reference`.
     """
 
@@ -49,6 +52,7 @@ class AttentionParams(Generic[T]):
     sinks: Optional[T] = None
     chunk_size: int = 0
     max_seq_len: int = 0
+    positions_from_first_key: bool = False
 
     @property
     def window(self) -> int:

@@ -72,6 +72,7 @@ def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
         site.key_padding = placeholders[result.key_padding] if result.key_padding else None
         site.key_padding_keeps_true = result.padding_keeps_true
         site.key_padding_runs = result.padding_runs
+        site.positions_from_first_key = result.positions_from_first_key
         site.mask_up_to, site.mask_how = result.up_to, result.how
         site.position_inputs = result.positions
     n = sum(s.mask_kind is not None for s in ctx.sites)

@@ -8,6 +8,9 @@ from torch.fx import GraphModule, Node
 from pagedattn.passes.context import PassContext, PassReport
 
 _ASSERT = torch.ops.aten._assert_tensor_metadata.default
+# functorch's vmap levels (Hugging Face builds some masks with vmap, and export keeps the calls): entering
+# and leaving a level changes state that later calls read, whether or not their results are used
+_VMAP_STATE = {"_vmap_increment_nesting", "_vmap_decrement_nesting"}
 
 
 def _impure(n: Node) -> bool:
@@ -15,6 +18,8 @@ def _impure(n: Node) -> bool:
     its dropout), which fx's DCE keeps, and with them the replaced attention that eager graphs would run."""
     if n.target is _ASSERT:
         return False
+    if n.op == "call_function" and getattr(n.target, "__name__", "") in _VMAP_STATE:
+        return True
     try:
         return n.is_impure(impure_random=False)
     except TypeError:  # torch < 2.9

@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -292,11 +292,22 @@ class _Interpreter:
                 return _Val(dims, one, kind)
             # the present keys of each row are one run [start, end) (left or right padding): a guard at
             # call time holds drop-in calls to that
-            start = z3.Function(f"start_{n.name}", z3.IntSort(), z3.IntSort())
-            end = z3.Function(f"end_{n.name}", z3.IntSort(), z3.IntSort())
+            # 0 <= start < end <= keys for every row by construction (a row's index is renamed in the
+            # expressions that read it, so a fact about one index would not follow it); a row without
+            # any present key is refused at call time: nothing to attend to
+            first = z3.Function(f"start_{n.name}", z3.IntSort(), z3.IntSort())
+            extra = z3.Function(f"length_{n.name}", z3.IntSort(), z3.IntSort())
+            keys = dims[1].size
+
+            def start(r, first=first, keys=keys):
+                s0 = _nonneg(first(r))
+                return z3.If(s0 > keys - 1, keys - 1, s0)
+
+            def end(r, extra=extra, keys=keys, start=start):
+                e0 = start(r) + 1 + _nonneg(extra(r))
+                return z3.If(e0 > keys, keys, e0)
+
             row = dims[0].index if dims[0].index is not None else z3.IntVal(0)
-            # (a row without any present key is refused at call time: nothing to attend to)
-            self.facts += [start(row) >= 0, start(row) < end(row), end(row) <= dims[1].size]
             self.runs[n.name] = (start, end)
             self.padding[n.name] = lambda b, k: z3.And(start(b) <= k, k < end(b))
             present = self.padding[n.name](row, dims[1].index if dims[1].index is not None else z3.IntVal(0))
@@ -308,8 +319,7 @@ class _Interpreter:
             self.positions.append(n.name)
             offset = z3.Function(f"offset_{n.name}", *([z3.IntSort()] * (len(dims) - 1)), z3.IntSort())
             lead = [d.index if d.index is not None else z3.IntVal(0) for d in dims[:-1]]
-            off = offset(*lead)
-            self.facts.append(off >= 0)
+            off = _nonneg(offset(*lead))  # non-negative by construction: a fact would not follow renamed rows
             return _Val(dims, dims[-1].index + off if dims[-1].index is not None else off, "int")
         raise _Unreadable(f"input {n.name} ({role})")
 
@@ -444,6 +454,10 @@ def _affine_rows(t: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]
     if t.dtype.is_floating_point:  # the step from the ends: exact for a rounded table
         step = (rows[:, -1] - rows[:, 0]) / (t.shape[-1] - 1)
     return start.reshape(lead).to(t.dtype), step.reshape(lead).to(t.dtype)
+
+
+def _nonneg(x) -> Any:
+    return z3.If(x < 0, -x, x)
 
 
 def _real(x: float) -> Any:
@@ -1037,6 +1051,7 @@ class MaskFormula:
     bias: Any  # z3 Real; 0 without additive terms
     padding: dict  # input name -> z3 Bool "key j of row b is present" (keep-when-true reading)
     positions: list  # position inputs the program reads
+    run_starts: dict = field(default_factory=dict)  # padding input -> its run's first key in row b
 
     @property
     def q_pos(self):
@@ -1136,6 +1151,8 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
                                  "term masks (zero is a score, not a mask)")
     for name, present in it.padding.items():
         formula.padding[name] = present(b, j)
+    for name, (start, _) in it.runs.items():
+        formula.run_starts[name] = start(b)
     return formula
 
 
@@ -1253,6 +1270,7 @@ class MaskKind:
     positions: tuple = ()
     how: str = "proof"
     padding_runs: bool = False  # established for padding whose present keys are one run per row
+    positions_from_first_key: bool = False  # with padding, positions count from the run's first key
 
 
 def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:
@@ -1272,7 +1290,7 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
         f = read(present, "p")
         kind, window, chunk = _position_kind(f)
     alibi = _alibi(f, read(present, "r"))
-    key_padding, keeps_true, runs = None, True, False
+    key_padding, keeps_true, runs, relative = None, True, False, False
     if padding_inputs:
         # padding as any pattern of present keys; else as one run per row (left or right padding), which
         # running counts of the padding (BLOOM's positions) need: calls are then held to such padding
@@ -1284,13 +1302,13 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
             except NotEstablished as second:
                 raise NotEstablished(f"its padding input is read in a way that cannot be established: {first}; "
                                      f"as left or right padding: {second}") from None
-        key_padding, keeps_true = _padding(d, padding_inputs, kind, window, chunk)
+        key_padding, keeps_true, relative = _padding(d, padding_inputs, kind, window, chunk)
         _padding_keeps_bias(d, e, f, read(present, "r"), key_padding)
         runs = mode == "runs"
     longest = f.maximize(f.L)
     up_to = None if longest is None or longest >= _MAX_POSITIONS - 1 else longest
     return MaskKind(kind, window, chunk, key_padding, keeps_true, alibi, up_to, tuple(f.positions),
-                    padding_runs=runs)
+                    padding_runs=runs, positions_from_first_key=relative)
 
 
 def _visible(kind: str, q, k, window=None, chunk=None):
@@ -1397,22 +1415,27 @@ def _padding_keeps_bias(d: MaskFormula, e: MaskFormula, f: MaskFormula, r: MaskF
                              f"per row: {where}")
 
 
-def _padding(f: Optional[MaskFormula], names: Sequence[str], kind, window, chunk) -> tuple[str, bool]:
-    """The key-padding input and its convention: with it read as data, the mask must be the position-only
-    mask and the input's keys (True/nonzero = keep, or for booleans True = ignore)."""
+def _padding(f: Optional[MaskFormula], names: Sequence[str], kind, window, chunk) -> tuple[str, bool, bool]:
+    """The key-padding input, its convention and where positions count from: with it read as data, the
+    mask must be the position-only mask and the input's keys (True/nonzero = keep, or for booleans True =
+    ignore), positions counted from 0, or (read as one run per row) from the run's first key, as
+    Hugging Face's chunked masks count them under left padding."""
     if f is None:
         raise NotEstablished("the mask's dependence on its padding input cannot be read")
-    expected = _visible(kind, f.q_pos, f.j, window, chunk)
     gave_up = None
     for name in names:
         present = f.padding.get(name)
         if present is None:
             continue
-        for keeps_true, term in ((True, present), (False, z3.Not(present))):
-            ok, why = f.holds(f.allowed == z3.And(expected, term))
-            if ok:
-                return name, keeps_true
-            gave_up = why if ok is None else gave_up
+        start = f.run_starts.get(name)
+        origins = [(False, z3.IntVal(0))] + ([(True, start)] if start is not None and chunk else [])
+        for relative, origin in origins:
+            expected = _visible(kind, f.q_pos - origin, f.j - origin, window, chunk)
+            for keeps_true, term in ((True, present), (False, z3.Not(present))):
+                ok, why = f.holds(f.allowed == z3.And(expected, term))
+                if ok:
+                    return name, keeps_true, relative
+                gave_up = why if ok is None else gave_up
     if gave_up is not None:
         raise NotEstablished(f"the mask's dependence on input {names[0]!r} could not be established (the solver gave "
                              f"up: {gave_up}; a product of the padding and positions, say)")

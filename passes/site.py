@@ -70,6 +70,7 @@ class AttentionSite:
     key_padding: Optional[Node] = None
     key_padding_keeps_true: bool = True  # False: True marks keys to ignore (nn.MultiheadAttention)
     key_padding_runs: bool = False  # established for padding whose present keys are one run per row
+    positions_from_first_key: bool = False  # with padding, positions count from the row's first key
     mask_up_to: Optional[int] = None  # the longest key length the mask is established for (None: every length)
     mask_how: Optional[str] = None  # "proof", "the operator" (SDPA's own mask), a hint
     position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
@@ -79,6 +80,8 @@ class AttentionSite:
     def params(self) -> AttentionParams:
         """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""
         chunk = {"chunk_size": int(self.chunk)} if self.chunk else {}
+        if self.key_padding is not None and self.positions_from_first_key:
+            chunk["positions_from_first_key"] = True
         if self.mask_up_to and not (self.mask_how or "").startswith("hint"):
             # a hint's bound is the multi-token trace's size, not the model's: the hint is taken as it is
             # (reported, and logged when the site takes it)
@@ -111,6 +114,7 @@ class AttentionSite:
             "key_padding": self.key_padding.name if self.key_padding is not None else None,
             "key_padding_ignores_true": None if self.key_padding is None else not self.key_padding_keeps_true,
             "key_padding_runs": self.key_padding is not None and self.key_padding_runs,
+            "positions_from_first_key": self.key_padding is not None and self.positions_from_first_key,
             "mask_established": self.mask_how,
             "mask_up_to": self.mask_up_to,
             "position_inputs": list(self.position_inputs),

@@ -79,5 +79,20 @@ def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: Atten
     rm.position_inputs = res.position_inputs
     rm.padding_inputs = res.padding_inputs
     rm.static_sizes = static_sizes(ep, flat)
+    check_runs_on_example(res.dropin, flat)
     return rm
+
+
+def check_runs_on_example(dropin: torch.fx.GraphModule, flat: list) -> None:
+    """The rewritten graph runs on the example it was traced with (one forward): a program that cannot is
+    a bug to report, never a result to hand back."""
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if any(t.is_meta for t in tensors) or not tensors:
+        return
+    try:
+        with torch.no_grad():
+            dropin(*flat)
+    except Exception as e:
+        raise RuntimeError(f"pagedattn: the rewritten program fails on its own example input ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); please report this with the model") from e
 

@@ -364,3 +364,35 @@ def test_wide_windows_and_chunks_through_the_engine_past_their_width(visible, ki
     want = greedy_by_forward(m, [prompt], 3)
     assert greedy_by_forward(LongMaskLM(lambda i, j, T: j <= i).eval(), [prompt], 1)[0][0] != want[0][0]
     assert engine.generate([prompt], max_new_tokens=3) == want
+
+
+class LeftPaddedChunks(zoo._Base):
+    """Chunked attention counted from each row's first present key (Hugging Face's chunked mask under
+    left padding: ``(k - left_pad) // C == (q - left_pad) // C``)."""
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        left = (mask.cumsum(-1) == 0).sum(-1)[:, None, None, None]  # [B, 1, 1, 1]
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        keep = (j <= i) & ((j - left) // 4 == (i - left) // 4) & (mask[:, None, None, :] != 0)
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        return self.merge(torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v)
+
+
+def test_chunks_counted_from_the_first_present_key_under_left_padding():
+    m = LeftPaddedChunks().eval()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), mask))
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["chunk"]) == ("rewritten", "chunked", 4), site
+    assert site["positions_from_first_key"] and site["key_padding_runs"], site
+    x = torch.randn(3, 30, C)
+    mask = torch.ones(3, 30, dtype=torch.long)
+    mask[1, :5] = 0  # chunk boundaries shift by 5 in this row only
+    mask[2, :2] = 0
+    with torch.no_grad():
+        out, ref = rm(x, mask), m(x, mask)
+    keep = mask.bool()
+    torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)

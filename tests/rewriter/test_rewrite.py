@@ -186,3 +186,24 @@ def test_sizes_the_trace_fixed_are_traced_again():
     rm.retrace = None  # a loaded program has no model to trace again
     with pytest.raises(ValueError, match="traced for fixed input sizes"):
         rm(zoo.example_args("nanogpt", T=6)[0])
+
+
+def test_a_multimodal_gemma3_runs_its_own_example():
+    # pixels and token_type_ids: Hugging Face builds the prefix-LM mask with vmap, whose level changes
+    # export keeps as calls; dead-code removal must keep them
+    pytest.importorskip("transformers")
+    from .hf_zoo import tiny_model
+
+    m0 = tiny_model("gemma3", "eager")
+    cfg = m0.config
+    cfg.mm_tokens_per_image, cfg.image_token_id = 4, 5
+    cfg.vision_config.image_size, cfg.vision_config.patch_size = 32, 8
+    torch.manual_seed(0)
+    m = type(m0)(cfg).eval()
+    ids = torch.randint(6, 50, (1, 10))
+    ids[0, 2:6] = 5
+    tt = (ids == 5).long()
+    kw = {"input_ids": ids, "pixel_values": torch.randn(1, 3, 32, 32), "token_type_ids": tt, "use_cache": False}
+    rm = pagedattn.rewrite(m, (), kw)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(**kw).logits, m(**kw).logits, atol=2e-5, rtol=1e-4)
