@@ -102,21 +102,21 @@ class AttentionBackend:
 
     # --- checks (run by the ops: the cheap ones always, all of them when validation is on)
 
-    def stored_head_size(self, kv_cache, tokens) -> int:
-        """The head size the ops take for ``tokens [T, heads, D]`` against ``kv_cache``: the cache's own,
-        unless a layout pads heads in storage."""
+    def stored_head_size(self, kv_cache, tokens, op: str) -> int:
+        """The head size the op ``op`` takes for ``tokens [T, heads, D]`` against ``kv_cache``: the cache's
+        own, unless a layout pads heads in storage."""
         return self.cache_geometry(kv_cache)[3]
 
     def check_write(self, key, value, kv_cache, slot_mapping, full: bool = False) -> None:
         nb, bs, hkv, _ = self.cache_geometry(kv_cache)
-        d = self.stored_head_size(kv_cache, key)
+        d = self.stored_head_size(kv_cache, key, "write_kv_cache")
         check = validate_write if full else check_write_cheap
         check(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
 
     def check_attend(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams,
                      full: bool = False) -> None:
         nb, bs, hkv, _ = self.cache_geometry(kv_cache)
-        d = self.stored_head_size(kv_cache, query)
+        d = self.stored_head_size(kv_cache, query, "paged_attention")
         if full:
             validate_attend(query, nb, hkv, d, kv_cache.dtype, kv_cache.device, metadata, params.num_kv_heads,
                             params.causal, params.max_seq_len)

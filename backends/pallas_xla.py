@@ -144,9 +144,9 @@ class PallasXlaBackend(AttentionBackend):
 
     # --- cache maintenance
 
-    def stored_head_size(self, kv_cache, tokens) -> int:
+    def stored_head_size(self, kv_cache, tokens, op: str) -> int:
         # heads are padded to the kernel's alignment in the cache: the tokens carry the real size
-        _check_head(tokens.shape[2], self.cache_geometry(kv_cache)[3], self.head_align, "the paged ops")
+        _check_head(tokens.shape[2], self.cache_geometry(kv_cache)[3], self.head_align, op)
         return tokens.shape[2]
 
     def write(self, key, value, kv_cache, slot_mapping):
