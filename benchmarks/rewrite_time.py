@@ -1,10 +1,10 @@
 """Export + rewrite time against the number of layers.
 
-(a) A Llama-7B-shaped config (hidden 4096, 32 heads, 11008 MLP) on the meta device: no weights,
-    so masks cannot be evaluated (their constants have no values) and sites are reported
+(a) A Llama-7B-shaped config (hidden 4096, 32 heads, 11008 MLP) on the meta device: no weights and
+    no example values, so the mask's padding input cannot be given its role and sites are reported
     skipped; this isolates export and matching cost at full width.
-(b) The same architecture at a small width with real weights: every site rewritten, mask
-    probing included.
+(b) The same architecture at a small width with real weights: every site rewritten, the mask proof
+    included (``proofs s``: the classify_mask pass; ``programs``: distinct mask programs it proved).
 
     python benchmarks/rewrite_time.py [--layers 2 4 8 16 32]
 """
