@@ -361,9 +361,9 @@ def test_wide_windows_and_chunks_through_the_engine_past_their_width(visible, ki
     # 600 repeats of one token, out of the window (or chunk) by the end: causal attention picks another
     # next token, so serving the mask as causal cannot pass
     prompt = [4] * 600 + torch.randint(0, 64, (5500,), generator=torch.Generator().manual_seed(1)).tolist()
-    want = greedy_by_forward(m, [prompt], 3)
+    want = greedy_by_forward(m, [prompt], 2)
     assert greedy_by_forward(LongMaskLM(lambda i, j, T: j <= i).eval(), [prompt], 1)[0][0] != want[0][0]
-    assert engine.generate([prompt], max_new_tokens=3) == want
+    assert engine.generate([prompt], max_new_tokens=2) == want
 
 
 class LeftPaddedChunks(zoo._Base):
