@@ -1289,7 +1289,8 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
         present = "false"
         f = read(present, "p")
         kind, window, chunk = _position_kind(f)
-    alibi = _alibi(f, read(present, "r"))
+    r = read(present, "r")  # a second reading, to compare two keys of one row
+    alibi = _alibi(f, r)
     key_padding, keeps_true, runs, relative = None, True, False, False
     if padding_inputs:
         # padding as any pattern of present keys; else as one run per row (left or right padding), which
@@ -1303,7 +1304,7 @@ def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[
                 raise NotEstablished(f"its padding input is read in a way that cannot be established: {first}; "
                                      f"as left or right padding: {second}") from None
         key_padding, keeps_true, relative = _padding(d, padding_inputs, kind, window, chunk)
-        _padding_keeps_bias(d, e, f, read(present, "r"), key_padding)
+        _padding_keeps_bias(d, e, f, r, key_padding)
         runs = mode == "runs"
     longest = f.maximize(f.L)
     up_to = None if longest is None or longest >= _MAX_POSITIONS - 1 else longest

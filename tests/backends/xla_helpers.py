@@ -1,7 +1,7 @@
 """Helpers for the XLA backend tests: random paged batches, the references they are checked against,
 cache layout conversion, tiny Hugging Face models and a small bucketed serving loop.
 
-Self-contained on purpose (pagedattn's public API only): the XLA tests run in their own environment
+Batches come from ``tests/support.py`` like the CPU suite's; the XLA tests run in their own environment
 (``.ci/xla-tests``). Imported only by test modules that have already skipped when torch_xla is absent.
 """
 
@@ -13,60 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedattn.backends import AttentionMetadata, AttentionParams, build_metadata, get_backend, reference
+from pagedattn.backends import AttentionParams, build_metadata, reference
 from pagedattn.runtime.context import paged_context
+
+from ..support import PagedBatch, make_batch  # noqa: F401  (make_batch re-exported for the XLA tests)
 
 # ------------------------------------------------------------------ paged batches
 
 
-@dataclass
-class Batch:
-    """One paged step: new tokens' q/k/v ``[T, H, D]`` (padding rows after the real ones), a CPU cache
-    (``[2, nb, bs, Hkv, D]``) already holding every sequence's context, and each sequence's full K/V."""
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    kv_cache: torch.Tensor
-    meta: AttentionMetadata
-    full_k: list
-    full_v: list
-    contexts: list
-    q_lens: list
-
-
-def make_batch(seqs, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
-               spare_blocks=3, pad_tokens=0, seed=1234) -> Batch:
-    """``seqs``: per sequence ``(context_len, new_tokens)``. Blocks are shuffled, unused cache slots hold
-    garbage (never to be read), and the context is written through the CPU op as an earlier step would."""
-    g = torch.Generator().manual_seed(seed)
-    need = [math.ceil((c + n) / block_size) for c, n in seqs]
-    num_blocks = sum(need) + spare_blocks
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables, at = [], 0
-    for n in need:
-        tables.append(order[at:at + n])
-        at += n
-    cache = get_backend("cpu").allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype)
-    cache.normal_(generator=g)
-    full_k = [torch.randn(c + n, num_kv_heads, head_size, generator=g).to(dtype) for c, n in seqs]
-    full_v = [torch.randn(c + n, num_kv_heads, head_size, generator=g).to(dtype) for c, n in seqs]
-    ctx = [(i, c) for i, (c, _) in enumerate(seqs) if c > 0]
-    if ctx:
-        meta = build_metadata([(0, c, tables[i]) for i, c in ctx], block_size)
-        torch.ops.pagedattn.write_kv_cache(torch.cat([full_k[i][:c] for i, c in ctx]),
-                                           torch.cat([full_v[i][:c] for i, c in ctx]), cache, meta.slot_mapping)
-    meta = build_metadata([(c, n, t) for (c, n), t in zip(seqs, tables)], block_size,
-                          pad_tokens_to=sum(n for _, n in seqs) + pad_tokens)
-    T = meta.num_tokens
-    key = torch.randn(T, num_kv_heads, head_size, generator=g).to(dtype)  # padding rows: garbage
-    value = torch.randn(T, num_kv_heads, head_size, generator=g).to(dtype)
-    row = 0
-    for (c, n), k, v in zip(seqs, full_k, full_v):
-        key[row:row + n], value[row:row + n] = k[c:], v[c:]
-        row += n
-    query = torch.randn(T, num_heads, head_size, generator=g).to(dtype)
-    return Batch(query, key, value, cache, meta, full_k, full_v, [c for c, _ in seqs], [n for _, n in seqs])
+# the CPU suite's paged step: one definition of how a test batch is laid out
+Batch = PagedBatch
 
 
 def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=None, sinks=None) -> AttentionParams:
