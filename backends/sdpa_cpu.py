@@ -10,6 +10,7 @@ query-length dimension (``[Hkv, G * Q, D]``) and the mask is tiled to match.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -174,87 +175,25 @@ class SdpaCpuBackend(SplitKVBackend):
         # gathered by one index_select (K and V blocks together) into a reused workspace that stays
         # in cache, attended by one flash call (without a mask when every gathered key is visible),
         # and the chunks of a sequence are merged by their log-sum-exp. Index and mask tensors are
-        # built once per call; a group only slices them.
+        # built once per step (the plan is memoised across the step's layers); a group only slices them.
         #
         # A chunk is one thread's share of a group: index_select and the flash kernel both split
         # their work into contiguous per-thread ranges (of blocks, and of (chunk, head) pairs), so
         # with equal chunks each thread attends to the keys it gathered itself, still in its own
         # cache. With one chunk per group the two splits cross and half of every read is remote
         # (up to ~40% slower at 1024-token contexts on a 2-core EPYC VM).
-        nb, bs, _, d = self.cache_geometry(kv_cache)
+        plan = _decode_plan(kv_cache, block_tables, seqs, params, query.shape[1], query.dtype)
+        if plan is None:
+            return
+        _, nb, bs, _, d = kv_cache.shape
         dev = query.device
         num_heads, num_kv_heads = query.shape[1], params.num_kv_heads
         group = num_heads // num_kv_heads
-        scale, softcap, alibi_slopes, sinks = params.scale, params.softcap, params.alibi_slopes, params.sinks
-        block_bytes = 2 * bs * num_kv_heads * d * kv_cache.element_size()  # K and V
-        budget = max(1, _GATHER_BUDGET_BYTES // block_bytes)  # blocks gathered per group
-        chunk = max(1, budget // max(1, torch.get_num_threads()))  # blocks per chunk, at most
-        spans = []  # (blocks, seq, first block, first visible key): a sequence's keys in equal chunks
-        for s in seqs:
-            lo = reference.earliest_visible_key(s.kv_len - 1, params)
-            first = lo // bs
-            total = -(-s.kv_len // bs) - first
-            parts = -(-total // chunk)
-            for j in range(parts):
-                n = total // parts + (j < total % parts)
-                spans.append((n, s, first, max(first * bs, lo)))
-                first += n
-        # longest first, so that chunks grouped together need little padding
-        spans.sort(key=lambda t: -t[0])
-        los, his, ends, firsts, sizes, seq_rows, rows = [], [], [], [], [], [], []
-        for n, s, first, lo in spans:
-            los.append(lo)  # visible keys [lo, hi) of blocks first .. first + n
-            his.append(min((first + n) * bs, s.kv_len))
-            ends.append(s.kv_len - 1)  # the query's position
-            firsts.append(first)
-            sizes.append(n)
-            seq_rows.append(s.index)
-            rows.append(s.start)
-        if not los:
-            return
-        bounds, start, longest = [], 0, 0  # groups: (first chunk, end, blocks gathered per chunk)
-        for i, n in enumerate(sizes):
-            if i > start and (i - start + 1) * max(longest, n) > budget:
-                bounds.append((start, i, longest))
-                start, longest = i, 0
-            longest = max(longest, n)
-        bounds.append((start, len(sizes), longest))
-        padded = [n for a, b, n in bounds for _ in range(a, b)]
-        # a group needs no mask when every key it gathers is visible to its query
-        masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
-                  for a, b, n in bounds]
-
-        num_items, n_max = len(los), max(padded)
-        first_t = torch.tensor(firsts, device=dev)
-        steps = torch.arange(n_max, device=dev)
-        cols = (first_t[:, None] + steps).clamp_(max=block_tables.shape[1] - 1)
-        blocks = block_tables[torch.tensor(seq_rows, device=dev)[:, None], cols].long()  # [I, n_max]
-        keep = steps < torch.tensor(padded, device=dev)[:, None]  # [I, n_max]
-        # one index per group, in [chunk, K|V, block] order, over the cache seen as 2 * nb blocks
-        flat_cache = kv_cache.stride(0) == nb * kv_cache.stride(1)
-        if flat_cache:
-            kv_blocks = kv_cache.view(2 * nb, *kv_cache.shape[2:])
-            index = torch.stack((blocks, blocks + nb), 1)[keep[:, None].expand(-1, 2, -1)]
-        else:  # K and V are gathered separately: [K of every chunk, V of every chunk]
-            index = blocks[keep]
-        rows_t = torch.tensor(rows, device=dev)
+        scale, softcap, sinks = params.scale, params.softcap, params.sinks
+        bounds, masked, index, flat_cache, rows = plan.bounds, plan.masked, plan.index, plan.flat_cache, plan.rows
+        rows_t, bias, num_items = plan.rows_t, plan.bias, len(plan.rows)
+        kv_blocks = kv_cache.view(2 * nb, *kv_cache.shape[2:]) if flat_cache else None
         q_all = query.index_select(0, rows_t).view(num_items, num_kv_heads, group, d)  # [I, Hkv, G, D]
-        bias = None
-        if alibi_slopes is not None or any(masked):
-            k_pos = first_t[:, None] * bs + torch.arange(n_max * bs, device=dev)  # [I, Lp] absolute
-            q_pos = torch.tensor(ends, device=dev)[:, None]  # [I, 1]
-            ok = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
-            vis = reference.visible(q_pos, k_pos, params)  # [I, 1, Lp]
-            if vis is not None:
-                ok = ok & vis[:, 0]
-            if alibi_slopes is not None:
-                bias = reference.alibi_bias(alibi_slopes, q_pos, k_pos).view(num_items, num_kv_heads, group, -1)
-            else:
-                bias = torch.zeros((num_items, 1, 1, n_max * bs), device=dev)
-            bias = bias.masked_fill_(~ok[:, None, None, :], float("-inf"))
-            if softcap <= 0:
-                bias = bias.to(query.dtype)
-
         outs, lses, off = [], [], 0
         for (a, b, n), needs_mask in zip(bounds, masked):
             g, span = b - a, n * bs
@@ -269,8 +208,10 @@ class SdpaCpuBackend(SplitKVBackend):
                 torch.index_select(kv_cache[0], 0, idx, out=ws[:g * n])
                 torch.index_select(kv_cache[1], 0, idx, out=ws[g * n:])
                 k, v = _kv_views(ws, g, span, span, 0, g * span)
-            mask = bias[a:b, ..., :span] if bias is not None and (needs_mask or alibi_slopes is not None) else None
+            mask = bias[a:b, ..., :span] if bias is not None and (needs_mask or plan.biased) else None
             o, lse = _partial_attention(q_all[a:b], k, v, mask, scale, softcap)  # [g, Hkv, G, Dv], [g, Hkv, G]
+            if params.position_mod:  # a program may hide every key of a chunk: it adds nothing, not NaN
+                o = o.masked_fill(~torch.isfinite(lse)[..., None], 0.0)
             outs.append(o)
             lses.append(lse)
         o = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(num_items, num_heads, -1)  # [I, Hq, Dv]
@@ -283,12 +224,131 @@ class SdpaCpuBackend(SplitKVBackend):
         if sinks is not None:  # the sink is one more chunk: its score, and no value
             m = torch.maximum(m, sinks.float()[None])
         w = torch.exp(lse - m[rows_t])  # [I, Hq]
+        if params.position_mod:  # a query that sees no key at all gets zeros
+            w = torch.nan_to_num(w, nan=0.0)
         num = torch.zeros(out.shape, dtype=torch.float32, device=dev).index_add_(0, rows_t, o.float() * w[..., None])
         den = torch.zeros(m.shape, device=dev).index_add_(0, rows_t, w)
         if sinks is not None:
             den += torch.exp(sinks.float()[None] - m)
-        uniq = torch.tensor(sorted(set(rows)), device=dev)
-        out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None]).to(out.dtype))
+        uniq = plan.uniq
+        out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None].clamp_min(1e-30)).to(out.dtype))
+
+
+def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], params: AttentionParams,
+                       num_heads: int, dtype: torch.dtype) -> Optional["_DecodePlan"]:
+    """What a decode call gathers and how it groups it (see ``SdpaCpuBackend._decode``); None: no keys."""
+    _, nb, bs, _, d = kv_cache.shape
+    dev = kv_cache.device
+    num_kv_heads = params.num_kv_heads
+    group = num_heads // num_kv_heads
+    softcap, alibi_slopes = params.softcap, params.alibi_slopes
+    block_bytes = 2 * bs * num_kv_heads * d * kv_cache.element_size()  # K and V
+    budget = max(1, _GATHER_BUDGET_BYTES // block_bytes)  # blocks gathered per group
+    chunk = max(1, budget // max(1, torch.get_num_threads()))  # blocks per chunk, at most
+    spans = []  # (blocks, seq, first block, first visible key): a sequence's keys in equal chunks
+    for s in seqs:
+        lo = reference.earliest_visible_key(s.kv_len - 1, params)
+        first = lo // bs
+        total = -(-s.kv_len // bs) - first
+        parts = -(-total // chunk)
+        for j in range(parts):
+            n = total // parts + (j < total % parts)
+            spans.append((n, s, first, max(first * bs, lo)))
+            first += n
+    # longest first, so that chunks grouped together need little padding
+    spans.sort(key=lambda t: -t[0])
+    los, his, ends, firsts, sizes, seq_rows, rows = [], [], [], [], [], [], []
+    for n, s, first, lo in spans:
+        los.append(lo)  # visible keys [lo, hi) of blocks first .. first + n
+        his.append(min((first + n) * bs, s.kv_len))
+        ends.append(s.kv_len - 1)  # the query's position
+        firsts.append(first)
+        sizes.append(n)
+        seq_rows.append(s.index)
+        rows.append(s.start)
+    if not los:
+        return None
+    bounds, start, longest = [], 0, 0  # groups: (first chunk, end, blocks gathered per chunk)
+    for i, n in enumerate(sizes):
+        if i > start and (i - start + 1) * max(longest, n) > budget:
+            bounds.append((start, i, longest))
+            start, longest = i, 0
+        longest = max(longest, n)
+    bounds.append((start, len(sizes), longest))
+    padded = [n for a, b, n in bounds for _ in range(a, b)]
+    # a group needs no mask when every key it gathers is visible to its query
+    masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
+              for a, b, n in bounds]
+
+    num_items, n_max = len(los), max(padded)
+    first_t = torch.tensor(firsts, device=dev)
+    steps = torch.arange(n_max, device=dev)
+    cols = (first_t[:, None] + steps).clamp_(max=block_tables.shape[1] - 1)
+    blocks = block_tables[torch.tensor(seq_rows, device=dev)[:, None], cols].long()  # [I, n_max]
+    keep = steps < torch.tensor(padded, device=dev)[:, None]  # [I, n_max]
+    # one index per group, in [chunk, K|V, block] order, over the cache seen as 2 * nb blocks
+    flat_cache = kv_cache.stride(0) == nb * kv_cache.stride(1)
+    if flat_cache:
+        index = torch.stack((blocks, blocks + nb), 1)[keep[:, None].expand(-1, 2, -1)]
+    else:  # K and V are gathered separately: [K of every chunk, V of every chunk]
+        index = blocks[keep]
+    rows_t = torch.tensor(rows, device=dev)
+    bias = None
+    if alibi_slopes is not None or any(masked) or params.position_mod:
+        k_pos = first_t[:, None] * bs + torch.arange(n_max * bs, device=dev)  # [I, Lp] absolute
+        q_pos = torch.tensor(ends, device=dev)[:, None]  # [I, 1]
+        ok = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
+        # the query's sequence holds ``ends + 1`` keys (what a position program reads as its length)
+        vis, terms = reference.score_terms(q_pos, k_pos, params, num_heads, q_pos[:, 0] + 1)  # [I, 1, Lp]
+        if vis is not None:
+            ok = ok & vis[:, 0]
+        if terms is not None:  # [I, Hq|1, 1, Lp]
+            heads = terms.shape[1]
+            bias = terms.reshape(num_items, num_kv_heads if heads > 1 else 1, group if heads > 1 else 1, -1)
+        else:
+            bias = torch.zeros((num_items, 1, 1, n_max * bs), device=dev)
+        bias = bias.float().masked_fill(~ok[:, None, None, :], float("-inf"))
+        if softcap <= 0:
+            bias = bias.to(dtype)
+    return _DecodePlan(tuple(bounds), tuple(masked), index, flat_cache, tuple(rows), rows_t, bias,
+                       torch.tensor(sorted(set(rows)), device=dev),
+                       alibi_slopes is not None or bool(params.position_mod))
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """A decode call's gathers and groups: fixed by the step's metadata, so the same for every layer."""
+
+    bounds: tuple  # per group: (first chunk, end, blocks gathered per chunk)
+    masked: tuple  # per group: whether it needs its mask
+    index: Tensor  # blocks to gather, group after group
+    flat_cache: bool  # K and V gathered by one index over the cache seen as 2 * num_blocks blocks
+    rows: tuple  # each chunk's query row
+    rows_t: Tensor
+    bias: Optional[Tensor]  # [chunks, Hkv or 1, G or 1, keys] additive mask / ALiBi bias
+    uniq: Tensor  # the query rows, each once, sorted
+    biased: bool = False  # the bias adds values (ALiBi, a position program): every group applies it
+
+
+def _decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], params: AttentionParams,
+                 num_heads: int, dtype: torch.dtype) -> Optional[_DecodePlan]:
+    """``_build_decode_plan``, memoised for one step: every layer of a step passes the same block table
+    tensor (unchanged) and sequences, and at decode sizes building the plan (Python and a dozen small
+    index ops) costs about what the attention does. Sites whose parameters hold tensors (ALiBi slopes
+    differ per site) are not memoised."""
+    fields = tuple(getattr(params, f.name) for f in dataclasses.fields(params))
+    if any(isinstance(v, Tensor) for v in fields):
+        return _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+    key = (tuple((s.index, s.start, s.q_len, s.kv_len) for s in seqs), fields, tuple(kv_cache.shape),
+           kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
+           block_tables._version)
+    memo = getattr(_LOCAL, "decode_plan", None)
+    # the memo holds the block table itself, so a later tensor cannot take over its id
+    if memo is not None and memo[0] is block_tables and memo[1] == key:
+        return memo[2]
+    plan = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+    _LOCAL.decode_plan = (block_tables, key, plan)
+    return plan
 
 
 def _kv_views(ws: Tensor, g: int, span: int, chunk_stride: int, k_off: int, v_off: int) -> tuple[Tensor, Tensor]:

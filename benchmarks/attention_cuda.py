@@ -13,7 +13,7 @@ device-to-device copy measured here.
 Generation: a random-weight Llama (~160 M parameters, bfloat16), prompts of 64-512 tokens, greedy.
 
     python benchmarks/attention_cuda.py            # the figures in benchmarks/RESULTS.md
-    python benchmarks/attention_cuda.py --compile  # also PagedEngine(compile=True)
+    python benchmarks/attention_cuda.py --compile  # also PagedEngine's default (compiled), not only compile=False
     python benchmarks/attention_cuda.py --quick    # a smoke run
 """
 
@@ -25,6 +25,7 @@ import statistics
 import time
 
 import paged_cases  # benchmarks/paged_cases.py, beside this script
+import roofline  # benchmarks/roofline.py, beside this script
 import torch
 
 from pagedattn.backends import get_backend
@@ -137,11 +138,27 @@ def _engine_run(model, prompts, lens, new, **kw):
     engine.generate(prompts[:2], max_new_tokens=4)  # warm-up (Triton kernels; Inductor with compile=True)
     t_setup = time.perf_counter() - t0
     engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
+    rec = roofline.StepRecorder(engine)  # every step timed (it ends on the host: logits come back) and recorded
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    got = engine.generate(prompts, max_new_tokens=new)
+    rids = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    rec.run()
     torch.cuda.synchronize()
-    return got, time.perf_counter() - t0, t_setup, engine
+    seconds = time.perf_counter() - t0
+    done = {r.request_id: r.tokens for r in engine.collect()}
+    engine.recorder = rec
+    return [done[r] for r in rids], seconds, t_setup, engine
+
+
+def _print_roofline(engine, seconds, shape, machine) -> None:
+    """The engine's steps against the GPU's limit (benchmarks/roofline.py), per step kind."""
+    table = roofline.summarise(engine.recorder.steps, shape, machine)
+    print(roofline.COST_HEADER)
+    for kind in ("decode", "mixed", "prefill", "all"):
+        if kind in table:
+            print(roofline.format_cost_row(kind if kind != "all" else "all steps", *table[kind]))
+    print(f"workload limit {table['all'][2]:.3f} s; engine {seconds:.3f} s: {table['all'][2] / seconds:.0%} of the "
+          "roofline")
 
 
 def _agreement(got, ref) -> tuple[int, float]:
@@ -164,18 +181,25 @@ def generation(num_prompts, new, quick, compile_too):
     torch.cuda.synchronize()
     t_hf = time.perf_counter() - t0
 
-    got, t_eng, t_setup, engine = _engine_run(model, prompts, lens, new)
+    got, t_eng, t_setup, engine = _engine_run(model, prompts, lens, new, compile=False)
+    machine = roofline.measure_machine(torch.bfloat16, device="cuda")
+    shape = roofline.ModelShape.of(model)
+    hf_limit = roofline.padded_batch_cost(shape, lens, new).limit_s(machine)
     same, agree = _agreement(got, ref)
     total = num_prompts * new
     print(f"model: Llama {params / 1e6:.0f} M parameters, bfloat16, {num_prompts} prompts of 64-512 tokens "
           f"(mean {statistics.mean(lens):.0f}), {new} new tokens each, greedy")
     print(f"{'runner':34} {'s':>7} {'new tok/s':>10}")
     print(f"{'HF generate, padded batch (sdpa)':34} {t_hf:7.2f} {total / t_hf:10.0f}")
-    print(f"{'PagedEngine (xformers_cuda)':34} {t_eng:7.2f} {total / t_eng:10.0f}   "
+    print(f"{'PagedEngine compile=False (xformers)':34} {t_eng:7.2f} {total / t_eng:10.0f}   "
           f"(rewrite {t_setup:.1f} s; {engine.stats['steps']} steps, Python overhead "
           f"{100 * engine.overhead_share():.0f}% of step time)")
     print(f"engine/HF speed-up {t_hf / t_eng:.2f}x; identical outputs {same}/{num_prompts}; "
           f"tokens agreeing before the first difference: median {agree:.0f} of {new}")
+    print(f"roofline ({machine.describe()}); HF padded batch: {hf_limit / t_hf:.0%} of its own limit "
+          f"({hf_limit:.3f} s: one prefill step, then decode steps of the batch, padding not counted)")
+    print("eager engine:")
+    _print_roofline(engine, t_eng, shape, machine)
     if compile_too:
         got_c, t_c, setup_c, eng_c = _engine_run(model, prompts, lens, new, compile=True)
         print(f"{'PagedEngine compile=True (Inductor)':34} {t_c:7.2f} {total / t_c:10.0f}   "
@@ -183,6 +207,8 @@ def generation(num_prompts, new, quick, compile_too):
               f"identical to eager engine {_agreement(got_c, got)[0]}/{num_prompts}, to HF {_agreement(got_c, ref)[0]}"
               f"/{num_prompts}; tokens agreeing with HF before the first difference: median "
               f"{_agreement(got_c, ref)[1]:.0f} of {new}")
+        print("compiled engine:")
+        _print_roofline(eng_c, t_c, shape, machine)
 
 
 def main(argv=None) -> None:
@@ -194,7 +220,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--skip-generation", action="store_true")
-    p.add_argument("--compile", action="store_true", help="also time PagedEngine(compile=True)")
+    p.add_argument("--compile", action="store_true", help="also time PagedEngine compiled (its default)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

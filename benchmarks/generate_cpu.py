@@ -1,12 +1,22 @@
-"""Generation throughput on CPU: PagedEngine against Hugging Face baselines, same process.
+"""Generation throughput on CPU: PagedEngine against Hugging Face baselines and against the machine's
+limit, same process.
 
-One random-weight Llama-style model (~34 M parameters), 32 prompts of 16-512 tokens, 128 new
-tokens each, greedy. Baselines: (a) `generate` on the left-padded batch (DynamicCache, sdpa),
-(b) `generate` one request at a time, (c) transformers' continuous batching `generate_batch`
-(`attn_implementation="paged|sdpa"`, needs psutil on CPU). Also KV bytes allocated per cached
-token against the padded cache, and the engine's per-step Python overhead share.
+Workloads (``--model``): ``llama34m``, a random-weight Llama-style model (~34 M parameters), 32 prompts of
+16-512 tokens, 128 new tokens each; ``llama16m``, issue 17's (15.6 M parameters: 6 layers, hidden 384,
+GQA 6/2, vocab 8000), 16 prompts of 16-256 tokens, 48 new tokens each. Greedy. Baselines: (a) `generate`
+on the left-padded batch (DynamicCache, sdpa), (b) `generate` one request at a time, (c) transformers'
+continuous batching `generate_batch` (`attn_implementation="paged|sdpa"`, needs psutil on CPU). Also KV
+bytes allocated per cached token against the padded cache, and the engine's per-step Python overhead share.
+
+Roofline (``benchmarks/roofline.py``): the machine's copy bandwidth and matmul rate are measured in this
+process (before and after the runs; the faster of the two is used); every engine step is timed and
+recorded, and its limit is what its weights, K/V and FLOPs cost at those rates. Printed per step kind
+(decode-only / mixed / prefill-only) for the workload, and with ``--step-kinds`` for synthetic steps
+(decode at batch 1/8/32/64, decode beside a prefill, a long prefill). ``--startup`` times the engine's
+start in fresh processes: cold (an empty Inductor cache directory) and warm (the same directory again).
 
     python benchmarks/generate_cpu.py                 # the figures in benchmarks/RESULTS.md
+    python benchmarks/generate_cpu.py --model llama16m --step-kinds --startup
     python benchmarks/generate_cpu.py --quick         # a smoke run (4 prompts, 8 tokens)
 """
 
@@ -14,18 +24,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
+import roofline  # benchmarks/roofline.py, beside this script
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import pagedattn
+from pagedattn.runtime.shapes import graph_count
+
+# name -> (config, prompts, shortest and longest prompt, new tokens)
+MODELS = {
+    "llama34m": (dict(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=4), 32, (16, 512), 128),
+    "llama16m": (dict(vocab_size=8000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                      num_attention_heads=6, num_key_value_heads=2), 16, (16, 256), 48),
+}
 
 
-def build(dtype: torch.dtype, attn: str) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=16000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=0)
+def build(dtype: torch.dtype, attn: str, name: str = "llama34m") -> LlamaForCausalLM:
+    cfg = LlamaConfig(**MODELS[name][0], max_position_embeddings=1024, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.set_attn_implementation(attn)
@@ -70,30 +93,86 @@ def hf_continuous(model, prompts, new, num_blocks, block_size, max_tokens):
     return [r.generated_tokens for r in res.values()]
 
 
+def run_engine(engine, prompts, new):
+    """Every request through ``engine``, each step timed and recorded: (outputs, seconds, recorder)."""
+    rec = roofline.StepRecorder(engine)
+    t0 = time.perf_counter()
+    rids = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    rec.run()
+    seconds = time.perf_counter() - t0
+    done = {r.request_id: r.tokens for r in engine.collect()}
+    return [done[r] for r in rids], seconds, rec
+
+
+def startup_times(model: str, dtype: str) -> tuple[float, float]:
+    """Seconds to construct ``PagedEngine(model)`` (defaults) in a fresh process: with an empty Inductor
+    cache directory, then with the same directory again."""
+    times = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        for _ in range(2):
+            out = subprocess.run([sys.executable, __file__, "--startup-child", "--model", model, "--dtypes", dtype],
+                                 env=env, capture_output=True, text=True, check=True)
+            times.append(float(out.stdout.strip().splitlines()[-1]))
+    return times[0], times[1]
+
+
+def startup_child(model: str, dtype: str) -> None:
+    m = build(getattr(torch, dtype), "sdpa", model)
+    t0 = time.perf_counter()
+    pagedattn.PagedEngine(m, num_blocks=256, block_size=16, max_num_tokens=1024, progress=False)
+    print(time.perf_counter() - t0)
+
+
+def print_roofline(name, rec, seconds, shape, machine):
+    table = roofline.summarise(rec.steps, shape, machine)
+    print(f"  roofline, {name} (per step: bytes it must move, FLOPs it must do, the limit at the machine's rates, "
+          "the time it took):")
+    print(roofline.COST_HEADER)
+    for kind in ("decode", "mixed", "prefill", "all"):
+        if kind in table:
+            print(roofline.format_cost_row(kind if kind != "all" else "all steps", *table[kind]))
+    n, stepped, limit, _ = table["all"]
+    print(f"  workload: limit {limit:.3f} s, engine {seconds:.3f} s wall ({stepped:.3f} s in steps): "
+          f"{limit / seconds:.0%} of the roofline ({seconds / limit:.2f}x the limit)")
+    return limit
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama34m")
+    p.add_argument("--prompts", type=int, default=None, help="default: the workload's")
+    p.add_argument("--new", type=int, default=None, help="default: the workload's")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--skip", nargs="*", default=[], choices=["padded", "serial", "hf_cb"])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--eager", action="store_true", help="run the engine's paged graph without Inductor")
+    p.add_argument("--step-kinds", action="store_true", help="also time synthetic step kinds against the roofline")
+    p.add_argument("--startup", action="store_true", help="also time cold and warm engine starts (fresh processes)")
+    p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.quick:
-        a.prompts, a.new = 4, 8
     logging.getLogger("pagedattn").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if a.startup_child:
+        return startup_child(a.model, a.dtypes[0])
+    _, num_prompts, (shortest, longest), new = MODELS[a.model]
+    a.prompts, a.new = a.prompts or num_prompts, a.new or new
+    if a.quick:
+        a.prompts, a.new = 4, 8
+    vocab = MODELS[a.model][0]["vocab_size"]
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 513, (a.prompts,), generator=g).tolist()
-    prompts = [torch.randint(1, 16000, (n,), generator=g).tolist() for n in lengths]
+    lengths = torch.randint(shortest, longest + 1, (a.prompts,), generator=g).tolist()
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
     total_new = a.prompts * a.new
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; {a.prompts} prompts of {min(lengths)}-"
-          f"{max(lengths)} tokens (sum {sum(lengths)}), {a.new} new tokens each")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}; "
+          f"{a.prompts} prompts of {min(lengths)}-{max(lengths)} tokens (sum {sum(lengths)}), {a.new} new tokens each")
     for dname in a.dtypes:
         dtype = getattr(torch, dname)
-        model = build(dtype, "sdpa")
+        machine = roofline.measure_machine(dtype)
+        model = build(dtype, "sdpa", a.model)
+        shape = roofline.ModelShape.of(model)
         n_params = sum(x.numel() for x in model.parameters())
-        print(f"\n{dname}: Llama-style, {n_params / 1e6:.1f} M parameters")
+        print(f"\n{dname}: Llama-style ({a.model}), {n_params / 1e6:.1f} M parameters")
         rows = []
 
         # pagedattn: cache sized for the batch (blocks are what the requests can use)
@@ -101,14 +180,14 @@ def main(argv=None) -> None:
         need = sum(-(-(n + a.new) // block) for n in lengths)
         t0 = time.perf_counter()
         engine = pagedattn.PagedEngine(model, num_blocks=need, block_size=block, max_num_tokens=1024,
-                                       compile=not a.eager)
-        # warm-up on other prompts (no prefix-cache hits later): Inductor compiles the paged graph once
+                                       compile=False if a.eager else None, progress=False)
+        t_start = time.perf_counter() - t0
+        # warm-up on other prompts (no prefix-cache hits later): caches, allocator, first-touch pages
         engine.generate([[1] * n for n in (300, 7, 40, 2)], max_new_tokens=2)
         engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
-        t_setup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ours = engine.generate(prompts, max_new_tokens=a.new)
-        t_ours = time.perf_counter() - t0
+        graphs = graph_count()
+        ours, t_ours, rec = run_engine(engine, prompts, a.new)
+        recompiles = graph_count() - graphs
         rows.append((f"pagedattn PagedEngine{' (eager)' if a.eager else ''}", t_ours))
         cached_tokens = sum(lengths) + total_new - a.prompts  # K/V written (the last token is never attended)
         paged_per_token = engine.kv_bytes / cached_tokens
@@ -124,18 +203,29 @@ def main(argv=None) -> None:
             rows.append(("HF generate, one at a time", time.perf_counter() - t0))
             same_serial = sum(x == y for x, y in zip(ours, serial))
         if "hf_cb" not in a.skip:
-            cb_model = build(dtype, "paged|sdpa")
+            cb_model = build(dtype, "paged|sdpa", a.model)
             try:
                 t0 = time.perf_counter()
                 hf_continuous(cb_model, prompts, a.new, need, block, 1024)
                 rows.append(("HF generate_batch (paged|sdpa)", time.perf_counter() - t0))
             except Exception as e:  # e.g. psutil missing
                 print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
-        print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12}")
+        # the machine again, after the runs: the faster figures are its limit (load on a shared CPU varies)
+        again = roofline.measure_machine(dtype)
+        machine = roofline.Machine(max(machine.copy_bytes_per_s, again.copy_bytes_per_s),
+                                   max(machine.matmul_flops_per_s, again.matmul_flops_per_s), machine.device,
+                                   machine.threads)
+        print(f"  machine: {machine.describe()}")
+        limit = roofline.summarise(rec.steps, shape, machine)["all"][2]
+        print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12} {'limit/time':>10}")
         for name, t in rows:
-            print(f"  {name:32} {t:8.2f} {total_new / t:10.1f} {t / t_ours:12.2f}")
-        print(f"  engine setup (rewrite, cache, {'eager' if a.eager else 'Inductor compile'} warm-up): {t_setup:.2f} s; "
-              f"steps {engine.stats['steps']}, "
+            print(f"  {name:32} {t:8.2f} {total_new / t:10.1f} {t / t_ours:12.2f} {limit / t:10.0%}")
+        print_roofline("the engine's steps on this workload", rec, t_ours, shape, machine)
+        hf_limit = roofline.padded_batch_cost(shape, lengths, a.new).limit_s(machine)
+        print(f"  (Hugging Face's padded batch must do at least: one prefill step of the batch, then {a.new - 1} "
+              f"decode steps of it: limit {hf_limit:.3f} s, padding not counted)")
+        print(f"  engine start (rewrite, compile, checks): {t_start:.2f} s in this process; recompiles during the "
+              f"timed run: {recompiles}; steps {engine.stats['steps']}, "
               f"Python overhead {100 * engine.overhead_share():.1f}% of step time")
         blocks_tokens = need * block
         # padding positions run the whole model too (attention aside, each costs what a real token does)
@@ -150,6 +240,17 @@ def main(argv=None) -> None:
             print(f"  greedy tokens equal to one-at-a-time HF generate: {same_serial}/{a.prompts} prompts")
         if "padded" not in a.skip:
             print(f"  greedy tokens equal to padded-batch HF generate: {same}/{a.prompts} prompts")
+        if a.step_kinds:
+            kinds = pagedattn.PagedEngine(model, num_blocks=64 * -(-(256 + 16) // 16) + 128, block_size=16,
+                                          max_num_tokens=1024, max_num_seqs=64, progress=False,
+                                          compile=False if a.eager else None)
+            print("  step kinds (synthetic steps through a fresh engine, per step):")
+            for row in roofline.step_kinds(kinds, shape, machine, vocab=vocab):
+                print(row)
+        if a.startup:
+            cold, warm = startup_times(a.model, dname)
+            print(f"  engine start in a fresh process (defaults): cold {cold:.1f} s (empty Inductor cache), "
+                  f"warm {warm:.1f} s (its on-disk cache from the cold start)")
 
 
 if __name__ == "__main__":

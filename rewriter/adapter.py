@@ -9,9 +9,13 @@ and checking that packed, chunked and batched steps reproduce the model before a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
+import sys
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +28,7 @@ from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.context import paged_context
+from pagedattn.runtime.shapes import no_duck_sizing, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.tracing import without_hf_cache
 
@@ -44,6 +49,8 @@ class ServableModel:
     (:meth:`run_rows`): single decode tokens batched, longer chunks one row each; ``fresh_step`` runs
     a sequence's first step where its state does not start from zeros; ``token_steps`` advances
     every sequence one token per step; ``one_row`` runs each row in a call of its own.
+    ``min_step`` pads packed steps so that their sizes are at least that (``runtime.shapes``: a
+    compiled step then stays one graph); 0 runs every step at its own size.
     """
 
     step: nn.Module
@@ -58,6 +65,7 @@ class ServableModel:
     fresh_step: Optional[nn.Module] = None
     token_steps: bool = False
     one_row: bool = False
+    min_step: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -87,10 +95,13 @@ class ServableModel:
     def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
                    rows: Sequence[int]) -> torch.Tensor:
         """One packed step; ``[len(rows), V]`` logits of the given token rows."""
+        num_rows = len(rows)
+        if self.min_step > 1:
+            meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step)
         kwargs = self.packed_inputs(ids, pos, rows)
         with torch.no_grad(), paged_context(caches, meta, self.backend):
             out = self.step(**kwargs)
-        return _row_logits(out, "logits_to_keep" in kwargs, rows)
+        return _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
 
     # --- row steps (recurrent state)
 
@@ -134,13 +145,19 @@ def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
 
 def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto", block_size: int = 16,
                   dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
-                  compile: bool = False) -> ServableModel:
+                  compile: Optional[bool] = False, progress: bool = False) -> ServableModel:
     """Turn a model into a :class:`ServableModel`, or raise ``ValueError`` saying why it cannot be served.
 
     ``model`` is a Hugging Face causal LM or any module taking ``input_ids`` (rewritten here), a
     ``RewrittenModel``, or a module compiled with ``torch.compile(backend="pagedattn")``.
-    ``compile=True`` compiles a rewritten model's paged graph with Inductor (dynamic shapes).
+    ``compile=True`` compiles the paged graph with Inductor (dynamic shapes) and runs its first step
+    here, so that serving starts compiled; ``None`` (``PagedEngine``'s default) does so where it applies: a packed
+    step (no recurrent state) that is not compiled already, on a backend without padded step shapes
+    of its own (CPU, CUDA). Compiled packed steps are padded to sizes of at least 2
+    (``ServableModel.min_step``), which keeps a serving loop in one graph. ``progress`` prints each
+    start-up stage (rewriting, compiling, checking) and its time on stderr.
     """
+    stages = _Stages(progress)
     backend = get_backend(target)
     device = torch.device(backend.device_type)
     model_device = _module_device(model)
@@ -156,22 +173,29 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
         names = accepted_inputs(_original(model))
         servable = _servable(model, names, dtype, specs=_compiled_cache_specs(model, names, info), **common)
     else:
-        names = accepted_inputs(model)
-        layout = find_recurrent_state(model)
-        if layout is None:
-            servable = _servable(_rewrite_plain(model, names, backend, block_size), names, dtype, **common)
-        else:
-            servable = _stateful(model, layout, names, dtype, common)
+        with stages.stage(f"rewriting {type(model).__name__} (tracing, finding attention, checking)"):
+            names = accepted_inputs(model)
+            layout = find_recurrent_state(model)
+            if layout is None:
+                servable = _servable(_rewrite_plain(model, names, backend, block_size), names, dtype, **common)
+            else:
+                servable = _stateful(model, layout, names, dtype, common)
     if servable.state is not None and backend.step_padder(512, 256, 1) is not None:
         raise ValueError(f"PagedEngine cannot serve a model with recurrent state on target {backend.device_type!r}: "
                          "its steps run one row per sequence, which the padded step shapes of this backend "
                          "do not cover; use the CPU or CUDA target")
     if servable.state is None and not servable.cache_specs:
         raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
+    if compile is None:
+        compile = servable.state is None and isinstance(servable.step, RewrittenModel) and \
+            backend.step_padder(512, 256, 1) is None
     if compile:
-        _compile(servable)
+        with stages.stage("compiling the paged step with Inductor (a first start takes a while; later starts "
+                          "reuse Inductor's on-disk cache)"):
+            servable = _compile(servable)
     if servable.state is None:
-        check_packing(servable)
+        with stages.stage("checking packed and chunked steps against each other"):
+            check_packing(servable)
     return servable
 
 
@@ -190,13 +214,52 @@ def _eager_writes_for(step: RewrittenModel, backend: AttentionBackend) -> None:
         run_pipeline(step.graph_module, PassContext(), (FunctionalCacheWrites("copy_back"),))
 
 
-def _compile(servable: ServableModel) -> None:
+def _compile(servable: ServableModel) -> ServableModel:
+    """Compile the servable's step(s) and run a first step (Inductor compiles lazily, on first call)."""
     if not isinstance(servable.step, RewrittenModel):
         raise ValueError("compile=True applies to models the engine rewrites or a RewrittenModel; "
                          "a torch.compile'd model is compiled already")
-    servable.step.compile_paged()
-    if servable.fresh_step is not None:  # the first steps of sequences whose state the model starts
-        servable.fresh_step.compile_paged()
+    # fresh_step: the first steps of sequences whose state the model starts. A RewrittenModel compiles
+    # in place: one served (or compiled) before keeps its compiled graph
+    for step in (servable.step, servable.fresh_step):
+        if step is not None and not is_compiled(step.graph_module):
+            step.compile_paged()
+    if servable.state is not None:
+        return servable
+    servable = dataclasses.replace(servable, min_step=2)
+    with no_duck_sizing():
+        first_step(servable)
+    return servable
+
+
+def first_step(servable: ServableModel) -> torch.Tensor:
+    """Run one small packed step on caches of its own: a 3-token prompt beside a decode token. Padded
+    (``min_step``), every step has this one's shape class, so a compiled step compiles here."""
+    vocab, bs = servable.vocab_size or 2, servable.block_size
+    prompt = list(range(-(-3 // bs)))
+    decode = list(range(len(prompt), len(prompt) + -(-2 // bs)))  # one cached token, one new
+    caches = servable.allocate_kv_caches(len(prompt) + len(decode))
+    meta = build_metadata([(0, 3, prompt), (1, 1, decode)], bs, device=servable.device)
+    return servable.run_packed(caches, meta, [t % vocab for t in (3, 8, 13, 18)], [0, 1, 2, 1], [2, 3])
+
+
+class _Stages:
+    """Start-up stages: a line on stderr as each starts and its time as it ends (``progress``), and a
+    log record either way."""
+
+    def __init__(self, progress: bool):
+        self.progress = progress
+
+    @contextlib.contextmanager
+    def stage(self, what: str):
+        if self.progress:
+            print(f"pagedattn: {what} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        log.info("%s: %.1f s", what, dt)
+        if self.progress:
+            print(f"pagedattn:   done in {dt:.1f} s", file=sys.stderr, flush=True)
 
 
 def _original(model: nn.Module) -> nn.Module:

@@ -57,8 +57,14 @@ class PagedEngine:
     ``model`` is a Hugging Face causal LM (rewritten on the fly), a ``RewrittenModel``, a module
     compiled with ``torch.compile(backend="pagedattn")``, or a ``ServableModel`` from
     ``pagedattn.adapter.prepare_model`` (which the engine calls for the others). Tokens of all scheduled sequences run as
-    one ``[1, T]`` step with explicit position ids. ``compile=True`` compiles a rewritten model's
-    paged graph with Inductor (once, with dynamic shapes; the first steps pay for it).
+    one ``[1, T]`` step with explicit position ids.
+
+    The step is compiled with Inductor by default (``compile=None``: a packed step on CPU or CUDA
+    that is not compiled already; ``True`` also compiles the row steps of models with recurrent
+    state; ``False`` runs it eager). Compiling happens here, before the first request: steps are
+    padded to sizes of at least 2 so that every step runs the one graph compiled at start-up, and a
+    second start of the same model reuses Inductor's on-disk caches. ``progress`` (default on) prints
+    each start-up stage (rewriting, compiling, checking) and its time on stderr.
 
     When the cache runs out of blocks the newest running request is preempted.
     ``preemption_mode="recompute"`` (the default) drops its blocks and recomputes its tokens later;
@@ -78,9 +84,10 @@ class PagedEngine:
                  num_blocks: Optional[int] = None, memory: Optional[int | float] = None,
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
-                 compile: bool = False, preemption_mode: str = "recompute", swap_space: int | None = None):
+                 compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
+                 progress: bool = True):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
-        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile)
+        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress)
         sv = self.servable
         self.backend, self.device, self.block_size = sv.backend, sv.device, sv.block_size
         self.vocab_size, self.cache_specs, self.cache_dtype = sv.vocab_size, list(sv.cache_specs), sv.cache_dtype
@@ -255,13 +262,15 @@ class PagedEngine:
     def _advance(self, plan: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         done = []
         r = 0
+        # greedy tokens of every row in one call: a call per row costs more than the argmax itself
+        greedy = logits.argmax(-1).tolist() if logits.numel() else []
         for chunk in plan:
             req = chunk.request
             self.blocks.commit(req.table, req.tokens, chunk.num_tokens)
             req.num_computed += chunk.num_tokens
             if not chunk.completes:
                 continue
-            tok = self._sample(req, logits[r])
+            tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
             r += 1
             req.output.append(tok)
             reason = None
@@ -377,11 +386,11 @@ def _preemption_counts(sched: Scheduler) -> tuple[int, int, int, int]:
 # ------------------------------------------------------------------ the model
 
 
-def _servable(model, target, block_size, dtype, eos_token_id, compile):
+def _servable(model, target, block_size, dtype, eos_token_id, compile, progress):
     """The model as the engine runs it: a ``ServableModel`` as given, or one the adapter prepares."""
     from pagedattn.adapter import ServableModel, prepare_model
 
     if isinstance(model, ServableModel):
         return model
     return prepare_model(model, target=target, block_size=block_size, dtype=dtype, eos_token_id=eos_token_id,
-                         compile=compile)
+                         compile=compile, progress=progress)

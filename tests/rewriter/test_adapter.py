@@ -83,7 +83,7 @@ class RouterLM(nn.Module):
 
 def test_plain_model_is_served():
     m = PlainLM().eval()
-    engine = PagedEngine(m, block_size=4)
+    engine = PagedEngine(m, compile=False, block_size=4)
     assert engine.servable.input_names == {"input_ids", "position_ids"}
     assert engine.generate(PROMPTS, max_new_tokens=5) == greedy_by_forward(m, PROMPTS, 5, positions=True)
 
@@ -113,7 +113,7 @@ def test_prepare_a_rewritten_model(llama):
     sv = prepare_model(rm, eos_token_id=[3, 4])
     assert sv.step is rm and sv.input_names == rm.input_names and sv.cache_specs == tuple(rm.cache_specs)
     assert sv.eos_ids == {3, 4} and sv.vocab_size == rm.info.vocab_size == VOCAB
-    assert PagedEngine(sv).servable is sv  # a ServableModel is served as it is
+    assert PagedEngine(sv, compile=False).servable is sv  # a ServableModel is served as it is
 
 
 class TwoGraphs(nn.Module):
@@ -153,7 +153,7 @@ def test_inputs_the_model_takes():
 
 def test_state_outside_attention_is_refused():
     with pytest.raises(ValueError, match="outside attention"):
-        PagedEngine(ConvLM().eval())
+        PagedEngine(ConvLM().eval(), compile=False)
 
 
 def test_nothing_to_page_is_refused():
@@ -170,13 +170,13 @@ def test_a_model_on_another_device_is_refused():
 def test_positions_from_the_row_index_are_made_per_sequence():
     # the rewrite turns arange(T) feeding the position embedding into each packed sequence's positions
     m = IndexPositionsLM().eval()
-    got = PagedEngine(m, block_size=4).generate(PROMPTS, max_new_tokens=4)
+    got = PagedEngine(m, compile=False, block_size=4).generate(PROMPTS, max_new_tokens=4)
     assert got == greedy_by_forward(m, PROMPTS, 4)
 
 
 def test_positions_through_kwargs_are_passed():
     m = KwargsPositionsLM().eval()
-    engine = PagedEngine(m, block_size=4)
+    engine = PagedEngine(m, compile=False, block_size=4)
     assert "position_ids" in engine.servable.input_names  # found by probing: shifted positions change the logits
     assert engine.generate(PROMPTS, max_new_tokens=4) == greedy_by_forward(m, PROMPTS, 4)
 
@@ -184,5 +184,5 @@ def test_positions_through_kwargs_are_passed():
 def test_kwargs_that_ignore_positions_are_not_passed():
     m = KwargsPositionsLM(honour=False).eval()
     assert "position_ids" not in accepted_inputs(m)
-    engine = PagedEngine(m, block_size=4)
+    engine = PagedEngine(m, compile=False, block_size=4)
     assert "position_ids" not in engine.servable.input_names

@@ -51,7 +51,7 @@ def _first(ref, n):
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_equals_hf_generate(arch, setting, models):
     model, ref, rewritten = models(arch)
-    engine = PagedEngine(rewritten, **SETTINGS[setting])
+    engine = PagedEngine(rewritten, compile=False, **SETTINGS[setting])
     got = engine.generate(prompts(), max_new_tokens=NEW)
     assert got == ref
     if setting == "preemption":
@@ -65,19 +65,19 @@ def test_greedy_equals_hf_generate(arch, setting, models):
 def test_phi_outside_the_zoo_slice(models):
     # partial rotary; the one architecture of hf_models.TINY that the zoo slice does not serve
     _, ref, rewritten = models("phi")
-    assert PagedEngine(rewritten).generate(prompts(), max_new_tokens=NEW) == ref
+    assert PagedEngine(rewritten, compile=False).generate(prompts(), max_new_tokens=NEW) == ref
 
 
 def test_engine_rewrites_an_nn_module_itself():
     m = tiny_model("qwen2", "eager")
     ps = prompts()[:3]
-    engine = PagedEngine(m)
+    engine = PagedEngine(m, compile=False)
     assert isinstance(engine.model, pagedattn.RewrittenModel) and engine.model is engine.servable.step
     assert engine.generate(ps, max_new_tokens=6) == hf_generate(m, ps, 6)
 
 
 def test_sampling_is_seeded(llama):
-    engine = PagedEngine(llama[2])
+    engine = PagedEngine(llama[2], compile=False)
     a = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
     b = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=1)
     c = engine.generate(prompts()[:3], max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=2)
@@ -88,13 +88,13 @@ def test_stop_tokens_end_a_request(llama):
     _, ref, rewritten = llama
     ref = ref[1][:NEW]
     stop = ref[3]
-    (got,) = PagedEngine(rewritten).generate([prompts()[1]], max_new_tokens=NEW, stop_token_ids=[stop])
+    (got,) = PagedEngine(rewritten, compile=False).generate([prompts()[1]], max_new_tokens=NEW, stop_token_ids=[stop])
     assert got == ref[: ref.index(stop) + 1]
 
 
 def test_step_api_streams():
     m = tiny_model("gpt2", "eager")
-    engine = PagedEngine(m, max_num_tokens=16)
+    engine = PagedEngine(m, compile=False, max_num_tokens=16)
     ids = [engine.add_request(p, max_new_tokens=4) for p in prompts()[:4]]
     finished, steps = {}, 0
     while engine.has_unfinished():
@@ -107,7 +107,7 @@ def test_step_api_streams():
 
 def test_bad_requests_are_named_and_others_go_on(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=8, block_size=4)
+    engine = PagedEngine(rewritten, compile=False, num_blocks=8, block_size=4)
     good = prompts()[0]
     with pytest.raises(RequestErrors) as e:
         engine.generate([good, [], list(range(100)), [5, 999], good], max_new_tokens=4)
@@ -121,7 +121,7 @@ def test_bad_requests_are_named_and_others_go_on(llama):
 
 
 def test_memory_budget_sizes_the_cache(llama):
-    engine = PagedEngine(llama[2], memory=1 << 20)
+    engine = PagedEngine(llama[2], compile=False, memory=1 << 20)
     per_block = sum(2 * 16 * s.num_kv_heads * s.head_size * 4 for s in engine.cache_specs)
     assert per_block == engine.servable.bytes_per_block()
     assert engine.num_blocks == (1 << 20) // per_block
@@ -136,7 +136,7 @@ def test_compiled_model_through_engine(llama, fresh_dynamo):
         other = torch.compile(zoo.MQABroadcast().eval(), backend="pagedattn", options={"inner": "eager"})
         other(*zoo.example_args("mqa_broadcast"))  # ... then another model, with one kv head
     # the engine learns the caches from the compiled model's own graphs, not from the last one compiled
-    engine = PagedEngine(compiled)
+    engine = PagedEngine(compiled, compile=False)
     assert engine.model is compiled and engine.servable.input_names == accepted_inputs(m)
     assert [(s.num_kv_heads, s.head_size) for s in engine.cache_specs] == [(2, 8), (2, 8)]
     ps = prompts()[:3]

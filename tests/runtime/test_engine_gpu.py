@@ -53,7 +53,7 @@ def test_swap_preemption_fp16_matches_hf_generate(llama_fp16, prefix_caching, ma
     backend = get_backend("cuda")
     backend.paths.clear()
     # 6 blocks of 16 tokens for seven prompts of 2-70 tokens: requests are swapped out and back
-    engine = PagedEngine(model, target="cuda", num_blocks=6, block_size=16, max_num_tokens=max_num_tokens,
+    engine = PagedEngine(model, compile=False, target="cuda", num_blocks=6, block_size=16, max_num_tokens=max_num_tokens,
                          enable_prefix_caching=prefix_caching, preemption_mode="swap")
     assert engine.host_kv_caches[0].device.type == "cpu" and engine.kv_caches[0].device.type == "cuda"
     assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
@@ -66,10 +66,10 @@ def test_swap_preemption_fp32_matches_cpu_generate():
     cpu_model = tiny_model("llama", "eager")
     ref = hf_generate(cpu_model, prompts(), SWAP_NEW)
     model = cpu_model.to("cuda")
-    full = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap")
+    full = PagedEngine(model, compile=False, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap")
     assert full.generate(prompts(), max_new_tokens=SWAP_NEW) == ref
     _assert_swapped_without_recompute(full)
-    small = PagedEngine(model, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap",
+    small = PagedEngine(model, compile=False, target="cuda", num_blocks=14, block_size=4, preemption_mode="swap",
                         swap_space=4 * full.servable.bytes_per_block())
     assert small.generate(prompts(), max_new_tokens=SWAP_NEW) == ref
     assert small.stats["swap_outs"] > 0 and small.stats["recomputes"] > 0
@@ -87,7 +87,7 @@ def test_gpt_oss_sinks_on_gpu_match_cpu_generate(gpt_oss, setting):
     model, ps, ref = gpt_oss
     backend = get_backend("cuda")
     backend.paths.clear()
-    engine = PagedEngine(model.to("cuda"), target="cuda", block_size=4, **setting)
+    engine = PagedEngine(model.to("cuda"), compile=False, target="cuda", block_size=4, **setting)
     try:
         assert engine.generate(ps, max_new_tokens=hf_zoo.NEW_TOKENS) == ref
     finally:
@@ -104,7 +104,7 @@ def test_models_with_state_on_gpu_match_cpu_generate(make):
     cpu_model = {"lfm2": tiny_lfm2, "mamba": tiny_mamba}[make]()
     ref = hf_generate(cpu_model, prompts(), STATE_NEW)
     model = cpu_model.to("cuda")
-    engine = PagedEngine(model, target="cuda", block_size=4, num_blocks=20, max_num_tokens=8)
+    engine = PagedEngine(model, compile=False, target="cuda", block_size=4, num_blocks=20, max_num_tokens=8)
     try:
         assert engine.states.tensors[0].device.type == "cuda"
         assert engine.generate(prompts(), max_new_tokens=STATE_NEW) == ref

@@ -43,7 +43,7 @@ def test_models_without_state_have_no_layout():
 def test_generation_equals_hf(lfm2, settings):
     m, ref, servable = lfm2
     # the default setting takes the model itself; the others serve the same preparation (4-token blocks)
-    engine = PagedEngine(servable, **settings) if settings else PagedEngine(m, block_size=4)
+    engine = PagedEngine(servable, compile=False, **settings) if settings else PagedEngine(m, compile=False, block_size=4)
     assert engine.servable.state is not None and engine.blocks.enable_prefix_caching is False
     assert engine.block_size == engine.blocks.block_size == 4  # the servable's, whatever block_size says
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
@@ -53,7 +53,7 @@ def test_generation_equals_hf(lfm2, settings):
 
 
 def test_decode_steps_batch_the_sequences(lfm2, monkeypatch):
-    engine = PagedEngine(lfm2[2])
+    engine = PagedEngine(lfm2[2], compile=False)
     calls = []
     inner = engine.model.forward
 
@@ -76,7 +76,7 @@ def test_state_outside_the_cache_is_refused(lfm2, monkeypatch):
     real = hf_state.set_state
     monkeypatch.setattr(hf_state, "set_state", lambda cache, path, t: real(cache, path, torch.zeros_like(t)))
     with pytest.raises(ValueError, match="differ from the model's own forward"):
-        PagedEngine(m, block_size=4)
+        PagedEngine(m, compile=False, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def mamba():
 
 def test_state_read_one_token_at_a_time(mamba):
     m, ref = mamba
-    engine = PagedEngine(m, block_size=4, num_blocks=20)  # 20 blocks: preemptions too
+    engine = PagedEngine(m, compile=False, block_size=4, num_blocks=20)  # 20 blocks: preemptions too
     assert engine.servable.token_steps and engine.cache_specs == []  # no attention at all: state alone
     shapes, inner = [], engine.model.forward
 
@@ -111,7 +111,7 @@ def rwkv():
 
 def test_state_list_with_its_own_start_runs_a_row_per_call(rwkv):
     m, ref = rwkv
-    engine = PagedEngine(m, block_size=4)
+    engine = PagedEngine(m, compile=False, block_size=4)
     sv = engine.servable
     layout = sv.state
     assert layout.cache_arg == "state" and layout.cache_class is list and not layout.starts_from_zeros

@@ -13,7 +13,7 @@ NEW = 16  # the shared ``llama`` fixture's reference length (conftest.py)
 @pytest.mark.parametrize("max_num_tokens", [8, 64])  # chunked prefill, or whole prompts
 def test_swapped_requests_continue_without_recompute(llama, prefix_caching, max_num_tokens):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=16, block_size=4, max_num_tokens=max_num_tokens,
+    engine = PagedEngine(rewritten, compile=False, num_blocks=16, block_size=4, max_num_tokens=max_num_tokens,
                          enable_prefix_caching=prefix_caching, preemption_mode="swap")
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     stats = engine.stats
@@ -25,9 +25,9 @@ def test_swapped_requests_continue_without_recompute(llama, prefix_caching, max_
 
 def test_too_little_swap_space_falls_back_to_recompute(llama):
     _, ref, rewritten = llama
-    probe = PagedEngine(rewritten, num_blocks=14, block_size=4)
+    probe = PagedEngine(rewritten, compile=False, num_blocks=14, block_size=4)
     # four blocks of host cache: room for the smaller victims only
-    engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap",
+    engine = PagedEngine(rewritten, compile=False, num_blocks=14, block_size=4, preemption_mode="swap",
                          swap_space=4 * probe.servable.bytes_per_block())
     assert engine.blocks.num_host_blocks == 4 and engine.host_kv_caches[0].shape[1] == 4
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
@@ -36,7 +36,7 @@ def test_too_little_swap_space_falls_back_to_recompute(llama):
 
 def test_no_swap_space_recomputes_every_victim(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0)
+    engine = PagedEngine(rewritten, compile=False, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0)
     assert engine.host_kv_caches == []
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["recomputes"] > 0 and engine.stats["swap_outs"] == 0
@@ -44,7 +44,7 @@ def test_no_swap_space_recomputes_every_victim(llama):
 
 def test_recompute_stays_the_default(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=14, block_size=4)
+    engine = PagedEngine(rewritten, compile=False, num_blocks=14, block_size=4)
     assert engine.host_kv_caches == [] and engine.blocks.num_host_blocks == 0
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert engine.stats["recomputes"] == engine.stats["preemptions"] > 0 and engine.stats["swap_outs"] == 0
@@ -57,4 +57,4 @@ def test_recompute_stays_the_default(llama):
 ])
 def test_bad_preemption_arguments_are_refused(llama, kw, match):
     with pytest.raises(ValueError, match=match):
-        PagedEngine(llama[2], num_blocks=14, block_size=4, **kw)
+        PagedEngine(llama[2], compile=False, num_blocks=14, block_size=4, **kw)

@@ -13,7 +13,7 @@ from ..support import VOCAB, engine_example, prompts, tiny_model
 @pytest.fixture(scope="module")
 def engine():
     m = tiny_model("llama", "eager")
-    return PagedEngine(pagedattn.rewrite(m, (), engine_example(m)), num_blocks=64)
+    return PagedEngine(pagedattn.rewrite(m, (), engine_example(m)), compile=False, num_blocks=64)
 
 
 @pytest.mark.parametrize("convert", [

@@ -1,0 +1,304 @@
+"""How far a serving step is from the machine's limit: bytes and FLOPs a step must move and do, against
+copy bandwidth and matmul throughput measured in the same process.
+
+A step's limit is ``max(bytes / copy bandwidth, FLOPs / matmul rate)``:
+
+- bytes: every weight the step multiplies by, once (the model's own dtype; embedding rows only for the
+  step's tokens), the K/V it reads from the cache (each sequence's cached context, every layer) and the
+  K/V it writes (its new tokens). Activations are left out (they stay in cache at these sizes), so the
+  figure is a lower bound.
+- FLOPs: ``2 * parameters`` per token for the layers' matmuls, ``2 * vocab * hidden`` per row whose logits
+  are needed (the engine's ``logits_to_keep``), and ``4 * heads * head_size`` per (query, visible key)
+  pair for attention (causal; a window or chunk would only lower it).
+- the machine: a large ``dst.copy_(src)`` (read + write bytes per second) and a large square ``mm``;
+  for bf16/fp16 models the faster of the dtype's own GEMM and fp32's (the operands are exact in fp32,
+  which is what the engine runs on CPUs without native bf16 GEMMs). Best of a few repetitions: the
+  machine's peak, so fractions are conservative.
+
+Used by ``benchmarks/generate_cpu.py`` and ``benchmarks/attention_cuda.py`` (``measure_machine`` takes a
+device). The time a runner takes, divided into the summed limit of the steps it ran, is its fraction of
+the roofline (1.0 = at the limit).
+
+    python benchmarks/roofline.py          # print this machine's copy bandwidth and matmul rate
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+# (context tokens already cached, new tokens this step, whether the chunk's last logits are needed)
+StepChunk = tuple[int, int, bool]
+
+
+# ------------------------------------------------------------------------------ the machine
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the hardware does at best, measured in this process."""
+
+    copy_bytes_per_s: float  # read + write bytes per second of a large copy
+    matmul_flops_per_s: float  # FLOPs per second of a large square matmul
+    device: str
+    threads: int
+
+    def describe(self) -> str:
+        return (f"{self.device}: copy {self.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), matmul "
+                f"{self.matmul_flops_per_s / 1e9:.0f} GFLOP/s, {self.threads} threads")
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_machine(dtype: torch.dtype = torch.float32, device: str = "cpu", copy_bytes: int = 256 << 20,
+                    matmul_size: int = 2048, repeats: int = 5) -> Machine:
+    """Copy bandwidth and matmul rate of ``device`` (best of ``repeats``; see the module docstring)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    copy_s = _best_seconds(functools.partial(torch.Tensor.copy_, torch.empty_like(src), src), repeats, sync)
+    del src
+    rates = []
+    for dt in {torch.float32, dtype}:
+        a, b = (torch.randn(matmul_size, matmul_size, device=device).to(dt) for _ in range(2))
+        rates.append(2 * matmul_size ** 3 / _best_seconds(functools.partial(torch.mm, a, b), repeats, sync))
+    return Machine(2 * copy_bytes / copy_s, max(rates), device, torch.get_num_threads())
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a decoder-only transformer's step costs per token, read from a Hugging Face config."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    body_params: int  # matmul weights every token passes through (all but the embeddings and the LM head)
+    head_params: int  # LM head (vocab x hidden)
+    weight_bytes: int  # bytes a step reads of the weights (body + head; the model's dtype)
+    weight_element_bytes: int
+    cache_element_bytes: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, cache_dtype: Optional[torch.dtype] = None) -> "ModelShape":
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        emb = model.get_input_embeddings().weight
+        out = model.get_output_embeddings().weight
+        seen = {id(emb)}
+        body = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in seen and p is not out)
+        elt = emb.element_size()
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, heads, getattr(cfg, "num_key_value_heads", heads),
+                   head_size, body, out.numel(), (body + out.numel()) * elt, elt,
+                   torch.empty((), dtype=cache_dtype or emb.dtype).element_size())
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one step must move and compute."""
+
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    def limit_s(self, machine: Machine) -> float:
+        """Seconds the step takes at best: whichever of moving its bytes and doing its FLOPs is slower."""
+        return max(self.bytes / machine.copy_bytes_per_s, self.flops / machine.matmul_flops_per_s)
+
+    def __add__(self, other: "StepCost") -> "StepCost":
+        return StepCost(self.weight_bytes + other.weight_bytes, self.kv_read_bytes + other.kv_read_bytes,
+                        self.kv_write_bytes + other.kv_write_bytes, self.flops + other.flops)
+
+
+ZERO = StepCost(0, 0, 0, 0)
+
+
+def step_cost(shape: ModelShape, chunks: Sequence[StepChunk]) -> StepCost:
+    """The cost of one step running ``chunks`` (see ``StepChunk``) through ``shape``'s model."""
+    tokens = sum(n for _, n, _ in chunks)
+    rows = sum(1 for *_, done in chunks if done)
+    kv_per_token = 2 * shape.kv_heads * shape.head_size * shape.cache_element_bytes * shape.layers
+    pairs = sum(n * c + n * (n + 1) // 2 for c, n, _ in chunks)  # causal (query, key) pairs
+    flops = 2 * shape.body_params * tokens + 2 * shape.head_params * rows + \
+        4 * shape.heads * shape.head_size * pairs * shape.layers
+    embedding_rows = tokens * shape.hidden * shape.weight_element_bytes
+    return StepCost(shape.weight_bytes + embedding_rows, kv_per_token * sum(c for c, _, _ in chunks),
+                    kv_per_token * tokens, flops)
+
+
+def padded_batch_cost(shape: ModelShape, prompt_lens: Sequence[int], new_tokens: int) -> StepCost:
+    """The minimum work of generating ``new_tokens`` after each prompt, one prefill step then decode
+    steps of the whole batch (what Hugging Face ``generate`` must do at least; its padding not counted)."""
+    total = step_cost(shape, [(0, n, True) for n in prompt_lens])
+    for i in range(1, new_tokens):
+        total = total + step_cost(shape, [(n + i - 1, 1, True) for n in prompt_lens])
+    return total
+
+
+def step_kind(chunks: Sequence[StepChunk]) -> str:
+    """``decode``: one new token per sequence; ``prefill``: no decode token; ``mixed``: both."""
+    decode = sum(1 for c, n, _ in chunks if n == 1 and c > 0)
+    if decode == len(chunks):
+        return "decode"
+    return "prefill" if decode == 0 else "mixed"
+
+
+# ------------------------------------------------------------------------------ an engine's steps
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    chunks: tuple[StepChunk, ...]
+    seconds: float
+
+
+class StepRecorder:
+    """Times every ``engine.step()`` and records what it scheduled (wraps the engine's scheduler)."""
+
+    def __init__(self, engine):
+        self.engine, self.steps, self._last = engine, [], ()
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            plan = schedule()
+            self._last = tuple((c.start, c.num_tokens, c.completes) for c in plan)
+            return plan
+
+        engine.scheduler.schedule = recording
+
+    def step(self):
+        t0 = time.perf_counter()
+        out = self.engine.step()
+        dt = time.perf_counter() - t0
+        if self._last:
+            self.steps.append(TimedStep(self._last, dt))
+        self._last = ()
+        return out
+
+    def run(self) -> None:
+        """Step until every request finished."""
+        while self.engine.has_unfinished():
+            self.step()
+
+
+def summarise(steps: Iterable[TimedStep], shape: ModelShape, machine: Machine) -> dict[str, tuple]:
+    """Per step kind and in all: ``(steps, seconds, limit seconds, cost)``."""
+    out: dict[str, list] = {}
+    for s in steps:
+        cost = step_cost(shape, s.chunks)
+        for kind in (step_kind(s.chunks), "all"):
+            row = out.setdefault(kind, [0, 0.0, 0.0, ZERO])
+            row[0] += 1
+            row[1] += s.seconds
+            row[2] += cost.limit_s(machine)
+            row[3] = row[3] + cost
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def format_cost_row(name: str, steps: int, seconds: float, limit: float, cost: StepCost) -> str:
+    return (f"  {name:26} {steps:6d} {cost.weight_bytes / 1e6 / steps:9.1f} {cost.kv_read_bytes / 1e6 / steps:8.2f} "
+            f"{cost.kv_write_bytes / 1e6 / steps:8.3f} {cost.flops / 1e9 / steps:9.3f} {1e3 * limit / steps:9.3f} "
+            f"{1e3 * seconds / steps:9.3f} {limit / seconds:8.0%}")
+
+
+COST_HEADER = (f"  {'step kind':26} {'steps':>6} {'weight MB':>9} {'KV rd MB':>8} {'KV wr MB':>8} {'GFLOP':>9} "
+               f"{'limit ms':>9} {'took ms':>9} {'of limit':>8}")
+
+
+def step_kinds(engine, shape: ModelShape, machine: Machine, *, vocab: int, context: int = 256,
+               batches: Sequence[int] = (1, 8, 32, 64), mixed_prefill: int = 256, mixed_batch: int = 16,
+               long_prefill: int = 1024, repeats: int = 8, seed: int = 0) -> list[str]:
+    """Rows of a table: the engine's time per step kind against the limit (per-step figures).
+
+    Decode at each batch size over ``context``-token prompts; ``mixed_batch`` decodes next to one
+    ``mixed_prefill``-token prompt; one ``long_prefill``-token prompt alone. Prompts are random tokens
+    (no prefix-cache hits); the engine needs blocks for ``max(batches)`` such requests.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def prompt(n):
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    rec = StepRecorder(engine)
+    rows = [COST_HEADER]
+    budget = engine.scheduler.max_num_tokens
+    for b in batches:
+        # the first requests decode while the last ones still prefill: enough new tokens to outlast that
+        new = repeats + 2 + -(-b * context // budget)
+        rids = [engine.add_request(prompt(context), max_new_tokens=new) for _ in range(b)]
+        while any(r.num_computed < r.num_tokens - 1 or not r.output for r in _running(engine, rids)):
+            rec.step()  # prefills, until every request decodes
+        rec.steps.clear()
+        for _ in range(repeats):
+            rec.step()
+        assert all(len(s.chunks) == b and step_kind(s.chunks) == "decode" for s in rec.steps)
+        rows.append(format_cost_row(f"decode, batch {b} (ctx {context})",
+                                    *summarise(rec.steps, shape, machine)["all"]))
+        _finish(engine, rec, rids)
+    # mixed: decoders plus one prompt that completes in the same step (max_new_tokens=1 ends it there)
+    rec.steps.clear()
+    rids = [engine.add_request(prompt(context), max_new_tokens=2 * repeats + 4) for _ in range(mixed_batch)]
+    while any(not r.output for r in _running(engine, rids)):
+        rec.step()
+    mixed = []
+    for _ in range(repeats):
+        engine.add_request(prompt(mixed_prefill), max_new_tokens=1)
+        rec.steps.clear()
+        rec.step()
+        mixed += [s for s in rec.steps if step_kind(s.chunks) == "mixed"]
+    if mixed:
+        rows.append(format_cost_row(f"mixed: {mixed_batch} dec + {mixed_prefill} pre",
+                                    *summarise(mixed, shape, machine)["all"]))
+    _finish(engine, rec, rids)
+    rec.steps.clear()
+    for _ in range(max(2, repeats // 2)):
+        engine.add_request(prompt(long_prefill), max_new_tokens=1)
+        rec.run()
+    rows.append(format_cost_row(f"prefill, {long_prefill} tokens", *summarise(rec.steps, shape, machine)["all"]))
+    return rows
+
+
+def _finish(engine, rec: StepRecorder, rids) -> None:
+    """End the requests: aborted where the engine can, else run to the end."""
+    if hasattr(engine, "abort"):
+        for r in rids:
+            engine.abort(r)
+        engine.collect()
+    rec.run()
+
+
+def _running(engine, rids):
+    sched = engine.scheduler
+    return [r for r in list(sched.running) + list(sched.waiting) if r.id in set(rids)]
+
+
+def main() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"{str(dtype):16}", measure_machine(dtype).describe())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""PagedEngine compiled by default: one graph for every step a serving loop runs, the same greedy tokens
+as the eager engine, start-up progress; the step padding that keeps the graph count bounded."""
+
+import random
+
+import pytest
+import torch
+
+from pagedattn import PagedEngine
+from pagedattn.adapter import first_step
+from pagedattn.backends import build_metadata
+from pagedattn.runtime.shapes import graph_count, pad_packed_step
+
+from ..support import prompts, tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def compiled(llama):
+    """A default engine (compiled at start-up) and what start-up printed."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, max_num_seqs=8)
+    return engine, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def eager(llama):
+    return PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, compile=False, progress=False)
+
+
+def test_default_engine_is_compiled_with_progress(compiled):
+    engine, printed = compiled
+    assert engine.servable.min_step == 2
+    assert "compiling the paged step with Inductor" in printed and "done in" in printed
+    assert "rewriting LlamaForCausalLM" in printed
+
+
+def test_compiled_greedy_equals_eager(compiled, eager):
+    engine, _ = compiled
+    ps = prompts()
+    assert engine.generate(ps, max_new_tokens=6) == eager.generate(ps, max_new_tokens=6)
+
+
+def test_no_recompiles_over_many_varying_steps(compiled):
+    # requests arrive while others run: decode-only steps at batch 1..8, prefill-only steps, chunked
+    # prompts with no logits row, mixed steps; 200 steps and not one new graph
+    engine, _ = compiled
+    rng = random.Random(0)
+    before, steps, kinds = graph_count(), 0, set()
+    while steps < 200:
+        if rng.random() < 0.3 and len(engine.scheduler.running) < 8:
+            n = rng.choice([1, 2, 3, 5, 9, 17, 30, 41])
+            engine.add_request([rng.randrange(1, 100) for _ in range(n)], max_new_tokens=rng.randint(1, 12))
+        if not engine.has_unfinished():
+            continue
+        plan_before = engine.stats["tokens"]
+        engine.step()
+        steps += 1
+        kinds.add(min(engine.stats["tokens"] - plan_before, 3))
+    assert kinds == {1, 2, 3}  # single-token, two-token and longer steps all ran
+    assert graph_count() == before
+
+
+def test_compile_false_and_progress_off(eager, capsys):
+    # eager's start-up printed nothing (progress off) and left the graph as it was
+    assert eager.servable.min_step == 0 and type(eager.model.graph_module).__name__ == "GraphModule"
+    PagedEngine(eager.servable, num_blocks=8, progress=False)  # a ServableModel is served as it is
+    assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------ step padding
+
+
+def test_pad_packed_step_floors_every_size():
+    meta = build_metadata([(5, 1, [3])], block_size=8)  # one decode token: T = S = W = R = 1
+    padded, ids, pos, rows = pad_packed_step(meta, [7], [5], [0], floor=2)
+    assert (ids, pos, rows) == ([7, 0], [5, 0], [0, 0])
+    assert padded.slot_mapping.tolist() == [3 * 8 + 5, -1]  # the padding token is never written
+    assert padded.seq_lens.tolist() == [6, 0] and padded.query_start_loc.tolist() == [0, 1, 1]
+    assert padded.block_tables.tolist() == [[3, 0], [0, 0]]
+    same = build_metadata([(0, 3, [0]), (9, 2, [1, 2])], block_size=8)
+    assert pad_packed_step(same, [1, 2, 3, 4, 5], [0, 1, 2, 9, 10], [2, 4], floor=2)[0] is same
+
+
+def test_no_logits_rows_padded():
+    meta = build_metadata([(0, 3, [0])], block_size=4)  # a chunk that does not complete its prompt
+    _, _, _, rows = pad_packed_step(meta, [1, 2, 3], [0, 1, 2], [], floor=2)
+    assert rows == [0, 0]
+
+
+def test_padded_step_gives_the_same_logits(eager):
+    import dataclasses
+
+    sv = eager.servable
+    padded = dataclasses.replace(sv, min_step=2)
+    for servable in (sv, padded):
+        caches = servable.allocate_kv_caches(4)
+        meta = build_metadata([(0, 5, [0, 1])], 4)
+        out = servable.run_packed(caches, meta, [3, 1, 4, 1, 5], list(range(5)), [4])
+        decode = build_metadata([(5, 1, [0, 1])], 4)
+        out2 = servable.run_packed(caches, decode, [9], [5], [0])
+        assert out.shape == out2.shape == (1, servable.vocab_size)
+        if servable is sv:
+            want = (out, out2)
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(out2, want[1])
+    assert first_step(padded).shape == (2, sv.vocab_size)
