@@ -137,6 +137,9 @@ class PallasXlaBackend(AttentionBackend):
             if config.params.sinks is not None:
                 reasons.append(f"attention sinks: ragged_paged_attention takes no sink logits ({self.mode} mode); "
                                "use PallasXlaBackend(mode='static')")
+            if config.params.position_mod:
+                reasons.append("position program: ragged_paged_attention takes no mask or bias program "
+                               f"({self.mode} mode); use PallasXlaBackend(mode='static')")
             if config.params.chunk:
                 reasons.append("chunked local attention: ragged_paged_attention takes no chunk size "
                                f"({self.mode} mode); use PallasXlaBackend(mode='static')")
@@ -183,9 +186,10 @@ class PallasXlaBackend(AttentionBackend):
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         if self.mode == "static":
             return _attend_static(query, kv_cache, metadata, params)
-        if params.alibi_slopes is not None or not params.causal or params.sinks is not None or params.chunk:
+        if (params.alibi_slopes is not None or not params.causal or params.sinks is not None or params.chunk
+                or params.position_mod):
             raise ValueError("pallas_xla: ragged_paged_attention supports neither ALiBi nor non-causal attention "
-                             "nor attention sinks nor chunked local attention; rewrite with "
+                             "nor attention sinks nor chunked local attention nor position programs; rewrite with "
                              "PallasXlaBackend(mode='static')")
         return _attend_ragged(query, kv_cache, metadata, params, use_kernel=self.mode == "kernel")
 

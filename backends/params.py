@@ -39,6 +39,10 @@ class AttentionParams(Generic[T]):
     ``positions_from_first_key`` (drop-in calls with key padding only) counts positions from each
     row's first present key, as Hugging Face's chunked masks do under left padding; paged sequences
     hold no padding, so it changes nothing there.
+    ``position_mod`` (JSON; empty: none) is the site's own mask and bias program over query position,
+    key position and head, for masks and biases that are none of the above but depend on positions
+    only; ``position_tables`` holds the constant tables it reads (:mod:`pagedattn.backends.position_mod`).
+    Its mask applies on top of the others; its bias is added with ALiBi's.
     Which keys are visible is stated once, in :mod:`pagedattn.backends.reference`.
     """
 
@@ -53,6 +57,8 @@ class AttentionParams(Generic[T]):
     chunk_size: int = 0
     max_seq_len: int = 0
     positions_from_first_key: bool = False
+    position_mod: str = ""
+    position_tables: Optional[T] = None
 
     @property
     def window(self) -> int:
@@ -84,6 +90,8 @@ class AttentionParams(Generic[T]):
             parts.append("alibi")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.position_mod:
+            parts.append("position program")
         return ", ".join(parts)
 
 
@@ -101,7 +109,7 @@ class AttentionConfig:
         return self.num_heads // self.params.num_kv_heads
 
 
-_SCHEMA_TYPES = {float: "float", bool: "bool", int: "int"}
+_SCHEMA_TYPES = {float: "float", bool: "bool", int: "int", str: "str"}
 
 
 def _schema_type(hint) -> str:
@@ -117,6 +125,8 @@ def _schema_default(value) -> str:
         return "None"
     if isinstance(value, bool):
         return str(value)
+    if isinstance(value, str):
+        return '"' + value + '"'
     return repr(value)
 
 

@@ -11,11 +11,14 @@ bottom-right):
 
 1. ``s = scale * (q · k)``, in float32 (float64 for float64 operands);
 2. soft-cap: ``s = softcap * tanh(s / softcap)`` when ``softcap > 0``;
-3. ALiBi: ``s += slope[h] * (j - i)`` (0 on the diagonal, negative for earlier keys);
+3. ALiBi: ``s += slope[h] * (j - i)`` (0 on the diagonal, negative for earlier keys); a position
+   program (``position_mod``) adds its bias ``bias(h, i, j)`` here too;
 4. visibility: causal attention sees ``j <= i``; with a sliding window ``w`` only ``i - j < w``;
    with chunks of ``C`` positions (chunked local attention) only keys of the query's own chunk,
    ``i // C == j // C``; a key must pass every condition the site has. Bidirectional attention
-   sees every key (windows and chunks apply to causal attention only). Keys a caller marks absent
+   sees every key (windows and chunks apply to causal attention only). A position program's mask
+   ``allowed(i, j)`` applies on top (it carries masks none of these kinds express: sink tokens plus
+   a window, dilated windows; its fast paths read every key up to the query). Keys a caller marks absent
    (padding, past the sequence's length) are never seen. So a causal query sees one run of keys,
    ``earliest_visible_key(i) <= j <= i``, whose start never moves back as ``i`` grows: the fast
    paths read only that run (and cut a step's queries where chunks begin, ``chunk_runs``);
@@ -32,10 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedattn.backends import position_mod
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["query_positions", "visible", "earliest_visible_key", "chunk_runs", "alibi_bias", "apply_softcap",
-           "dense_attention"]
+__all__ = ["query_positions", "visible", "earliest_visible_key", "chunk_runs", "alibi_bias", "score_terms",
+           "apply_softcap", "dense_attention"]
 
 
 def query_positions(seq_len: int | Tensor, q_len: int, device=None) -> Tensor:
@@ -93,6 +97,33 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return slopes.to(dtype).reshape(-1, 1, 1) * rel[..., None, :, :]
 
 
+def score_terms(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int,
+                seq_len: Optional[Tensor | int] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Everything positions decide about a site's scores: ``(visible [B|1, Q, L] bool or None, bias
+    [B|1, Hq, Q, L] float32 or None)`` for ``q_pos [B|1, Q]`` / ``k_pos [B|1, L]`` (1-D: one row, and
+    results without the row dimension). ``seq_len`` (an int, ``[B|1]`` or ``[B|1, Q]``; default: the
+    keys run up to the last one given) is what a position program reads as the sequence's length."""
+    one_row = q_pos.dim() == 1
+    if one_row:
+        q_pos, k_pos = q_pos[None], k_pos[None]
+    allowed = visible(q_pos, k_pos, params)
+    bias = None
+    if params.alibi_slopes is not None:
+        bias = alibi_bias(params.alibi_slopes, q_pos, k_pos)
+    if params.position_mod:
+        n = k_pos[..., -1:] + 1 if seq_len is None else seq_len
+        m_allowed, m_bias = position_mod.evaluate(params.position_mod, params.position_tables, q_pos, k_pos, n,
+                                                  num_heads)
+        if m_allowed is not None:
+            allowed = m_allowed if allowed is None else allowed & m_allowed
+        if m_bias is not None:
+            bias = m_bias if bias is None else bias + m_bias
+    if one_row:
+        allowed = None if allowed is None else allowed[0]
+        bias = None if bias is None else bias[0]
+    return allowed, bias
+
+
 def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
     """``softcap * tanh(scores / softcap)`` in place (float scores); unchanged when ``softcap <= 0``."""
     if softcap > 0:
@@ -102,7 +133,8 @@ def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
 
 def _plain(params: AttentionParams) -> bool:
     """Nothing but a mask: SDPA computes it with the same semantics."""
-    return params.softcap <= 0 and params.alibi_slopes is None and params.sinks is None
+    return (params.softcap <= 0 and params.alibi_slopes is None and params.sinks is None
+            and not (params.position_mod and position_mod.has_bias(params.position_mod)))
 
 
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: AttentionParams,
@@ -128,9 +160,11 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         q_pos = query_positions(L, Q, dev)[None]
     if k_pos is None:
         k_pos = torch.arange(L, device=dev)[None]
-    allowed = visible(q_pos, k_pos, params)  # [B|1, Q, L] or None
-    if allowed is not None and allowed.dim() == 2:
-        allowed = allowed[None]
+    seq_len = None
+    if params.position_mod and key_present is not None and key_present.dim() == 2:
+        seq_len = key_present.sum(-1)  # [B|1]: static paths hand in padded keys with the real ones marked
+    allowed, bias = score_terms(q_pos if q_pos.dim() == 2 else q_pos[None], k_pos if k_pos.dim() == 2 else k_pos[None],
+                                params, hq, seq_len)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L] or None
     if key_present is not None:
         present = key_present if key_present.dim() == 3 else key_present[:, None, :]
         allowed = present if allowed is None else allowed & present
@@ -141,15 +175,16 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
     acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 reference
     # in place (bounded memory) unless autograd records the computation
     inplace = not (torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, params.alibi_slopes, params.sinks)))
+        t is not None and t.requires_grad for t in (query, key, value, params.alibi_slopes, params.sinks,
+                                                    params.position_tables)))
     # [B, Hkv, G*Q, L]: a KV head's query heads stacked, so K/V are read once per KV head
     s = torch.matmul(query.reshape(B, hkv, group * Q, D).to(acc), key.to(acc).transpose(-1, -2))
     s = _apply(s.view(B, hkv, group, Q, L), "mul", inplace, params.scale)
     if params.softcap > 0:
         s = _apply(_apply(_apply(s, "div", inplace, params.softcap), "tanh", inplace), "mul", inplace,
                    params.softcap)
-    if params.alibi_slopes is not None:
-        bias = alibi_bias(params.alibi_slopes, q_pos, k_pos).to(acc).view(-1, hkv, group, Q, L)
+    if bias is not None:
+        bias = bias.to(acc).expand(-1, hq, Q, L).reshape(-1, hkv, group, Q, L)
         s = _apply(s, "add", inplace, bias)
     if allowed is not None:
         s = _apply(s, "masked_fill", inplace, ~allowed[:, None, None], float("-inf"))

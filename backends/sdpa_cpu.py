@@ -102,6 +102,8 @@ class SdpaCpuBackend(SplitKVBackend):
         seqs = _plan(metadata.query_start_loc, metadata.seq_lens)
         out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
         fresh = [s for s in seqs if key is not None and s.q_len > 1 and s.kv_len == s.q_len]
+        # a position program's prefills take the reference's math, one sequence at a time (rows it hides
+        # entirely give zeros, as the reference defines); its decodes the flash path with its bias
         single = [s for s in seqs if s.q_len == 1]
         fresh_ids = {s.index for s in fresh}
         rest = [s for s in seqs if s.q_len > 1 and s.index not in fresh_ids]
@@ -145,7 +147,7 @@ class SdpaCpuBackend(SplitKVBackend):
         k, v = k[None], v[None]  # [1, Hkv, L, D]
         num_heads = q.shape[1]
         group = num_heads // params.num_kv_heads
-        plain = params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None
+        plain = params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None and not params.position_mod
         q_pos = torch.arange(q0, q0 + q.shape[2], device=q.device)
         k_pos = torch.arange(k_first, k_first + k.shape[2], device=q.device)
         # every query's visible keys run from the first key up to itself, and the keys start at the first
@@ -155,7 +157,7 @@ class SdpaCpuBackend(SplitKVBackend):
         if plain and (not params.causal or top_left_causal):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=params.causal, scale=params.scale,
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
-        elif params.softcap > 0:  # no SDPA kernel caps scores: the reference's exact math
+        elif params.softcap > 0 or params.position_mod:  # no SDPA kernel caps scores: the reference's exact math
             o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None])
         else:
             mask = _folded_mask(q_pos, k_pos, params, group)

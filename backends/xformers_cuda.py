@@ -394,6 +394,10 @@ class XFormersCudaBackend(SplitKVBackend):
         if config.params.alibi_slopes is not None:
             out.append("ALiBi: no xFormers operator takes slopes with paged keys; an additive tensor bias over "
                        "the gathered K/V runs it (cutlass or triton_splitk), else PyTorch SDPA")
+        if config.params.position_mod:
+            out.append("position program (a mask or bias over positions that no fast kind expresses): the "
+                       "reference's fp32 math over the gathered K/V runs it, with the program evaluated for "
+                       "the step's positions")
         if config.head_size % 8 or config.head_size > 256:
             out.append(f"head size {config.head_size}: xFormers' flash kernels need a multiple of 8 up to 256; "
                        "PyTorch SDPA runs it")
@@ -423,10 +427,13 @@ class XFormersCudaBackend(SplitKVBackend):
         if alibi_slopes is not None and alibi_slopes.device != query.device:
             alibi_slopes = alibi_slopes.to(query.device)  # slopes a pass kept on the host
             params = dataclasses.replace(params, alibi_slopes=alibi_slopes)
+        if params.position_tables is not None and params.position_tables.device != query.device:
+            params = dataclasses.replace(params, position_tables=params.position_tables.to(query.device))
         plan = _plan_for(metadata.seq_lens, metadata.query_start_loc, block_tables)
         c = _Call(query, key, value, kv_cache, block_tables.to(torch.int32), params, hkv, query.shape[1] // hkv,
                   nb, bs, d)
-        fused = query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None and sinks is None
+        fused = (query.dtype in _KERNEL_DTYPES and softcap <= 0 and alibi_slopes is None and sinks is None
+                 and not params.position_mod)
         groups = plan.grouping(key is not None, params.causal, query.device) if fused else None
         if fused and len(groups) == 1 and isinstance(groups[0].rows, slice) and \
                 groups[0].rows == slice(0, query.shape[0]):
@@ -443,6 +450,9 @@ class XFormersCudaBackend(SplitKVBackend):
                 elif sinks is not None:
                     why = ("attention with sinks runs as fp32 math over gathered K/V: no xFormers operator "
                            "takes sink logits")
+                elif params.position_mod:
+                    why = ("a position program runs as fp32 math over gathered K/V: no xFormers operator "
+                           "evaluates it")
                 elif softcap > 0:
                     why = ("soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator "
                            "applies a soft-cap")
@@ -549,7 +559,8 @@ class XFormersCudaBackend(SplitKVBackend):
         for ALiBi, else the reference's exact attention in batches of sequences whose scores and K/V fit
         ``_MATH_BUDGET_BYTES``."""
         p = c.params
-        if p.alibi_slopes is not None and p.softcap <= 0 and p.sinks is None and c.query.dtype in _KERNEL_DTYPES:
+        if p.alibi_slopes is not None and p.softcap <= 0 and p.sinks is None and c.query.dtype in _KERNEL_DTYPES \
+                and not p.position_mod:
             plan = _cached_pad_plan(c, g)
             q, k, v = _gather_padded(c, plan)
             o, why = self._alibi_tensor_bias(c, g, plan, q, k, v)

@@ -31,12 +31,14 @@ from torch.fx import GraphModule, Node
 from pagedattn.backends.params import AttentionParams
 from pagedattn.passes.context import PassContext, PassReport
 from pagedattn.passes.mask_program import (
+    MaskKind,
     NotEstablished,
     establish,
     extract_program,
     read_mask,
     reads_by_value,
 )
+from pagedattn.passes.position_program import position_program
 from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
@@ -74,6 +76,7 @@ def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
         site.key_padding_runs = result.padding_runs
         site.positions_from_first_key = result.positions_from_first_key
         site.mask_up_to, site.mask_how = result.up_to, result.how
+        site.position_mod, site.position_tables = result.position_mod, result.position_tables
         site.position_inputs = result.positions
     n = sum(s.mask_kind is not None for s in ctx.sites)
     return PassReport("classify_mask", False, f"{n} masks established from {len(memo)} distinct mask programs")
@@ -129,13 +132,31 @@ def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
             return read_mask(gm, site, roles, constants, ctx.max_length, keys_present, prefix)
 
         with torch.no_grad():
-            kind = establish(read, padding)
+            try:
+                kind = establish(read, padding)
+            except NotEstablished as first:
+                if padding:
+                    raise
+                kind = _positional(read, first)
     except NotEstablished as e:
         return str(e)
     if kind.chunk and "chunk_size" not in {f.name for f in dataclasses.fields(AttentionParams)}:
         return f"chunked attention (chunks of {kind.chunk}) has no paged kernel here yet"
     log.debug("site %s: %s established by %s up to %s", site.name, kind.kind, kind.how, kind.up_to or "every length")
     return kind
+
+
+def _positional(read, why: NotEstablished) -> MaskKind:
+    """No kind with its own kernel: the generic path, when the mask and bias depend on positions only."""
+    try:
+        mod, tables = position_program(read)
+    except NotEstablished as e:
+        raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {e}") from None
+    f = read(True, "p")
+    longest = f.maximize(f.L)
+    up_to = None if longest is None or longest >= 2 ** 31 - 1 else longest
+    return MaskKind("positional", up_to=up_to, positions=tuple(f.positions), how="proof (position program)",
+                    position_mod=mod, position_tables=tables)
 
 
 def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -136,6 +136,8 @@ class _Interpreter:
         self.positions: list[str] = []
         self.env: dict[Node, Any] = {}
         self.concrete: dict[Node, Any] = {}  # nodes computed outright: constants and what only they feed
+        self.tables: dict[str, torch.Tensor] = {}  # z3 function name -> the constant table it stands for
+        self.float_dtypes: set = set()  # float dtypes the program computes in
 
     # --- sizes and indices
 
@@ -223,7 +225,8 @@ class _Interpreter:
             return z3.If(e, z3.IntVal(1), z3.IntVal(0)) if kind == "int" else z3.If(e, z3.RealVal(1), z3.RealVal(0))
         if kind == "float":
             return z3.ToReal(e)
-        return z3.ToInt(e)
+        # a float cast to an integer truncates toward zero, as torch does (z3's ToInt floors)
+        return z3.If(e >= 0, z3.ToInt(e), -z3.ToInt(-e))
 
     def unify(self, vals: Sequence[_Val]) -> tuple[tuple, list[_Val]]:
         """Right-aligned broadcasting: the result's dims, and the operands with the dimensions they share
@@ -357,6 +360,7 @@ class _Interpreter:
             # holds for every value follows from it (an additive table is never ALiBi, say)
             # (beyond their range, clamped in: a table of finite values never hides a key)
             table = z3.Function(f"table_{name}", *([z3.IntSort()] * len(dims)), z3.RealSort())
+            self.tables[f"table_{name}"] = t
             raw = table(*[d.index if d.index is not None else z3.IntVal(0) for d in dims])
             low, high = _real(t.min().item()), _real(t.max().item())
             return _Val(dims, z3.If(raw < low, low, z3.If(raw > high, high, raw)), kind)
@@ -388,6 +392,9 @@ class _Interpreter:
         for n in self.module.graph.nodes:
             if n.op == "output":
                 break
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                self.float_dtypes.add(v.dtype)
             if n.op == "placeholder":
                 if self.roles.get(n.name) == "constant":
                     self.concrete[n] = self.constants[n.name]
@@ -812,6 +819,46 @@ def _index(it, n):
     return _Val(dims + tuple(base.dims[len(idx):]), e, base.kind)
 
 
+def _opaque(name: str):
+    """A float function the proofs know nothing about but that it is a function (``log`` in T5's buckets,
+    KERPLE's logarithmic bias): the same argument gives the same value, nothing more is assumed."""
+    def handler(it, n):
+        x = it.get(n.args[0])
+        xe = it.cast(x, "float")
+        fn = z3.Function(f"op_{name}", z3.RealSort(), z3.RealSort())
+        # the sign the function takes, in the term itself (so it follows the term when indices are renamed):
+        # a lookup by a bucket computed from a logarithm stays in its table for every length
+        if name in _SIGN_SPLIT:
+            below = z3.Function(f"op_{name}__below", z3.RealSort(), z3.RealSort())
+            e = z3.If(xe >= _SIGN_SPLIT[name], _abs_real(fn(xe)), -_abs_real(below(xe)))
+        elif name in ("exp", "sqrt", "rsqrt", "sigmoid"):
+            e = _abs_real(fn(xe))
+        else:
+            e = fn(xe)
+        return _Val(x.dims, e, "float")
+    return handler
+
+
+# logarithms: at or above this argument they are >= 0, below it < 0 (NaN below 0 is no number a mask keeps)
+_SIGN_SPLIT = {"log": 1, "log2": 1, "log10": 1, "log1p": 0}
+
+
+def _abs_real(x) -> Any:
+    return z3.If(x >= 0, x, -x)
+
+
+def _embedding(it, n):
+    """``embedding(weight, indices)``: the weight's row at each index (T5's bias per bucket)."""
+    weight, idx = it.get(n.args[0]), it.get(n.args[1])
+    if len(weight.dims) != 2 or idx.kind != "int":
+        raise _Unreadable("an embedding lookup that is not rows of a 2-D table by integer indices")
+    row = weight.dims[0]
+    if row.index is None or not z3.is_const(row.index):
+        raise _Unreadable("an embedding lookup into a table with one row")
+    it.obligations.append(z3.And(idx.expr >= 0, idx.expr < row.size))
+    return _Val(idx.dims + (weight.dims[1],), z3.substitute(weight.expr, (row.index, idx.expr)), weight.kind)
+
+
 def _tri(it, n):
     x = it.get(n.args[0])
     diag = n.args[1] if len(n.args) > 1 else 0
@@ -1014,6 +1061,7 @@ _HANDLERS: dict[Any, Callable] = {
     aten.bitwise_not.default: _not, aten.logical_not.default: _not,
     aten.neg.default: _neg, aten.abs.default: _abs,
     aten.minimum.default: _minmax(lambda a, b: a <= b), aten.maximum.default: _minmax(lambda a, b: a >= b),
+    aten.min.other: _minmax(lambda a, b: a <= b), aten.max.other: _minmax(lambda a, b: a >= b),
     aten.clamp.default: _clamp, aten.clamp_min.default: _clamp, aten.clamp_max.default: _clamp,
     aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where, aten.where.Scalar: _where,
     aten.masked_fill.Scalar: _masked_fill, aten.masked_fill.Tensor: _masked_fill,
@@ -1021,7 +1069,9 @@ _HANDLERS: dict[Any, Callable] = {
     **{t: _filled for t in (aten.new_ones.default, aten.ones.default, aten.ones_like.default, aten.new_zeros.default,
                             aten.zeros.default, aten.zeros_like.default, aten.full.default, aten.full_like.default,
                             aten.new_full.default, aten.scalar_tensor.default)},
-    aten.index.Tensor: _index,
+    aten.index.Tensor: _index, aten.embedding.default: _embedding,
+    **{getattr(aten, f).default: _opaque(f) for f in ("log", "log2", "log10", "log1p", "exp", "sqrt", "rsqrt",
+                                                      "sigmoid", "tanh", "sin", "cos", "erf")},
     aten.tril.default: _tri, aten.triu.default: _tri,
     aten.diff.default: _diff, aten.cumsum.default: _cumsum,
     aten.sum.dim_IntList: _sum, aten.sum.default: _sum,
@@ -1052,6 +1102,8 @@ class MaskFormula:
     padding: dict  # input name -> z3 Bool "key j of row b is present" (keep-when-true reading)
     positions: list  # position inputs the program reads
     run_starts: dict = field(default_factory=dict)  # padding input -> its run's first key in row b
+    tables: dict = field(default_factory=dict)  # z3 function name -> the constant table it stands for
+    float_dtype: torch.dtype = torch.float32  # what the program computes floats in
 
     @property
     def q_pos(self):
@@ -1140,7 +1192,8 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
     _check_example(it.facts, (B, S, L), (q.shape[0], q.shape[2], k.shape[2]))
     _check_coverage(it.facts, b, h, i, j, B, H, S, L)
     formula = MaskFormula(it.facts, b, h, i, j, B, H, S, L, z3.And(masks) if masks else z3.BoolVal(True),
-                          bias, {}, list(it.positions))
+                          bias, {}, list(it.positions), tables=dict(it.tables),
+                          float_dtype=torch.float64 if torch.float64 in it.float_dtypes else torch.float32)
     for (_node, after_b, after_c), v in zip(site.factors, outs[nb + nc:]):
         f = it.cast(_Val((), _aligned(it, v, b, h, i, j, B, H, S, L), v.kind), "float")
         later = masks[:after_b] + masks[nb:nb + after_c]
@@ -1271,6 +1324,8 @@ class MaskKind:
     how: str = "proof"
     padding_runs: bool = False  # established for padding whose present keys are one run per row
     positions_from_first_key: bool = False  # with padding, positions count from the run's first key
+    position_mod: str = ""  # kind "positional": the program kernels evaluate (pagedattn.backends.position_mod)
+    position_tables: Optional[torch.Tensor] = None
 
 
 def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:

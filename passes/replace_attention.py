@@ -67,7 +67,14 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
         if site.sinks is not None:  # [Hq]: the state's elements are in head order (checked when matched)
             sinks = g.call_function(aten.reshape.default, (site.sinks, [-1]))
             sinks.meta["val"] = val(site.sinks).reshape(-1)
-        params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size))
+        tables = None
+        if site.position_tables is not None:  # constant tables a position program reads
+            name = f"_pagedattn_position_tables_{index}"
+            gm.register_buffer(name, site.position_tables.clone())
+            tables = g.get_attr(name)
+            tables.meta["val"] = site.position_tables
+        params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size),
+                                     position_tables=tables)
         key_padding = site.key_padding
         if key_padding is not None and not site.key_padding_keeps_true:  # True marked keys to ignore
             key_padding = g.call_function(aten.logical_not.default, (key_padding,))

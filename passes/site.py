@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from pagedattn.backends import position_mod
 from pagedattn.backends.params import AttentionParams
 
 aten = torch.ops.aten
@@ -73,6 +74,8 @@ class AttentionSite:
     positions_from_first_key: bool = False  # with padding, positions count from the row's first key
     mask_up_to: Optional[int] = None  # the longest key length the mask is established for (None: every length)
     mask_how: Optional[str] = None  # "proof", "the operator" (SDPA's own mask), a hint
+    position_mod: str = ""  # mask kind "positional": its program (pagedattn.backends.position_mod)
+    position_tables: Optional[torch.Tensor] = None
     position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
     # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
     attention: bool = True
@@ -82,6 +85,9 @@ class AttentionSite:
         chunk = {"chunk_size": int(self.chunk)} if self.chunk else {}
         if self.key_padding is not None and self.positions_from_first_key:
             chunk["positions_from_first_key"] = True
+        if self.position_mod:
+            chunk["position_mod"] = self.position_mod
+            chunk["position_tables"] = self.position_tables
         if self.mask_up_to and not (self.mask_how or "").startswith("hint"):
             # a hint's bound is the multi-token trace's size, not the model's: the hint is taken as it is
             # (reported, and logged when the site takes it)
@@ -117,6 +123,7 @@ class AttentionSite:
             "positions_from_first_key": self.key_padding is not None and self.positions_from_first_key,
             "mask_established": self.mask_how,
             "mask_up_to": self.mask_up_to,
+            "position_program": position_mod.describe(self.position_mod) if self.position_mod else None,
             "position_inputs": list(self.position_inputs),
             "attention": self.attention,
         }

@@ -14,6 +14,7 @@ The hand-written attention spellings are in ``tests/rewriter/zoo.py``, the Huggi
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -110,15 +111,32 @@ def make_batch(
     return PagedBatch(query, key, value, cache, meta, full_k, full_v, [c for c, _ in seqs], [n for _, n in seqs])
 
 
-def batch_params(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None) -> AttentionParams:
-    """The step's ``AttentionParams`` (kv heads and value head size from the batch)."""
-    return AttentionParams(scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks)
+# position programs (pagedattn.backends.position_mod) written by hand, independent of the pass that reads them
+# from models: four sink tokens plus a window of 7 (causal), and a per-head bias by the distance's bucket
+# (distances past 5 share one), for 4 query heads
+SINKS_WINDOW_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["sub", 0, 1], ["int", 7], ["lt", 2, 3], ["int", 4], ["lt", 1, 5], ["or", 4, 6], ["int", 0],
+    ["ge", 2, 8], ["and", 7, 9]], "allowed": 10, "bias": None})
+BUCKET_BIAS_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["sub", 0, 1], ["int", 5], ["lt", 2, 3], ["ite", 4, 2, 3], ["int", 0], ["ge", 2, 6],
+    ["int", 4], ["mul", 5, 8], ["h"], ["add", 9, 10], ["real", 0.0], ["lut", "real", 11, 0, 0, 24, 12]],
+    "allowed": 7, "bias": 13})
+BUCKET_TABLE = torch.linspace(-3.0, 2.0, 24)
 
 
-def run_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
+def batch_params(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None,
+                 mod: Optional[tuple] = None) -> AttentionParams:
+    """The step's ``AttentionParams`` (kv heads and value head size from the batch); ``mod`` is a position
+    program and its tables."""
+    extra = {} if mod is None else {"position_mod": mod[0], "position_tables": mod[1]}
+    return AttentionParams(scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks, **extra)
+
+
+def run_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None,
+             mod=None):
     """Write the step's K/V and attend, through the ops (the active backend for the tensors' device)."""
     torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    p = batch_params(b, scale, causal, window, softcap, alibi, sinks)
+    p = batch_params(b, scale, causal, window, softcap, alibi, sinks, mod)
     return torch.ops.pagedattn.paged_attention(
         b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache,
         b.meta.block_tables, b.meta.seq_lens, b.meta.query_start_loc, *p.args(),
@@ -129,11 +147,11 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.double().transpose(0, 1)[None]  # [T, H, D] -> [1, H, T, D]
 
 
-def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None):
+def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None, mod=None):
     """The step's expected output ``[tokens, Hq, Dv]`` in float64 (padding rows left out): each sequence's
     new queries over its whole K/V, by the reference semantics (``backends/reference.py``)."""
     p = batch_params(b, scale, causal, window, softcap, None if alibi is None else alibi.double(),
-                     None if sinks is None else sinks.double())
+                     None if sinks is None else sinks.double(), mod)
     outs, row = [], 0
     for n, k, v in zip(b.q_lens, b.full_k, b.full_v):
         q = _heads_first(b.query[row:row + n])  # the last n of the sequence's positions

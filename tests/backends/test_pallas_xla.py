@@ -30,6 +30,7 @@ from pagedattn.backends import (  # noqa: E402
 from pagedattn.backends.pallas_xla import PallasXlaBackend, StepBuckets, bucket, pad_step  # noqa: E402
 from pagedattn.xla import to_xla  # noqa: E402
 
+from ..support import BUCKET_BIAS_MOD, BUCKET_TABLE, SINKS_WINDOW_MOD  # noqa: E402
 from .xla_helpers import (  # noqa: E402
     cpu_layout,
     cpu_step,
@@ -220,6 +221,19 @@ def test_head_layouts(heads):
 def test_features_static(feature):
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, pad_tokens=2)
     _check(b, PallasXlaBackend("static"), **_features(feature, 8))
+
+
+@pytest.mark.parametrize("mod", ["sinks_window", "bucket_bias"])
+def test_position_programs_static(mod):
+    # a mask and a per-head bias over positions, evaluated on the XLA device for the padded step's positions
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, pad_tokens=2)
+    program = (SINKS_WINDOW_MOD, None) if mod == "sinks_window" else (BUCKET_BIAS_MOD, BUCKET_TABLE)
+    params = params_for(b, causal=False, mod=program)
+    out, _ = _xla_step(PallasXlaBackend("static"), b, params)
+    n = int(b.meta.query_start_loc[-1])
+    torch.testing.assert_close(out[:n], reference_step(b, params), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(out, cpu_step(b, params), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert any("position program" in r for r in PallasXlaBackend("reference").supports(AttentionConfig(params, 4, 64)))
 
 
 def test_bfloat16_with_padded_heads():

@@ -9,8 +9,11 @@ from pagedattn.backends import AttentionConfig, AttentionParams, get_backend
 
 from ..support import (
     ALIBI8,
+    BUCKET_BIAS_MOD,
+    BUCKET_TABLE,
     SHAPES,
     SINKS8,
+    SINKS_WINDOW_MOD,
     TOL,
     check_copy_and_swap,
     make_batch,
@@ -72,6 +75,25 @@ def test_features(feature, dtype):
     if feature.pop("sinks", False):
         feature["sinks"] = SINKS8
     _check(b, dtype, **feature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["mixed", "all_decode", "many_blocks"])
+@pytest.mark.parametrize("mod", ["sinks_window", "bucket_bias"])
+def test_position_programs(mod, shape, dtype):
+    # a mask no fast kind expresses (sink tokens plus a window) and a per-head bias by distance bucket,
+    # evaluated for each step's positions: decodes, prefills and continued prefills
+    b = make_batch(SHAPES[shape], num_heads=4, num_kv_heads=2, dtype=dtype)
+    program = (SINKS_WINDOW_MOD, None) if mod == "sinks_window" else (BUCKET_BIAS_MOD, BUCKET_TABLE)
+    _check(b, dtype, causal=False, mod=program)
+
+
+def test_a_position_program_differs_from_the_causal_reading():
+    # the check above can fail: the program's mask is not what causal attention computes
+    b = make_batch(SHAPES["many_blocks"], num_heads=4, num_kv_heads=2)
+    out = run_step(b, 0.125, causal=False, mod=(SINKS_WINDOW_MOD, None))
+    n = sum(b.q_lens)
+    assert not torch.allclose(out[:n].double(), reference_step(b, 0.125), atol=1e-3)
 
 
 @pytest.mark.parametrize("shape", ["all_decode", "many_blocks", "chunked"])

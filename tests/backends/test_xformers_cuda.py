@@ -22,7 +22,19 @@ from pagedattn.backends import (  # noqa: E402
     xformers_cuda,  # noqa: E402
 )
 
-from ..support import ALIBI8, SHAPES, SINKS8, TOL, batch_params, check_copy_and_swap, make_batch, reference_step  # noqa: E402
+from ..support import (  # noqa: E402
+    ALIBI8,
+    BUCKET_BIAS_MOD,
+    BUCKET_TABLE,
+    SHAPES,
+    SINKS8,
+    SINKS_WINDOW_MOD,
+    TOL,
+    batch_params,
+    check_copy_and_swap,
+    make_batch,
+    reference_step,
+)
 from .xformers_emulation import install  # noqa: E402
 
 
@@ -31,9 +43,9 @@ def backend():
     return xformers_cuda.XFormersCudaBackend()
 
 
-def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None):
+def _attend(backend, b, scale, causal=True, window=0, softcap=0.0, alibi=None, pass_kv=True, sinks=None, mod=None):
     backend.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    params = batch_params(b, scale, causal, window, softcap, alibi, sinks)
+    params = batch_params(b, scale, causal, window, softcap, alibi, sinks, mod)
     meta = dataclasses.replace(b.meta, slot_mapping=None)
     return backend.attend(b.query, b.key if pass_kv else None, b.value if pass_kv else None, b.kv_cache, meta, params)
 
@@ -161,6 +173,18 @@ def test_alibi_goes_through_a_tensor_bias(monkeypatch, backend):
 
 
 # -------------------------------------------------------------------------- fallbacks
+
+
+@pytest.mark.parametrize("mod", ["sinks_window", "bucket_bias"])
+def test_position_programs_run_exactly_outside_the_fused_kernels(monkeypatch, backend, mod):
+    op = install(monkeypatch)
+    program = (SINKS_WINDOW_MOD, None) if mod == "sinks_window" else (BUCKET_BIAS_MOD, BUCKET_TABLE)
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    _check(backend, b, torch.float16, causal=False, mod=program)
+    assert not op.calls and backend.paths[("all", "sdpa")] == 1
+    params = batch_params(b, 0.125, causal=False, mod=program)
+    assert any("position program" in r for r in backend.fallback_reasons(AttentionConfig(params, 4, 64)))
+
 
 
 def test_float32_and_softcap_never_call_xformers(monkeypatch, backend):

@@ -25,17 +25,21 @@ from ..support import PagedBatch, make_batch  # noqa: F401  (make_batch re-expor
 Batch = PagedBatch
 
 
-def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=None, sinks=None) -> AttentionParams:
-    """The site parameters of a test call on ``b`` (scale ``1/sqrt(D)`` unless given)."""
+def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=None, sinks=None,
+               mod=None) -> AttentionParams:
+    """The site parameters of a test call on ``b`` (scale ``1/sqrt(D)`` unless given; ``mod``: a position
+    program and its tables)."""
     d = b.query.shape[-1]
+    extra = {} if mod is None else {"position_mod": mod[0], "position_tables": mod[1]}
     return AttentionParams(scale=1 / math.sqrt(d) if scale is None else scale, causal=causal, sliding_window=window,
                            softcap=softcap, alibi_slopes=alibi, num_kv_heads=b.key.shape[1], head_size_v=d,
-                           sinks=sinks)
+                           sinks=sinks, **extra)
 
 
 def on(params: AttentionParams, device) -> AttentionParams:
     """``params`` with its tensors (ALiBi slopes, sinks) on ``device``."""
-    move = {f: getattr(params, f).to(device) for f in ("alibi_slopes", "sinks") if getattr(params, f) is not None}
+    move = {f: getattr(params, f).to(device) for f in ("alibi_slopes", "sinks", "position_tables")
+            if getattr(params, f) is not None}
     return dataclasses.replace(params, **move)
 
 

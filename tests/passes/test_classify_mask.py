@@ -74,7 +74,7 @@ def test_input_that_is_not_key_padding():
 
 
 @pytest.mark.parametrize("name, reason", [
-    ("learned_relative_bias", "not ALiBi"), ("caller_mask", "caller-provided"), ("caller_bool_mask", "caller-provided"),
+    ("caller_mask", "caller-provided"), ("caller_bool_mask", "caller-provided"),
 ])
 def test_left_alone(name, reason):
     (site,) = classified(zoo.NOT_ATTENTION[name][0](), zoo.example_args(name))
@@ -93,9 +93,10 @@ class Strided(zoo._Base):
         return self.merge(s.masked_fill(~keep, float("-inf")).softmax(-1) @ v)
 
 
-def test_arbitrary_mask_is_skipped():
+def test_a_mask_of_no_fast_kind_over_positions_gets_its_program():
     (site,) = classified(Strided(), zoo.example_args("nanogpt"))
-    assert site.status == "skipped" and "neither causal, a sliding window, chunked nor absent" in site.reason
+    assert site.status == "matched" and site.mask_kind == "positional" and site.position_mod, site.reason
+    assert site.mask_how == "proof (position program)" and site.mask_up_to is None
 
 
 def _single_token(name, hints):

@@ -73,11 +73,14 @@ def test_a_window_wider_than_every_length_probed_is_found_and_proven():
     _dropin_matches(m, rm, 6100)
 
 
-def test_sink_tokens_plus_a_window_are_not_called_causal():
+def test_sink_tokens_plus_a_window_are_not_called_causal_and_are_served_by_their_program():
     # StreamingLLM: four always-visible tokens plus a window; causal up to 5004 keys, not past it
     m = PositionMask(lambda i, j, T: (j <= i) & ((i - j < 5000) | (j < 4)))
-    site = _site(_rewrite(m))
-    assert site["status"] == "skipped" and "neither causal" in site["reason"], site
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["mask_up_to"]) == ("rewritten", "positional", None), site
+    assert "mask" in site["position_program"] and "bias" not in site["position_program"]
+    _dropin_matches(m, rm, 5200)
 
 
 def test_a_mask_that_changes_past_a_length_is_left():
@@ -87,16 +90,20 @@ def test_a_mask_that_changes_past_a_length_is_left():
     assert site["status"] == "skipped", site
 
 
-def test_alibi_capped_at_a_distance_is_not_alibi():
+def test_alibi_capped_at_a_distance_is_not_alibi_but_a_position_program():
     m = ALiBiLike(lambda slopes, dist, T: slopes * dist.clamp(min=-280))
-    site = _site(_rewrite(m))
-    assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["alibi"]) == ("rewritten", "positional", False), site
+    _dropin_matches(m, rm, 700)  # past the cap: plain ALiBi would differ (by 1.19 at 700 keys)
 
 
-def test_alibi_whose_slope_follows_the_length_is_not_alibi():
+def test_alibi_whose_slope_follows_the_length_is_left():
+    # not ALiBi, and not a function of positions either: the bias of one pair changes with the length
     m = ALiBiLike(lambda slopes, dist, T: slopes * dist * (8.0 / T))
     site = _site(_rewrite(m))
     assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+    assert "depends on more than the query and key positions" in site["reason"], site
 
 
 def test_plain_alibi_is_proven_with_its_slopes():
@@ -276,9 +283,15 @@ def test_buffers_that_are_no_band_stay_dense():
     dilated = _band(300, 0, 299) & ((torch.arange(300)[:, None] - torch.arange(300)[None, :]) % 2 == 0)
     site = _site(_rewrite(BufferMask(dilated)))
     assert site["status"] == "skipped" and "band around the diagonal" in site["reason"], site
-    table = BufferMask(torch.randn(300, 300)).eval()  # a learned relative bias: values the proof cannot know
-    site = _site(_rewrite(table))
-    assert site["status"] == "skipped" and "not ALiBi" in site["reason"], site
+    # a learned bias per (query, key) pair: values the proof cannot know, but a function of positions only,
+    # served by its program (up to the table's 300 positions)
+    table = BufferMask(torch.randn(300, 300)).eval()
+    rm = _rewrite(table)
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["mask_up_to"]) == ("rewritten", "positional", 300), site
+    x = torch.randn(1, 280, C)
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x), table(x), atol=1e-5, rtol=1e-5)
 
 
 class PaddingBias(zoo._Base):
@@ -396,3 +409,63 @@ def test_chunks_counted_from_the_first_present_key_under_left_padding():
         out, ref = rm(x, mask), m(x, mask)
     keep = mask.bool()
     torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------- position programs: no fast kind
+
+
+class T5LM(nn.Module):
+    """A T5-style decoder layer (bucketed relative bias, causal) as a language model the engine serves."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.attn, self.head = nn.Embedding(64, C), zoo.T5RelativeBias(), nn.Linear(C, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.attn(self.emb(input_ids)))
+
+
+class BiasLM(nn.Module):
+    """An ``ALiBiLike`` layer (a distance bias per head, causal) as a language model."""
+
+    def __init__(self, bias):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.attn, self.head = nn.Embedding(64, C), ALiBiLike(bias), nn.Linear(C, 64)
+
+    def forward(self, input_ids):
+        return self.head(self.attn(self.emb(input_ids)))
+
+
+_PROGRAMS = {
+    "t5_buckets": (T5LM, lambda: LongMaskLM(lambda i, j, T: j <= i)),
+    "sinks_window": (lambda: LongMaskLM(lambda i, j, T: (j <= i) & ((i - j < 100) | (j < 4))),
+                     lambda: LongMaskLM(lambda i, j, T: (j <= i) & (i - j < 100))),
+    "dilated": (lambda: LongMaskLM(lambda i, j, T: (j <= i) & ((i - j) % 3 == 0)),
+                lambda: LongMaskLM(lambda i, j, T: j <= i)),
+    "kerple_log": (lambda: BiasLM(lambda slopes, dist, T: -2.0 * torch.log1p(0.5 * dist.abs())),
+                   lambda: LongMaskLM(lambda i, j, T: j <= i)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PROGRAMS))
+def test_position_programs_through_the_engine_past_every_probe(name):
+    # prompts of 300 tokens past windows, buckets and the 8-token trace; chunked prefill (128 tokens a
+    # step) and decode; tokens equal the model's own greedy forward, and the model without its program
+    # (plain causal or a plain window) computes other logits, so the check can fail
+    from pagedattn import PagedEngine
+
+    from ..support import greedy_by_forward
+
+    make, plain = _PROGRAMS[name]
+    m = make().eval()
+    engine = PagedEngine(m, block_size=16, max_num_tokens=128)
+    (site,) = [r for r in engine.servable.step.report if r["attention"]]
+    assert (site["status"], site["mask"]) == ("rewritten", "positional"), site
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 170, 45)]
+    want = greedy_by_forward(m, prompts, 4)
+    with torch.no_grad():
+        x = torch.tensor([prompts[0]])
+        assert (m(x)[0, -1] - plain().eval()(x)[0, -1]).abs().max() > 1e-2
+    assert engine.generate(prompts, max_new_tokens=4) == want

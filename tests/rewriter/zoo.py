@@ -328,13 +328,13 @@ ATTENTION = {
     "sdpa_mask": (SDPAMask, dict(mask="causal", num_kv_heads=2, scale=0.2)),
     "bidirectional": (Bidirectional, dict(mask="none")),
     "cross_attention": (CrossAttention, dict(mask="none")),
+    # position-only biases no fast kind expresses: served by their own program (position_mod)
+    "t5_relative_bias": (T5RelativeBias, dict(mask="positional", scale=1.0)),
+    "learned_relative_bias": (LearnedRelativeBias, dict(mask="positional", up_to=128)),
 }
 
 NOT_ATTENTION = {
     "router": (Router, None),
-    "learned_relative_bias": (LearnedRelativeBias, "not ALiBi"),
-    # a position-only bias, but not a kind with a kernel: kept dense until a generic mask/bias path serves it
-    "t5_relative_bias": (T5RelativeBias, "for every length"),
     "caller_mask": (CallerMask, "caller-provided"),
     "caller_bool_mask": (CallerBoolMask, "caller-provided"),
 }

@@ -1,0 +1,241 @@
+"""Position programs: a site's own mask and bias as a function of query position, key position and head.
+
+A site whose mask or additive bias is neither causal, a window, chunks nor ALiBi, but depends only on
+positions (T5's bucketed relative bias, sink tokens plus a window, dilated windows, a capped or
+logarithmic distance bias), carries the program the rewriter read from the model, proven to depend on
+nothing else, in ``AttentionParams.position_mod``; constant tables it reads (a learned bias per bucket)
+travel flat in ``AttentionParams.position_tables``. Every backend evaluates it for exactly the query and
+key positions a step touches, through :func:`evaluate` (called by :mod:`pagedattn.backends.reference`),
+so serving it costs ``O(queries x keys)`` per step and never a table over every length.
+
+The program is JSON, a list of nodes each referring to earlier ones by index::
+
+    {"version": 1, "float": "float32", "nodes": [...], "allowed": i or null, "bias": i or null}
+
+Leaves: ``["q"]`` (the query's position), ``["k"]`` (the key's), ``["h"]`` (the query head),
+``["n"]`` (the sequence's length: the program was read at as many queries as keys), ``["int", v]``,
+``["real", v]``, ``["bool", v]``. Operations: ``add sub mul div`` (``div`` is true division),
+``idiv``/``mod`` (floor division and remainder by a positive divisor), ``neg``, ``lt le gt ge eq ne``,
+``and or not xor``, ``ite`` (condition, then, else), ``to_real``, ``to_int`` (floor), ``call`` (a float
+function by name, on one argument: ``["call", "log", x]``), ``lut`` (``["lut", kind, x, offset, lo,
+size, default]``: ``tables[offset + x - lo]`` for ``lo <= x < lo + size``, else ``default``) and
+``table`` (``["table", offset, [sizes...], i0, i1, ...]``: an n-d table, indices clamped into it).
+Integers compute in int64, reals in the program's float dtype (the one the model computed them in,
+so a float rounded to an integer bucket rounds as the model's did).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["evaluate", "FUNCTIONS", "describe", "has_bias"]
+
+# float functions a program may call (what the rewriter keeps opaque in its proofs)
+FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "log": torch.log, "log2": torch.log2, "log10": torch.log10, "log1p": torch.log1p, "exp": torch.exp,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "sin": torch.sin,
+    "cos": torch.cos, "erf": torch.erf,
+}
+
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.true_divide,
+    "idiv": torch.floor_divide, "mod": torch.remainder,
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+    "and": torch.logical_and, "or": torch.logical_or, "xor": torch.logical_xor,
+}
+
+
+@dataclass(frozen=True)
+class _Program:
+    float_dtype: torch.dtype
+    nodes: tuple
+    allowed: Optional[int]
+    bias: Optional[int]
+    dead_after: tuple  # node -> the nodes no later node reads
+    constants: dict  # node -> its value (CPU), for nodes that read no position
+    on_device: dict  # device -> constants there (filled on first use)
+
+
+@functools.lru_cache(maxsize=128)
+def _parse(text: str) -> _Program:
+    """Decode and check a program once per distinct text (a pure function of it)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"position_mod is not a position program (bad JSON: {e})") from None
+    if not isinstance(d, dict) or d.get("version") != 1:
+        raise ValueError("position_mod is not a version-1 position program")
+    dtype = {"float32": torch.float32, "float64": torch.float64}.get(d.get("float"))
+    if dtype is None:
+        raise ValueError(f"position program: unknown float dtype {d.get('float')!r}")
+    nodes = tuple(tuple(n) for n in d["nodes"])
+    for i, n in enumerate(nodes):
+        op = n[0]
+        if op in ("q", "k", "h", "n", "int", "real", "bool"):
+            continue
+        if op == "call" and n[1] not in FUNCTIONS:
+            raise ValueError(f"position program: unknown function {n[1]!r}")
+        refs = _refs(n)
+        if any(not isinstance(r, int) or not 0 <= r < i for r in refs):
+            raise ValueError(f"position program: node {i} refers to a later node")
+    last = {}
+    for i, n in enumerate(nodes):
+        if n[0] not in ("q", "k", "h", "n", "int", "real", "bool"):
+            for r in _refs(n):
+                last[r] = i
+    keep = {d.get("allowed"), d.get("bias")}
+    dead = [[] for _ in nodes]
+    for r, i in last.items():
+        if r not in keep:
+            dead[i].append(r)
+    constants = _fold(nodes, dtype)
+    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tuple(tuple(x) for x in dead), constants, {})
+
+
+_LEAVES = ("q", "k", "h", "n")
+
+
+def _fold(nodes: tuple, fdt: torch.dtype) -> dict:
+    """Nodes that read no position: computed once, on the CPU, in the dtypes the program computes in."""
+    env: list = []
+    out = {}
+    for i, n in enumerate(nodes):
+        if n[0] in _LEAVES or (n[0] not in ("int", "real", "bool") and any(r not in out for r in _refs(n))) \
+                or n[0] in ("lut", "table"):
+            env.append(None)
+            continue
+        env.append(_node(n, env, {}, None, fdt, torch.device("cpu")))
+        out[i] = env[i]
+    return out
+
+
+def _refs(n: tuple) -> list:
+    op = n[0]
+    if op == "call":
+        return [n[2]]
+    if op == "lut":
+        return [n[2], n[6]]
+    if op == "table":
+        return list(n[3:])
+    return list(n[1:])
+
+
+def has_bias(text: str) -> bool:
+    """Whether the program adds a bias (else it only masks)."""
+    return _parse(text).bias is not None
+
+
+def describe(text: str) -> str:
+    """A short summary for reports: how many operations, whether it masks and adds a bias."""
+    p = _parse(text)
+    parts = [f"{len(p.nodes)} operations"]
+    if p.allowed is not None:
+        parts.append("mask")
+    if p.bias is not None:
+        parts.append("bias")
+    return "position program (" + ", ".join(parts) + ")"
+
+
+def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int,
+             num_heads: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The program at every (query, key) pair: ``(allowed [B|1, Q, L] bool or None, bias [B|1, Hq|1, Q, L]
+    float32 or None)``.
+
+    ``q_pos [B|1, Q]`` and ``k_pos [B|1, L]`` are positions in the sequence; ``seq_len`` (an int, or
+    ``[B|1]`` / ``[B|1, Q]``) is the length of each query's sequence: every real key lies before it.
+    Keys at or past it get values nobody reads (the caller masks them), never an error.
+    """
+    p = _parse(text)
+    dev = q_pos.device
+    leaves = {
+        "q": q_pos.long()[:, None, :, None],  # [B, 1, Q, 1]
+        "k": k_pos.long()[:, None, None, :],  # [B, 1, 1, L]
+        "h": torch.arange(num_heads, device=dev)[None, :, None, None],  # [1, H, 1, 1]
+        "n": _lengths(seq_len, dev),
+    }
+    if dev not in p.on_device:  # a memo of pure values, per device
+        p.on_device[dev] = {i: v.to(dev) for i, v in p.constants.items()}
+    consts = p.on_device[dev]
+    env: list = []
+    for i, n in enumerate(p.nodes):
+        c = consts.get(i)
+        env.append(c if c is not None else _node(n, env, leaves, tables, p.float_dtype, dev))
+        for r in p.dead_after[i]:  # [Q, L]-sized intermediates: keep only those still to be read
+            env[r] = None
+    shape = (max(q_pos.shape[0], k_pos.shape[0]), 1, q_pos.shape[1], k_pos.shape[1])
+    allowed = bias = None
+    if p.allowed is not None:
+        a = env[p.allowed]
+        a = a if isinstance(a, Tensor) else torch.tensor(bool(a), device=dev)
+        if a.dim() == 4:
+            a = a[:, :1]  # the rewriter proved the mask the same for every head (it may read the bias's table)
+        allowed = a.to(torch.bool).expand(shape)[:, 0]  # [B, Q, L]
+    if p.bias is not None:
+        b = env[p.bias]
+        b = b if isinstance(b, Tensor) else torch.tensor(float(b), device=dev)
+        b = b.to(torch.float32)
+        bias = b.expand(shape[0], b.shape[1] if b.dim() == 4 else 1, shape[2], shape[3])
+    return allowed, bias
+
+
+def _lengths(seq_len, dev) -> Tensor:
+    if isinstance(seq_len, int):
+        return torch.tensor(seq_len, device=dev).reshape(1, 1, 1, 1)
+    s = seq_len.to(dev).long()
+    return s.reshape(s.shape[0], 1, 1, 1) if s.dim() == 1 else s[:, None, :, None]  # [B, 1, Q|1, 1]
+
+
+def _node(n: tuple, env: list, leaves: dict, tables: Optional[Tensor], fdt: torch.dtype, dev):
+    op = n[0]
+    if op in leaves:
+        return leaves[op]
+    if op == "int":
+        return torch.tensor(int(n[1]), dtype=torch.long, device=dev)
+    if op == "real":
+        return torch.tensor(float(n[1]), dtype=fdt, device=dev)
+    if op == "bool":
+        return torch.tensor(bool(n[1]), device=dev)
+    if op in _BINARY:
+        return _BINARY[op](env[n[1]], env[n[2]])
+    if op == "neg":
+        return torch.neg(env[n[1]])
+    if op == "not":
+        return torch.logical_not(env[n[1]])
+    if op == "ite":
+        return torch.where(env[n[1]].to(torch.bool), env[n[2]], env[n[3]])
+    if op == "to_real":
+        return env[n[1]].to(fdt)
+    if op == "to_int":
+        x = env[n[1]]
+        # floor; a value beyond int64 (an unused branch's log(0)) is clamped rather than left to the cast
+        return x.floor().clamp(-2.0 ** 62, 2.0 ** 62).nan_to_num(0.0).to(torch.long) if x.is_floating_point() else x
+    if op == "call":
+        return FUNCTIONS[n[1]](env[n[2]].to(fdt))
+    if op == "lut":
+        kind, x, offset, lo, size, default = n[1:]
+        idx = env[x] - lo
+        inside = (idx >= 0) & (idx < size)
+        vals = tables[offset:offset + size].to(dev)[idx.clamp(0, size - 1)]
+        return torch.where(inside, _as(vals, kind, fdt), env[default])
+    if op == "table":
+        offset, sizes, idx = n[1], n[2], [env[i] for i in n[3:]]
+        flat = torch.zeros((), dtype=torch.long, device=dev)
+        for i, s in zip(idx, sizes):
+            flat = flat * s + i.clamp(0, s - 1)
+        vals = tables[offset:offset + int(torch.tensor(sizes).prod())].to(dev)
+        return vals[flat].to(fdt)
+    raise ValueError(f"position program: unknown operation {op!r}")
+
+
+def _as(vals: Tensor, kind: str, fdt: torch.dtype) -> Tensor:
+    if kind == "bool":
+        return vals != 0
+    if kind == "int":
+        return vals.to(torch.long)
+    return vals.to(fdt)
