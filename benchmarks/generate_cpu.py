@@ -168,7 +168,7 @@ def main(argv=None) -> None:
           f"{a.prompts} prompts of {min(lengths)}-{max(lengths)} tokens (sum {sum(lengths)}), {a.new} new tokens each")
     for dname in a.dtypes:
         dtype = getattr(torch, dname)
-        machine = roofline.measure_machine(dtype)
+        machines = [roofline.measure_machine(dtype)]
         model = build(dtype, "sdpa", a.model)
         shape = roofline.ModelShape.of(model)
         n_params = sum(x.numel() for x in model.parameters())
@@ -188,6 +188,7 @@ def main(argv=None) -> None:
         graphs = graph_count()
         ours, t_ours, rec = run_engine(engine, prompts, a.new)
         recompiles = graph_count() - graphs
+        machines.append(roofline.measure_machine(dtype))  # right after the engine's run
         rows.append((f"pagedattn PagedEngine{' (eager)' if a.eager else ''}", t_ours))
         cached_tokens = sum(lengths) + total_new - a.prompts  # K/V written (the last token is never attended)
         paged_per_token = engine.kv_bytes / cached_tokens
@@ -210,12 +211,15 @@ def main(argv=None) -> None:
                 rows.append(("HF generate_batch (paged|sdpa)", time.perf_counter() - t0))
             except Exception as e:  # e.g. psutil missing
                 print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
-        # the machine again, after the runs: the faster figures are its limit (load on a shared CPU varies)
-        again = roofline.measure_machine(dtype)
-        machine = roofline.Machine(max(machine.copy_bytes_per_s, again.copy_bytes_per_s),
-                                   max(machine.matmul_flops_per_s, again.matmul_flops_per_s), machine.device,
-                                   machine.threads)
-        print(f"  machine: {machine.describe()}")
+        # the machine before, right after the engine's run and after the baselines: the fastest figures are its
+        # limit (load on a shared CPU varies; a limit measured under load would flatter every runner)
+        machines.append(roofline.measure_machine(dtype))
+        machine = roofline.Machine(max(m.copy_bytes_per_s for m in machines),
+                                   max(m.matmul_flops_per_s for m in machines), machines[0].device, machines[0].threads)
+        print(f"  machine: {machine.describe()} (best of {len(machines)} measurements: copy "
+              f"{', '.join(f'{m.copy_bytes_per_s / 1e9:.1f}' for m in machines)} GB/s, matmul "
+              f"{', '.join(f'{m.matmul_flops_per_s / 1e9:.0f}' for m in machines)} GFLOP/s; load average "
+              f"{os.getloadavg()[0]:.2f})")
         limit = roofline.summarise(rec.steps, shape, machine)["all"][2]
         print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12} {'limit/time':>10}")
         for name, t in rows:

@@ -5,6 +5,7 @@
     rewrite-model inspect OUT [--site NAME] [--no-diff] [--html FILE]
     rewrite-model run OUT [--prompt TEXT ...] [--ids "1 2 3" ...] [--max-new-tokens N]
     rewrite-model export-onnx OUT [-o FILE]
+    rewrite-model serve OUT|CHECKPOINT|demo [--host 127.0.0.1] [--port 8000] [--max-queue N] ...
 
 CHECKPOINT is a Hugging Face model folder, a ``.pt2`` saved by ``torch.export``, or ``demo``.
 """
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 
 log = logging.getLogger("pagedattn")
 
-COMMANDS = ("inspect", "run", "export-onnx")
+COMMANDS = ("inspect", "run", "export-onnx", "serve")
 PROGRAM, WEIGHTS, REPORT_JSON, REPORT_TXT, GRAPHS, ONNX = (
     "model.pt2", "model.safetensors", "report.json", "report.txt", "graphs.json", "model.onnx")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,7 +47,7 @@ def _rewrite_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rewrite-model", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Rewrite the attention of a checkpoint into a paged KV-cache write + paged attention.",
-        epilog="other commands: rewrite-model {inspect,run,export-onnx} OUT ... (see rewrite-model COMMAND -h)")
+        epilog="other commands: rewrite-model {inspect,run,export-onnx,serve} OUT ... (see rewrite-model COMMAND -h)")
     p.add_argument("checkpoint", help="Hugging Face model folder, .pt2 program saved by torch.export, or 'demo'")
     p.add_argument("-o", "--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--target", default="cpu", choices=("cpu", "cuda", "xla", "auto"),
@@ -77,6 +78,8 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _command_parser(cmd: str) -> argparse.ArgumentParser:
+    if cmd == "serve":
+        return _serve_parser()
     p = argparse.ArgumentParser(prog=f"rewrite-model {cmd}")
     p.add_argument("out", help="a folder written by rewrite-model")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -107,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         with _quiet(not args.verbose):
-            {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "run": cmd_run, "export-onnx": cmd_export_onnx}[cmd](args)
+            {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "run": cmd_run, "export-onnx": cmd_export_onnx,
+             "serve": cmd_serve}[cmd](args)
     except CliError as e:
         print(f"rewrite-model: error: {e}", file=sys.stderr)
         return e.code
@@ -479,6 +483,120 @@ def _run(out: str, args) -> None:
             print(f"[{i}] prompt {p} -> {o}")
     print(f"{len(prompts)} prompt(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
           f"engine ({target}, {num_blocks} blocks of {rm.block_size})")
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rewrite-model serve",
+        description="Serve a model through the paged engine with an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    p.add_argument("model", metavar="OUT|CHECKPOINT|demo",
+                   help="a folder written by rewrite-model, a Hugging Face model folder, or 'demo'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                   "folder's name, or 'demo')")
+    p.add_argument("--target", default="cpu", choices=("cpu", "cuda", "xla", "auto"),
+                   help="device to serve a checkpoint on (default cpu; a rewritten OUT keeps its own)")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size of a checkpoint (default 16)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV-cache blocks (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests generated at a time (default 256)")
+    p.add_argument("--max-num-tokens", type=int, default=512, help="tokens per engine step (default 512)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait beyond --max-num-seqs; "
+                   "more are answered 503 (default 256)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt plus completion tokens of a request "
+                   "(default: what the cache and the model's attention allow)")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get to "
+                   "finish on Ctrl-C/SIGTERM before they are aborted (default 5)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and requests, show tracebacks")
+    return p
+
+
+def _check_serve_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_tokens", "threads", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise CliError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.shutdown_timeout < 0:
+        raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def _serve_model(args):
+    """(model for the engine, tokenizer or None, name, target, block size) for OUT, a checkpoint or the demo."""
+    spec = args.model
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
+        info, _ = _read_out(spec)
+        tok = _tokenizer(spec, info)
+        rm = _load_program(spec)
+        return rm, tok, os.path.basename(os.path.abspath(spec)), info["target"], rm.block_size
+    from pagedattn import checkpoint as ckpt_mod
+
+    try:
+        ck = ckpt_mod.load_checkpoint(spec, None, "eager" if _is_demo(spec) else None)
+    except ckpt_mod.CheckpointError as e:
+        raise CliError(str(e)) from e
+    if ck.kind != "hf":
+        raise CliError(f"{spec} is a torch.export program: rewrite it first (rewrite-model {spec} -o OUT) and "
+                       "serve OUT")
+    name = spec if _is_demo(spec) else os.path.basename(os.path.abspath(spec))
+    return ck.model, ck.tokenizer, name, _check_target(args.target), args.block_size
+
+
+def cmd_serve(args) -> None:
+    _check_serve_args(args)
+    try:
+        from pagedattn import serve
+    except ImportError as e:
+        raise CliError(f"rewrite-model serve needs fastapi, uvicorn and prometheus-client ({e}); "
+                       "pip install 'pagedattn[serve]'") from e
+    import torch
+
+    import pagedattn
+
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template) as f:
+                template = f.read()
+        except OSError as e:
+            raise CliError(f"cannot read --chat-template {args.chat_template}: {e.strerror}") from e
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:  # before loading: a port in use fails at once
+        sock = serve.bind(args.host, args.port)
+    except OSError as e:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; pick another --port") from e
+    try:
+        model, tok, name, target, block_size = _serve_model(args)
+        try:
+            engine = pagedattn.PagedEngine(model, target=target, block_size=block_size, num_blocks=args.num_blocks,
+                                           max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens)
+        except ValueError as e:
+            raise CliError(str(e)) from e
+        config = serve.ServeConfig(model_name=args.served_model_name or name, max_queue=args.max_queue,
+                                   max_model_len=args.max_model_len, chat_template=template)
+        app = serve.create_app(engine, tok, config)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+        print(f"serving {config.model_name} on {url} (OpenAI API: /v1/completions, /v1/chat/completions; "
+              f"/health, /metrics); Ctrl-C stops", flush=True)
+        # uvicorn re-raises the SIGINT it shut down on once it is done: that is the normal way out here
+        with contextlib.suppress(KeyboardInterrupt):
+            serve.run(app, sock, shutdown_timeout=args.shutdown_timeout,
+                      log_level="info" if args.verbose else "warning", access_log=args.verbose)
+    finally:
+        sock.close()
+    print(f"stopped: {engine.blocks.num_free} of {engine.num_blocks} KV blocks free", flush=True)
 
 
 # ----------------------------------------------------------------------------- ONNX

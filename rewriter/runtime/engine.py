@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -116,6 +117,12 @@ class PagedEngine:
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
+        # add_request/abort may come from other threads (a server) while one thread steps: they queue here
+        # under a short lock and are taken in between steps, under the step lock (never mid-step)
+        self._step_lock = threading.RLock()
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._aborts: list[int] = []
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0}
 
@@ -160,11 +167,58 @@ class PagedEngine:
             raise ValueError(f"request {rid}: {why}")
         if params.seed is not None:
             self._generators[rid] = torch.Generator(device="cpu").manual_seed(params.seed)
-        self.scheduler.add(Request(rid, ids, params))
+        with self._inbox_lock:
+            self._inbox.append(Request(rid, ids, params))
+        self._take_commands_if_idle()
         return rid
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its KV blocks (and state slot) at once; ``collect()`` reports it with
+        ``finish_reason="abort"``. An unknown or already finished id is ignored.
+
+        Safe from any thread: while another thread is inside ``step()`` the abort is applied as that step
+        ends (a request that finished in it stays finished); otherwise before ``abort`` returns.
+        """
+        with self._inbox_lock:
+            self._aborts.append(request_id)
+        self._take_commands_if_idle()
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return bool(self._inbox or self._aborts) or self.scheduler.has_work()
+
+    def unfinished_outputs(self, since: Optional[dict[int, int]] = None) -> dict[int, list[int]]:
+        """Tokens generated so far by each unfinished request, by id (for streaming between steps); with
+        ``since``, only those after the first ``since[id]`` (0 for ids not in it), so a streamer copies each
+        token once."""
+        since = since or {}
+        with self._step_lock:
+            s = self.scheduler
+            return {r.id: r.output[since.get(r.id, 0):] for queue in (s.running, s.swapped, s.waiting) for r in queue}
+
+    def _take_commands_if_idle(self) -> None:
+        """Apply queued adds and aborts now unless a step is running (it applies them as it ends)."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._take_commands()
+            finally:
+                self._step_lock.release()
+
+    def _take_commands(self) -> None:
+        """Queued requests join the scheduler, then queued aborts run (so a request aborted right after
+        being added is found). Called with the step lock held."""
+        with self._inbox_lock:
+            added, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in added:
+            self.scheduler.add(req)
+        for rid in aborts:
+            req = self.scheduler.abort(rid)
+            if req is None:
+                continue
+            if self.states is not None:
+                self.states.release(rid)
+            self._generators.pop(rid, None)
+            self._finished.append(RequestOutput(rid, req.prompt, list(req.output), "abort"))
 
     def collect(self) -> list[RequestOutput]:
         """Requests finished since the last call."""
@@ -174,7 +228,17 @@ class PagedEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch step; returns the requests that finished in it."""
+        """Run one batch step; returns the requests that finished in it.
+
+        Requests added or aborted from other threads meanwhile are taken in before it schedules and as it ends.
+        """
+        with self._step_lock:
+            self._take_commands()
+            done = self._step()
+            self._take_commands()
+            return done
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler
         before = _preemption_counts(sched)

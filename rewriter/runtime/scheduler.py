@@ -226,3 +226,19 @@ class Scheduler:
         self.blocks.free(req.table)
         if req in self.running:
             self.running.remove(req)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Drop the unfinished request ``request_id`` wherever it is (running, swapped out or waiting) and
+        free its blocks, device or host, at once. Returns it, or None when no unfinished request has that id.
+
+        Call it between steps: the blocks of a step's plan are in use until the step ends.
+        """
+        for queue in (self.running, self.swapped, self.waiting):
+            req = next((r for r in queue if r.id == request_id), None)
+            if req is not None:
+                queue.remove(req)
+                req.finished, req.finish_reason = True, "abort"
+                self.blocks.free(req.table)
+                req.num_computed = 0
+                return req
+        return None

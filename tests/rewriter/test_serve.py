@@ -1,0 +1,281 @@
+"""``rewrite-model serve``: the OpenAI-compatible server over the paged engine, driven by real clients.
+
+One server on the demo model for the module, in a thread of this process on a free localhost port, so the
+tests can read the engine it serves: greedy answers must equal ``PagedEngine.generate`` token for token,
+and every abort (disconnects, stop strings, shutdown) must give back every KV block.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from pagedattn import PagedEngine  # noqa: E402
+from pagedattn.checkpoint import load_checkpoint  # noqa: E402
+from pagedattn.cli import main  # noqa: E402
+from pagedattn.serve import (  # noqa: E402
+    ApiError,
+    BackgroundServer,
+    ServeConfig,
+    TextStream,
+    chat_prompt_ids,
+    create_app,
+)
+
+NEW = 12
+TEXTS = ["Beautiful is", "Explicit is better", "Flat is", "Errors should never"]
+# a template of the kind tokenizers carry (the demo's has none: chat needs --chat-template)
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+CHAT = [{"role": "user", "content": "Simple is "}, {"role": "user", "content": "better"}]
+MAX_SEQS, MAX_QUEUE = 4, 2
+
+
+@pytest.fixture(scope="module")
+def served():
+    ck = load_checkpoint("demo", None, "eager")
+    tok = ck.tokenizer
+    engine = PagedEngine(ck.model, num_blocks=64, max_num_seqs=MAX_SEQS, max_num_tokens=64, compile=False)
+    prompts = [tok(t)["input_ids"] for t in TEXTS] + [chat_prompt_ids(CHAT, tok, TEMPLATE)]
+    ref = engine.generate(prompts, max_new_tokens=NEW)  # before the server: the same engine, in-process
+    app = create_app(engine, tok, ServeConfig("demo", max_queue=MAX_QUEUE, chat_template=TEMPLATE))
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        yield SimpleNamespace(srv=srv, engine=engine, tok=tok, prompts=prompts, ref=ref, client=client,
+                              loop=app.state.engine_loop, start=engine.blocks.num_free)
+    assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
+
+
+def _settled(s, timeout: float = 10.0) -> None:
+    """Wait until no request is in flight, then check every block came back."""
+    deadline = time.monotonic() + timeout
+    while (s.loop.in_flight or s.engine.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.loop.in_flight == 0 and not s.engine.has_unfinished()
+    assert s.engine.blocks.num_free == s.start
+
+
+def _text(s, i: int) -> str:
+    return s.tok.decode(s.ref[i], skip_special_tokens=True)
+
+
+def test_models_health_and_metrics(served):
+    assert [m.id for m in served.client.models.list()] == ["demo"]
+    base = served.srv.url.removesuffix("/v1")
+    assert httpx.get(f"{base}/health").json()["status"] == "ok"
+    served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=2, temperature=0)
+    metrics = httpx.get(f"{base}/metrics").text
+    for name in ("pagedattn_requests_running", "pagedattn_requests_waiting", "pagedattn_kv_blocks_used",
+                 "pagedattn_output_tokens_per_second", "pagedattn_time_to_first_token_seconds_count",
+                 "pagedattn_inter_token_latency_seconds_count"):
+        assert name in metrics
+    assert 'pagedattn_requests_finished_total{finish_reason="length"}' in metrics
+    _settled(served)
+
+
+def test_greedy_completions_equal_engine_generate(served):
+    """Concurrent requests (batched together by the engine) answer exactly what generate() gave."""
+
+    def ask(i):
+        return served.client.completions.create(model="demo", prompt=TEXTS[i], max_tokens=NEW, temperature=0,
+                                                extra_body={"return_token_ids": True})
+
+    with concurrent.futures.ThreadPoolExecutor(len(TEXTS)) as pool:
+        answers = list(pool.map(ask, range(len(TEXTS))))
+    for i, a in enumerate(answers):
+        c = a.choices[0]
+        assert c.token_ids == served.ref[i] and c.text == _text(served, i)
+        assert c.finish_reason == ("length" if len(served.ref[i]) == NEW else "stop")
+        assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (len(served.prompts[i]), len(served.ref[i]))
+    _settled(served)
+
+
+def test_streaming_completion(served):
+    stream = served.client.completions.create(model="demo", prompt=TEXTS[1], max_tokens=NEW, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _text(served, 1) and len([c for c in chunks if c.choices]) > 2  # token by token, not at once
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == NEW and chunks[-1].usage.prompt_tokens == len(served.prompts[1])
+    _settled(served)
+
+
+def test_chat_plain_and_streaming(served):
+    a = served.client.chat.completions.create(model="demo", messages=CHAT, max_tokens=NEW, temperature=0)
+    assert a.choices[0].message.role == "assistant" and a.choices[0].message.content == _text(served, 4)
+    assert a.usage.prompt_tokens == len(served.prompts[4]) and a.usage.completion_tokens == NEW
+    chunks = list(served.client.chat.completions.create(model="demo", messages=CHAT, max_tokens=NEW,
+                                                        temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == _text(served, 4)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    _settled(served)
+
+
+def test_chat_without_a_template_is_refused():
+    tok = SimpleNamespace(chat_template=None)
+    with pytest.raises(ApiError, match="no chat template") as e:
+        chat_prompt_ids(CHAT, tok)
+    assert e.value.status == 400
+
+
+def test_stop_sequences_end_the_text_before_them(served):
+    full = _text(served, 0)  # " better than ugly.\nExpl..."
+    stop = full[5:9]
+    want = full[: full.index(stop)]
+    a = served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0,
+                                         stop=[stop, "never there"])
+    assert a.choices[0].text == want and a.choices[0].finish_reason == "stop"
+    assert a.usage.completion_tokens < NEW
+    chunks = list(served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0,
+                                                   stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    _settled(served)  # the request was aborted at the stop string: its blocks are back
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 9999]}, 400, "vocabulary"),
+    ({"prompt": [1, 2, True]}, 400, "not an integer"),
+    ({"prompt": list(range(200)) * 6, "max_tokens": 4}, 400, "blocks"),  # more than the whole cache
+    ({"prompt": "x", "max_tokens": 100000}, 400, "blocks"),
+    ({"prompt": ""}, 400, "empty"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n=2"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "stop": ""}, 400, "stop"),
+    ({"prompt": ["a", "b"]}, 400, "batched"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem(served, body, status, words):
+    url = served.srv.url + "/completions"
+    r = httpx.post(url, content=body) if isinstance(body, bytes) else httpx.post(url, json=body)
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert words in message and "\n" not in message and "Traceback" not in message
+
+
+def test_bad_requests_leave_the_others_alone(served):
+    """Bad requests in the middle of good ones: the good ones answer as before, the loop goes on."""
+    url = served.srv.url + "/completions"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(served.client.completions.create, model="demo", prompt=TEXTS[i], max_tokens=NEW,
+                            temperature=0) for i in range(2)]
+        bad = [pool.submit(httpx.post, url, json={"prompt": [9999]}),
+               pool.submit(httpx.post, url, content=b"{")]
+        assert [f.result().status_code for f in bad] == [400, 400]
+        assert [f.result().choices[0].text for f in good] == [_text(served, 0), _text(served, 1)]
+    _settled(served)
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypatch):
+    real_step = served.engine.step
+    calls = []
+
+    def step_once_broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(served.engine, "step", step_once_broken)
+    with pytest.raises(openai.InternalServerError, match="engine failed: RuntimeError: boom"):
+        served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
+    a = served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
+    assert a.choices[0].text == _text(served, 0)
+    _settled(served)
+
+
+def test_client_disconnect_mid_stream_aborts_the_request(served):
+    body = {"model": "demo", "prompt": TEXTS[2], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.srv.url + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # generating
+        assert served.loop.in_flight == 1
+    _settled(served)  # closed after one token of 400: aborted, every block back
+
+
+def test_full_queue_answers_503_and_loses_nothing(served):
+    """MAX_SEQS running plus MAX_QUEUE waiting are admitted; the next gets a 503; all admitted ones finish."""
+    capacity = MAX_SEQS + MAX_QUEUE
+    with concurrent.futures.ThreadPoolExecutor(capacity) as pool:
+        with served.loop.paused():  # nothing finishes until the queue is full
+            futures = [pool.submit(served.client.completions.create, model="demo", prompt=TEXTS[i % len(TEXTS)],
+                                   max_tokens=NEW, temperature=0) for i in range(capacity)]
+            deadline = time.monotonic() + 30
+            while served.loop.in_flight < capacity and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(openai.APIStatusError) as e:
+                served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=2)
+            assert e.value.status_code == 503 and "capacity" in e.value.message
+        texts = [f.result().choices[0].text for f in futures]
+    assert texts == [_text(served, i % len(TEXTS)) for i in range(capacity)]
+    _settled(served)
+
+
+def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served):
+    """A second server on the same prepared model: stopped while a stream runs and a request waits."""
+    engine = PagedEngine(served.engine.servable, num_blocks=40, max_num_seqs=1, compile=False)
+    app = create_app(engine, served.tok, ServeConfig("demo"))
+    srv = BackgroundServer(app, shutdown_timeout=0.2).start()
+    client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    body = {"model": "demo", "prompt": TEXTS[0], "max_tokens": 600, "temperature": 0, "stream": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.stream("POST", srv.url + "/completions",
+                                                                        json=body) as r:
+        waiting = pool.submit(client.completions.create, model="demo", prompt=TEXTS[1], max_tokens=4)
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        srv.stop()
+        rest = [line for line in lines if line]
+        assert "shut down" in rest[-2] and rest[-1] == "data: [DONE]"
+        with pytest.raises(openai.APIStatusError) as e:
+            waiting.result()
+        assert e.value.status_code == 503 and "shut down" in e.value.message
+    assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_strings(served):
+    tok = served.tok  # byte-level: "é" is two tokens
+    ids = tok("caféX", add_special_tokens=False)["input_ids"]
+    ts = TextStream(tok)
+    assert [ts.push(t) for t in ids] == ["c", "a", "f", "", "é", "X"]
+    ts = TextStream(tok, stops=["fé"])
+    out = "".join(ts.push(t) for t in ids)
+    assert out == "ca" and ts.stopped and ts.flush() == ""
+    ts = TextStream(tok, stops=["éY"])  # a prefix of the stop string comes out once it cannot complete
+    assert "".join(ts.push(t) for t in ids) + ts.flush() == "caféX" and not ts.stopped
+
+
+def test_text_stream_pieces_add_up_to_the_whole_decode(served):
+    """Random byte tokens (invalid UTF-8 and EOS included): the streamed pieces are exactly decode()'s text."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(257) for _ in range(rng.randrange(1, 40))]
+        ts = TextStream(served.tok)
+        assert "".join(ts.push(t) for t in ids) + ts.flush() == served.tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["serve", "no/such/folder"], "not found"),
+    (["serve", "demo", "--port", "70000"], "--port"),
+    (["serve", "demo", "--max-queue", "-1"], "--max-queue"),
+])
+def test_cli_serve_refuses_bad_arguments_in_one_line(args, words):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    assert code == 2 and words in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
