@@ -11,6 +11,7 @@ from pagedattn import PagedEngine
 from ..support import prompts
 
 NEW = 12
+# eager steps: these tests are about bookkeeping, and a compile per engine would dominate their time
 
 
 def _run_out(engine: PagedEngine) -> dict[int, object]:
@@ -22,7 +23,7 @@ def _run_out(engine: PagedEngine) -> dict[int, object]:
 
 def test_abort_running_request_frees_its_blocks_and_spares_the_others(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=64, block_size=4)
+    engine = PagedEngine(rewritten, num_blocks=64, block_size=4, compile=False)
     start = engine.blocks.num_free
     ps = prompts()
     ids = [engine.add_request(p, max_new_tokens=NEW) for p in ps]
@@ -43,7 +44,7 @@ def test_abort_running_request_frees_its_blocks_and_spares_the_others(llama):
 
 def test_abort_waiting_unknown_and_finished_ids(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=64, block_size=4)
+    engine = PagedEngine(rewritten, num_blocks=64, block_size=4, compile=False)
     start = engine.blocks.num_free
     a = engine.add_request(prompts()[0], max_new_tokens=4)
     b = engine.add_request(prompts()[1], max_new_tokens=4)
@@ -58,7 +59,7 @@ def test_abort_waiting_unknown_and_finished_ids(llama):
 
 def test_abort_swapped_out_request_frees_host_blocks(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap")
+    engine = PagedEngine(rewritten, num_blocks=14, block_size=4, preemption_mode="swap", compile=False)
     start, host_start = engine.blocks.num_free, engine.blocks.num_free_host
     ids = [engine.add_request(p, max_new_tokens=NEW) for p in prompts()]
     swapped = []
@@ -79,7 +80,7 @@ def test_abort_swapped_out_request_frees_host_blocks(llama):
 def test_add_and_abort_from_another_thread_while_stepping(llama):
     """One thread steps (as a server's engine loop does) while another adds requests and aborts half of them."""
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten, num_blocks=64, block_size=4)
+    engine = PagedEngine(rewritten, num_blocks=64, block_size=4, compile=False)
     start = engine.blocks.num_free
     ps = prompts() * 3
     stop = threading.Event()
@@ -119,7 +120,7 @@ def test_add_and_abort_from_another_thread_while_stepping(llama):
 
 def test_unfinished_outputs_grow_by_step(llama):
     _, ref, rewritten = llama
-    engine = PagedEngine(rewritten)
+    engine = PagedEngine(rewritten, compile=False)
     rid = engine.add_request(prompts()[0], max_new_tokens=3)
     assert engine.unfinished_outputs() == {rid: []}
     engine.step()
