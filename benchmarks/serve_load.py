@@ -8,6 +8,7 @@ localhost port); clients retry a 503 (the documented full-queue answer) after it
 requests run in this process through ``PagedEngine.generate`` (waves of N prompts, the clients' concurrency)
 on an engine built the same way: the server's output tokens/s over generate's is its overhead figure.
 
+    pip install -e '.[serve]' aiohttp   # aiohttp: the load generator (a warm httpx pool costs more than the server)
     python benchmarks/serve_load.py [--models demo,llama30m] [--levels 1,4,16,64,256] [--max-tokens 32]
 
 Bounded: each level sends max(N, --min-requests) requests and has --level-timeout seconds.
@@ -27,7 +28,10 @@ import sys
 import tempfile
 import time
 
-import aiohttp  # the load generator: a light client, so that the clients' own cost on a small machine stays low
+try:
+    import aiohttp  # the load generator: a light client, so that the clients' own cost on a small machine stays low
+except ImportError:
+    sys.exit("benchmarks/serve_load.py needs aiohttp for its clients: pip install aiohttp")
 import httpx
 import torch
 
