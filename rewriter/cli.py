@@ -559,6 +559,8 @@ def cmd_serve(args) -> None:
     except ImportError as e:
         raise CliError(f"rewrite-model serve needs fastapi, uvicorn and prometheus-client ({e}); "
                        "pip install 'pagedattn[serve]'") from e
+    import signal
+
     import torch
 
     import pagedattn
@@ -590,10 +592,15 @@ def cmd_serve(args) -> None:
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
         print(f"serving {config.model_name} on {url} (OpenAI API: /v1/completions, /v1/chat/completions; "
               f"/health, /metrics); Ctrl-C stops", flush=True)
-        # uvicorn re-raises the SIGINT it shut down on once it is done: that is the normal way out here
-        with contextlib.suppress(KeyboardInterrupt):
-            serve.run(app, sock, shutdown_timeout=args.shutdown_timeout,
-                      log_level="info" if args.verbose else "warning", access_log=args.verbose)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found:
+        # SIGTERM's becomes KeyboardInterrupt like SIGINT's, and both are the normal way out here
+        term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                serve.run(app, sock, shutdown_timeout=args.shutdown_timeout,
+                          log_level="info" if args.verbose else "warning", access_log=args.verbose)
+        finally:
+            signal.signal(signal.SIGTERM, term)
     finally:
         sock.close()
     print(f"stopped: {engine.blocks.num_free} of {engine.num_blocks} KV blocks free", flush=True)

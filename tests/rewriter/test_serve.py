@@ -209,6 +209,18 @@ def test_client_disconnect_mid_stream_aborts_the_request(served):
     _settled(served)  # closed after one token of 400: aborted, every block back
 
 
+def test_client_that_gives_up_while_queued_aborts_its_request(served):
+    """A non-streaming client times out while its request waits (the engine held): the request goes away."""
+    with served.loop.paused():
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(served.srv.url + "/completions", json={"prompt": TEXTS[0], "max_tokens": 4}, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while served.loop.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.loop.in_flight == 0  # aborted while still queued, not after the engine resumed
+    _settled(served)
+
+
 def test_full_queue_answers_503_and_loses_nothing(served):
     """MAX_SEQS running plus MAX_QUEUE waiting are admitted; the next gets a 503; all admitted ones finish."""
     capacity = MAX_SEQS + MAX_QUEUE
@@ -230,9 +242,11 @@ def test_full_queue_answers_503_and_loses_nothing(served):
 def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served):
     """A second server on the same prepared model: stopped while a stream runs and a request waits."""
     engine = PagedEngine(served.engine.servable, num_blocks=40, max_num_seqs=1, compile=False)
-    app = create_app(engine, served.tok, ServeConfig("demo"))
+    app = create_app(engine, served.tok, ServeConfig("demo", max_model_len=620))
     srv = BackgroundServer(app, shutdown_timeout=0.2).start()
     client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="620 tokens a request may reach"):
+        client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=615)
     body = {"model": "demo", "prompt": TEXTS[0], "max_tokens": 600, "temperature": 0, "stream": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.stream("POST", srv.url + "/completions",
                                                                         json=body) as r:
