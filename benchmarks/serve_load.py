@@ -93,6 +93,14 @@ def stop_server(proc: subprocess.Popen) -> str:
     return out.strip().splitlines()[-1] if out.strip() else ""
 
 
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds a process has used (Linux ``/proc``): the server's cost independent of how
+    much of the machine it got."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def server_metrics(url: str) -> dict[str, float]:
     text = httpx.get(url.removesuffix("/v1") + "/metrics").text
     out = {}
@@ -188,9 +196,9 @@ def pct(xs: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------- in-process reference
 
 
-def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]], max_tokens: int) -> list[float]:
+def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]], max_tokens: int) -> list[tuple[float, float]]:
     """``PagedEngine.generate`` over the same prompts in waves of the clients' concurrency, on an engine built as
-    the CLI builds it."""
+    the CLI builds it: (output tokens/s, CPU seconds per output token) per level."""
     import pagedattn
     from pagedattn.checkpoint import load_checkpoint
 
@@ -202,12 +210,12 @@ def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]], max_tokens: 
     engine.generate([tok(ZEN[0])["input_ids"]], max_new_tokens=4)  # warm-up, as the server's first request
     results = []
     for wave_set in waves:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         n = 0
         for wave in wave_set:
             outs = engine.generate([tok(p)["input_ids"] for p in wave], max_new_tokens=max_tokens)
             n += sum(len(o) for o in outs)
-        results.append(n / (time.perf_counter() - t0))
+        results.append((n / (time.perf_counter() - t0), (time.process_time() - c0) / n))
     return results
 
 
@@ -245,7 +253,9 @@ def main(argv=None) -> None:
                 for n in levels:
                     prompts = prompts_for(max(n, args.min_requests))
                     level_prompts[n] = prompts
+                    cpu0 = process_cpu_s(proc.pid)
                     s = asyncio.run(run_level(url, name, n, prompts, args.max_tokens, args.level_timeout))
+                    cpu1 = process_cpu_s(proc.pid)
                     m = server_metrics(url)
                     row = {"model": model, "clients": n, "requests": len(prompts), "done": s["done"],
                            "lost": s["lost"], "errors": s["errors"], "wall_s": s["wall"],
@@ -254,27 +264,28 @@ def main(argv=None) -> None:
                            "itl_p50": pct(s["itl"], 50), "itl_p99": pct(s["itl"], 99),
                            "blocks_in_use": m.get("pagedattn_kv_blocks_used"),
                            "in_flight": m.get("pagedattn_requests_running", 0) + m.get("pagedattn_requests_waiting", 0),
-                           "load": os.getloadavg()[0]}
+                           "server_cpu_per_tok": (cpu1 - cpu0) / max(1, s["tokens"]), "load": os.getloadavg()[0]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             finally:
                 print(f"{model}: server {stop_server(proc)}", flush=True)
             ref = inprocess_tokens_per_s(spec, [waves_for(level_prompts[n], n) for n in levels], args.max_tokens)
-            for row, r in zip([r for r in rows if r["model"] == model], ref):
-                row["inproc_tok_s"] = r
+            for row, (r, cpu) in zip([r for r in rows if r["model"] == model], ref):
+                row["inproc_tok_s"], row["inproc_cpu_per_tok"] = r, cpu
                 row["overhead_ratio"] = row["tok_s"] / r
                 print(f"{model} N={row['clients']}: in-process generate {r:.0f} tok/s, server "
                       f"{row['tok_s']:.0f} tok/s ({100 * row['overhead_ratio']:.0f} %)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\n| model | clients | requests | req/s | out tok/s | in-process tok/s | server/in-process | TTFT p50 / p99 "
-          "(s) | ITL p50 / p99 (ms) | errors | lost | blocks in use after |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(s) | ITL p50 / p99 (ms) | CPU ms/token server / in-process | errors | lost | blocks in use after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
         print(f"| {r['model']} | {r['clients']} | {r['requests']} | {r['req_s']:.1f} | {r['tok_s']:.0f} | "
               f"{r.get('inproc_tok_s', float('nan')):.0f} | {100 * r.get('overhead_ratio', float('nan')):.0f} % | "
               f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p99']:.1f} | "
+              f"{1e3 * r['server_cpu_per_tok']:.2f} / {1e3 * r.get('inproc_cpu_per_tok', float('nan')):.2f} | "
               f"{errors} | {r['lost']} | {r['blocks_in_use']:.0f} |")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
