@@ -123,6 +123,17 @@ def test_chat_plain_and_streaming(served):
     _settled(served)
 
 
+def test_sampling_is_seeded(served):
+    def sample(seed):
+        # a prompt the demo never saw (token ids), so that its next tokens are far from certain
+        return served.client.completions.create(model="demo", prompt=[7, 200, 31, 99], max_tokens=NEW,
+                                                temperature=1.5, top_p=0.95, seed=seed).choices[0].text
+
+    a, b, c = sample(1), sample(1), sample(2)
+    assert a == b and a != c
+    _settled(served)
+
+
 def test_chat_without_a_template_is_refused():
     tok = SimpleNamespace(chat_template=None)
     with pytest.raises(ApiError, match="no chat template") as e:
