@@ -18,6 +18,10 @@ start in fresh processes: cold (an empty Inductor cache directory) and warm (the
     python benchmarks/generate_cpu.py                 # the figures in benchmarks/RESULTS.md
     python benchmarks/generate_cpu.py --model llama16m --step-kinds --startup
     python benchmarks/generate_cpu.py --quick         # a smoke run (4 prompts, 8 tokens)
+
+On a shared CPU, a 2-thread run's times swing by up to 10x with the other jobs' load (OpenMP threads wait
+for a descheduled sibling); ``--threads 1`` measures every runner and the machine at one thread, which
+other jobs disturb far less.
 """
 
 from __future__ import annotations
@@ -150,7 +154,11 @@ def main(argv=None) -> None:
     p.add_argument("--step-kinds", action="store_true", help="also time synthetic step kinds against the roofline")
     p.add_argument("--startup", action="store_true", help="also time cold and warm engine starts (fresh processes)")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads (default: torch's); 1 keeps ratios steady while other jobs load the CPU")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     logging.getLogger("pagedattn").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if a.startup_child:

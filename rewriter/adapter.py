@@ -233,14 +233,18 @@ def _compile(servable: ServableModel) -> ServableModel:
 
 
 def first_step(servable: ServableModel) -> torch.Tensor:
-    """Run one small packed step on caches of its own: a 3-token prompt beside a decode token. Padded
-    (``min_step``), every step has this one's shape class, so a compiled step compiles here."""
+    """Run small packed steps on caches of their own: a 3-token prompt beside a decode token, then a
+    decode token alone. Padded (``min_step``), every step has one of these two shape classes
+    (``runtime.shapes``), so a compiled step compiles both here. The first step's logits."""
     vocab, bs = servable.vocab_size or 2, servable.block_size
     prompt = list(range(-(-3 // bs)))
     decode = list(range(len(prompt), len(prompt) + -(-2 // bs)))  # one cached token, one new
     caches = servable.allocate_kv_caches(len(prompt) + len(decode))
     meta = build_metadata([(0, 3, prompt), (1, 1, decode)], bs, device=servable.device)
-    return servable.run_packed(caches, meta, [t % vocab for t in (3, 8, 13, 18)], [0, 1, 2, 1], [2, 3])
+    out = servable.run_packed(caches, meta, [t % vocab for t in (3, 8, 13, 18)], [0, 1, 2, 1], [2, 3])
+    alone = build_metadata([(1, 1, decode)], bs, device=servable.device)
+    servable.run_packed(caches, alone, [18 % vocab], [1], [0])
+    return out
 
 
 class _Stages:

@@ -5,7 +5,10 @@ default, sizes that happen to be equal: "duck sizing"). A packed step has four s
 sequences ``S``, block-table columns ``W`` and logits rows ``R``; a decode step at batch 1 has
 ``T = S = R = 1``, a step that only continues a long prompt has ``R = 0``. Padding each of them up to
 a floor of 2 (and compiling without duck sizing, see :func:`no_duck_sizing`) leaves one graph for
-every step a serving loop runs.
+every step a serving loop runs, except single-token steps (a decode at batch 1): those keep ``T = S =
+R = 1`` (only ``W`` is padded) and run a second graph, compiled at start-up beside the first, because
+padding them would double the work of every matmul (MKL's GEMM at 2 rows takes 2-2.3x its time at 1
+row on a 2-core EPYC, for the layer and LM-head shapes of a 15 M-parameter Llama).
 
 Padding follows the XLA backend's ``pad_step``: padding tokens get slot -1 (never written) and belong
 to no sequence; padding sequences have no tokens and length 0; padding block-table columns point at
@@ -27,13 +30,16 @@ __all__ = ["pad_packed_step", "no_duck_sizing", "graph_count"]
 
 def pad_packed_step(meta: AttentionMetadata, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int],
                     floor: int) -> tuple[AttentionMetadata, list[int], list[int], list[int]]:
-    """The step padded so that ``T``, ``S``, ``W`` and ``R`` are at least ``floor`` (see the module).
+    """The step padded so that ``T``, ``S``, ``W`` and ``R`` are at least ``floor``, or for a single-token
+    step ``W`` alone (``R`` to 1 when the token needs no logits) (see the module).
 
     Reads no tensor on the host: the real token count is ``len(ids)``, so the metadata may live on
     the device.
     """
     T, S, W, R = len(ids), meta.num_seqs, int(meta.block_tables.shape[1]), len(rows)
     dT, dS, dW, dR = (max(0, floor - n) for n in (T, S, W, R))
+    if T == 1:  # the single-token graph: T = S = R = 1
+        dT, dS, dR = 0, 0, 1 - R
     if not (dT or dS or dW or dR):
         return meta, list(ids), list(pos), list(rows)
     meta = dataclasses.replace(

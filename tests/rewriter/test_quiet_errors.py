@@ -18,9 +18,15 @@ def test_serving_a_hugging_face_model_prints_nothing(capfd):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any warning the library lets through fails the test
         engine = pagedattn.PagedEngine(m, compile=False, num_blocks=32)
+        started = capfd.readouterr()
         engine.generate([[1, 2, 3]], max_new_tokens=2)
+        quiet = pagedattn.PagedEngine(m, compile=False, num_blocks=32, progress=False)
     out, err = capfd.readouterr()
     assert out == "" and err == "", (out, err)
+    # start-up reports its stages (progress=True, the default) and nothing else
+    assert started.out == "" and started.err and all(line.startswith("pagedattn: ")
+                                                     for line in started.err.splitlines()), started
+    assert quiet.servable is not None
 
 
 @pytest.fixture(scope="module")

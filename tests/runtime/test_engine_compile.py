@@ -80,12 +80,24 @@ def test_compile_false_and_progress_off(eager, capsys):
 
 
 def test_pad_packed_step_floors_every_size():
-    meta = build_metadata([(5, 1, [3])], block_size=8)  # one decode token: T = S = W = R = 1
-    padded, ids, pos, rows = pad_packed_step(meta, [7], [5], [0], floor=2)
-    assert (ids, pos, rows) == ([7, 0], [5, 0], [0, 0])
-    assert padded.slot_mapping.tolist() == [3 * 8 + 5, -1]  # the padding token is never written
-    assert padded.seq_lens.tolist() == [6, 0] and padded.query_start_loc.tolist() == [0, 1, 1]
+    meta = build_metadata([(5, 2, [3])], block_size=8)  # one sequence, one block, one logits row
+    padded, ids, pos, rows = pad_packed_step(meta, [7, 9], [5, 6], [1], floor=2)
+    assert (ids, pos, rows) == ([7, 9], [5, 6], [1, 1])
+    assert padded.seq_lens.tolist() == [7, 0] and padded.query_start_loc.tolist() == [0, 2, 2]
     assert padded.block_tables.tolist() == [[3, 0], [0, 0]]
+    meta = build_metadata([(5, 1, [3]), (0, 1, [4])], block_size=8)  # two 1-token sequences: T = 2
+    padded, *_ = pad_packed_step(meta, [7, 8], [5, 0], [0, 1], floor=2)
+    assert padded.slot_mapping.tolist() == [3 * 8 + 5, 4 * 8]
+
+
+def test_single_token_steps_keep_their_size():
+    # a decode at batch 1 stays [1, 1] (its own graph): padding would double every matmul's work
+    meta = build_metadata([(5, 1, [3])], block_size=8)
+    padded, ids, pos, rows = pad_packed_step(meta, [7], [5], [0], floor=2)
+    assert (ids, pos, rows) == ([7], [5], [0]) and padded.slot_mapping.tolist() == [3 * 8 + 5]
+    assert padded.seq_lens.tolist() == [6] and padded.block_tables.tolist() == [[3, 0]]
+    _, _, _, rows = pad_packed_step(meta, [7], [5], [], floor=2)  # a 1-token chunk needing no logits
+    assert rows == [0]
     same = build_metadata([(0, 3, [0]), (9, 2, [1, 2])], block_size=8)
     assert pad_packed_step(same, [1, 2, 3, 4, 5], [0, 1, 2, 9, 10], [2, 4], floor=2)[0] is same
 
