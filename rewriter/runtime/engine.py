@@ -63,8 +63,9 @@ class PagedEngine:
     The step is compiled with Inductor by default (``compile=None``: a packed step on CPU or CUDA
     that is not compiled already; ``True`` also compiles the row steps of models with recurrent
     state; ``False`` runs it eager). Compiling happens here, before the first request: steps are
-    padded to sizes of at least 2 so that every step runs the one graph compiled at start-up, and a
-    second start of the same model reuses Inductor's on-disk caches. ``progress`` (default on) prints
+    padded to sizes of at least 2 (single-token steps excepted: they have a graph of their own) so
+    that every step runs one of the two graphs compiled at start-up (``pagedattn.runtime.shapes``),
+    and a second start of the same model reuses Inductor's on-disk caches. ``progress`` (default on) prints
     each start-up stage (rewriting, compiling, checking) and its time on stderr.
 
     When the cache runs out of blocks the newest running request is preempted.
