@@ -71,7 +71,7 @@ def translations() -> dict:
     def paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale: float,
                         causal: bool, sliding_window: int, softcap: float, alibi_slopes=None, num_kv_heads: int = 1,
                         head_size_v: int = 0, sinks=None, chunk_size: int = 0, max_seq_len: int = 0,
-                        positions_from_first_key: bool = False):
+                        positions_from_first_key: bool = False, position_mod: str = "", position_tables=None):
         # max_seq_len: an ONNX graph cannot refuse a longer sequence; callers cap requests at the model's
         # length (the limit is each site's mask_up_to in the report)
         i64 = 7  # onnx TensorProto.INT64
@@ -151,6 +151,7 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     for one step; by default a two-sequence prefill of 12 tokens.
     """
     gm, names = _flat_paged(model)
+    _refuse_position_programs(gm)
     inputs = example_inputs(model, names) if example is None else _inputs(model, *example)
     fgm = functional_graph(gm, model.num_sites).eval()
     dyn = [{d: torch.export.Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs]
@@ -165,6 +166,16 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
 
     onnx.checker.check_model(path, full_check=True)
     return tensor_names
+
+
+def _refuse_position_programs(gm: GraphModule) -> None:
+    """Sites served by a position program have no ONNX translation yet: say so before exporting."""
+    from pagedattn.passes.canonical import is_paged_attention, read_paged
+
+    sites = [n.name for n in gm.graph.nodes if is_paged_attention(n) and read_paged(n).params.position_mod]
+    if sites:
+        raise ValueError(f"ONNX export: {len(sites)} attention sites are served by a position program (mask: "
+                         "positional), which has no ONNX translation yet; serve the model with PagedEngine instead")
 
 
 def _num_outputs(gm: GraphModule) -> int:
