@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -228,7 +229,7 @@ def _node(n: tuple, env: list, leaves: dict, tables: Optional[Tensor], fdt: torc
         flat = torch.zeros((), dtype=torch.long, device=dev)
         for i, s in zip(idx, sizes):
             flat = flat * s + i.clamp(0, s - 1)
-        vals = tables[offset:offset + int(torch.tensor(sizes).prod())].to(dev)
+        vals = tables[offset:offset + math.prod(sizes)].to(dev)
         return vals[flat].to(fdt)
     raise ValueError(f"position program: unknown operation {op!r}")
 

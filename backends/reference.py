@@ -162,7 +162,8 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         k_pos = torch.arange(L, device=dev)[None]
     seq_len = None
     if params.position_mod and key_present is not None and key_present.dim() == 2:
-        seq_len = key_present.sum(-1)  # [B|1]: static paths hand in padded keys with the real ones marked
+        # static paths hand in padded keys with the real ones marked: the sequence ends after its last real key
+        seq_len = torch.where(key_present, k_pos, -1).amax(-1) + 1  # [B|1]
     allowed, bias = score_terms(q_pos if q_pos.dim() == 2 else q_pos[None], k_pos if k_pos.dim() == 2 else k_pos[None],
                                 params, hq, seq_len)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L] or None
     if key_present is not None:

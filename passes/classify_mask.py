@@ -149,10 +149,9 @@ def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
 def _positional(read, why: NotEstablished) -> MaskKind:
     """No kind with its own kernel: the generic path, when the mask and bias depend on positions only."""
     try:
-        mod, tables = position_program(read)
+        mod, tables, f = position_program(read)
     except NotEstablished as e:
         raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {e}") from None
-    f = read(True, "p")
     longest = f.maximize(f.L)
     up_to = None if longest is None or longest >= 2 ** 31 - 1 else longest
     return MaskKind("positional", up_to=up_to, positions=tuple(f.positions), how="proof (position program)",

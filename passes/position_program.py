@@ -42,12 +42,13 @@ _MAX_TABLE = 1 << 22  # elements of constant tables a program may carry
 _MIN_CHAIN = 3  # if-then-else chains over one index at least this long become table lookups
 
 
-def position_program(read: Callable[[Any, str], MaskFormula]) -> tuple[str, Optional[torch.Tensor]]:
-    """The site's mask and bias as a position program (JSON) and its tables, or NotEstablished."""
+def position_program(read: Callable[[Any, str], MaskFormula]) -> tuple[str, Optional[torch.Tensor], MaskFormula]:
+    """The site's mask and bias as a position program (JSON) and its tables, with the reading it was compiled
+    from (its facts bound the lengths it holds for); or NotEstablished."""
     f, g = read(True, "ga"), read(True, "gb")
     _prove_positions_only(f, g)
     allowed, bias = _bound(f)
-    return _Compiler(f).build(allowed, bias)
+    return (*_Compiler(f).build(allowed, bias), f)
 
 
 # ----------------------------------------------------------------------------- the proof
@@ -61,7 +62,7 @@ def _consts(exprs) -> dict:
         if e.get_id() in seen:
             continue
         seen.add(e.get_id())
-        if z3.is_app(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED and e.num_args() == 0:
+        if _is_symbol(e):
             out[e.decl().name()] = e
         stack.extend(e.children())
     return out
@@ -101,6 +102,11 @@ def _prove_positions_only(f: MaskFormula, g: MaskFormula) -> None:
 def _bound(f: MaskFormula) -> tuple:
     """``allowed`` and ``bias`` with every free index replaced by the query row, key column, head or a
     constant the facts tie it to (indices of intermediate tensors are tied by facts, not substituted)."""
+    if not (_is_symbol(f.S) and _is_symbol(f.L)) and not (z3.is_int_value(f.S) and f.S.eq(f.L)):
+        # the program is evaluated with both counts set to the sequence's length: that is the place
+        # where queries and keys are the same positions only when each count is one size of its own (or
+        # both the one size a static graph fixed)
+        raise NotEstablished(f"the mask program's query and key counts ({f.S}, {f.L}) are not plain sizes")
     known = {f.b.get_id(), f.h.get_id(), f.i.get_id(), f.j.get_id()}
     sizes = _consts([f.S, f.L])
     exprs = [f.allowed, f.bias]
@@ -124,6 +130,10 @@ def _bound(f: MaskFormula) -> tuple:
         raise NotEstablished("the mask program was read for a fixed number of queries (a single-token graph): it "
                              "cannot be evaluated where queries and keys are the same positions")
     return tuple(exprs)
+
+
+def _is_symbol(e) -> bool:
+    return z3.is_app(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED and e.num_args() == 0
 
 
 def _tied(f: MaskFormula, v) -> Any:

@@ -143,6 +143,25 @@ def test_positions_that_are_inputs_hold_for_offsets_and_are_checked_at_call_time
             rm(x, packed)
 
 
+class SinksFromPositions(zoo._Base):
+    """Sink keys picked by the *values* of ``position_ids``: with an offset, other keys are sinks."""
+
+    def forward(self, x, position_ids):
+        q, k, v = self.qkv(x)
+        p = position_ids[:, None, :, None]
+        r = position_ids[:, None, None, :]
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        s = s.masked_fill((r > p) | ((p - r >= 5) & (r >= 2)), float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def test_a_position_program_that_reads_position_values_is_left():
+    # its mask changes with the positions' offset: no function of (query position, key position) alone
+    rm = pagedattn.rewrite(SinksFromPositions().eval(), (torch.randn(2, 8, C), torch.arange(8).expand(2, 8)))
+    site = _site(rm)
+    assert site["status"] == "skipped" and "depends on more than the query and key positions" in site["reason"], site
+
+
 def test_a_boolean_padding_mask_that_marks_keys_to_ignore():
     """``nn.TransformerEncoder``'s ``src_key_padding_mask``: True means "ignore this key"."""
     torch.manual_seed(0)
@@ -346,16 +365,21 @@ def test_a_bias_that_changes_with_the_padding_is_refused():
     assert site["status"] == "skipped" and "changes with the padding input" in site["reason"], site
 
 
-class LongMaskLM(nn.Module):
-    """One narrow attention layer under a position mask, as a language model the engine serves."""
+class TinyLM(nn.Module):
+    """One narrow attention layer (``layer()``) as a language model the engine serves."""
 
-    def __init__(self, visible):
+    def __init__(self, layer):
         super().__init__()
         torch.manual_seed(0)
-        self.emb, self.attn, self.head = nn.Embedding(64, C), PositionMask(visible), nn.Linear(C, 64)
+        self.emb, self.attn, self.head = nn.Embedding(64, C), layer(), nn.Linear(C, 64)
 
     def forward(self, input_ids):
         return self.head(self.attn(self.emb(input_ids)))
+
+
+def LongMaskLM(visible):  # noqa: N802 - reads as the model it builds
+    """A ``TinyLM`` under a position mask."""
+    return TinyLM(lambda: PositionMask(visible))
 
 
 @pytest.mark.parametrize("visible, kind", [
@@ -414,37 +438,13 @@ def test_chunks_counted_from_the_first_present_key_under_left_padding():
 # ----------------------------------------------------------------- position programs: no fast kind
 
 
-class T5LM(nn.Module):
-    """A T5-style decoder layer (bucketed relative bias, causal) as a language model the engine serves."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.attn, self.head = nn.Embedding(64, C), zoo.T5RelativeBias(), nn.Linear(C, 64)
-
-    def forward(self, input_ids):
-        return self.head(self.attn(self.emb(input_ids)))
-
-
-class BiasLM(nn.Module):
-    """An ``ALiBiLike`` layer (a distance bias per head, causal) as a language model."""
-
-    def __init__(self, bias):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.attn, self.head = nn.Embedding(64, C), ALiBiLike(bias), nn.Linear(C, 64)
-
-    def forward(self, input_ids):
-        return self.head(self.attn(self.emb(input_ids)))
-
-
 _PROGRAMS = {
-    "t5_buckets": (T5LM, lambda: LongMaskLM(lambda i, j, T: j <= i)),
+    "t5_buckets": (lambda: TinyLM(zoo.T5RelativeBias), lambda: LongMaskLM(lambda i, j, T: j <= i)),
     "sinks_window": (lambda: LongMaskLM(lambda i, j, T: (j <= i) & ((i - j < 100) | (j < 4))),
                      lambda: LongMaskLM(lambda i, j, T: (j <= i) & (i - j < 100))),
     "dilated": (lambda: LongMaskLM(lambda i, j, T: (j <= i) & ((i - j) % 3 == 0)),
                 lambda: LongMaskLM(lambda i, j, T: j <= i)),
-    "kerple_log": (lambda: BiasLM(lambda slopes, dist, T: -2.0 * torch.log1p(0.5 * dist.abs())),
+    "kerple_log": (lambda: TinyLM(lambda: ALiBiLike(lambda slopes, dist, T: -2.0 * torch.log1p(0.5 * dist.abs()))),
                    lambda: LongMaskLM(lambda i, j, T: j <= i)),
 }
 
