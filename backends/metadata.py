@@ -18,9 +18,13 @@ import torch
 
 __all__ = [
     "AttentionMetadata",
+    "CrossMetadata",
     "SequenceSpec",
     "METADATA_FIELDS",
+    "CROSS_METADATA_FIELDS",
     "build_metadata",
+    "build_cross_metadata",
+    "cross_slot_mapping",
     "validation_enabled",
     "set_validation",
     "validate_write",
@@ -31,6 +35,10 @@ __all__ = [
 
 # the metadata tensors, in the order the paged graph takes them as inputs
 METADATA_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+# what cross-attention sites read besides the step's ``query_start_loc``, in the order the paged graph of
+# an encoder-decoder takes them after ``METADATA_FIELDS``: each sequence's cross-attention blocks (its
+# encoder's K/V, written once per request) and how many encoder tokens they hold
+CROSS_METADATA_FIELDS = ("cross_block_tables", "cross_seq_lens")
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,54 @@ class AttentionMetadata:
         moved = {name: getattr(self, name).to(device) for name in METADATA_FIELDS
                  if getattr(self, name) is not None}
         return dataclasses.replace(self, **moved)
+
+
+@dataclass(frozen=True)
+class CrossMetadata:
+    """Where each sequence of a step finds its encoder's K/V: the cross-attention blocks of its request.
+
+    Row ``i`` belongs to sequence ``i`` of the step's :class:`AttentionMetadata`; a cross-attention site
+    attends (non-causal) over ``seq_lens[i]`` keys in the blocks ``block_tables[i]``, with the step's own
+    ``query_start_loc``, so the backends see an ordinary ``AttentionMetadata``.
+    """
+
+    block_tables: torch.Tensor  # [S, max_cross_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [S] int32: encoder tokens per sequence
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The cross metadata as the paged graph takes it (``CROSS_METADATA_FIELDS`` order)."""
+        return [self.block_tables, self.seq_lens]
+
+    def to(self, device: torch.device | str) -> "CrossMetadata":
+        return CrossMetadata(self.block_tables.to(device), self.seq_lens.to(device))
+
+
+def build_cross_metadata(tables: Sequence[Sequence[int]], encoder_lens: Sequence[int], block_size: int,
+                         device: torch.device | str = "cpu") -> CrossMetadata:
+    """Cross metadata for a step's sequences from each one's cross block table and encoder length."""
+    if len(tables) != len(encoder_lens):
+        raise ValueError(f"build_cross_metadata: {len(tables)} block tables for {len(encoder_lens)} encoder lengths")
+    for i, (t, n) in enumerate(zip(tables, encoder_lens)):
+        if n < 1 or len(t) < -(-n // block_size):
+            raise ValueError(f"build_cross_metadata: sequence {i} has {n} encoder tokens and {len(t)} blocks of "
+                             f"{block_size}; it needs at least one token and {-(-max(n, 1) // block_size)} blocks")
+    width = max(1, max((len(t) for t in tables), default=1))
+    rows = [list(t) + [0] * (width - len(t)) for t in tables]
+    return CrossMetadata(torch.tensor(rows, dtype=torch.int32, device=device),
+                         torch.tensor(list(encoder_lens), dtype=torch.int32, device=device))
+
+
+def cross_slot_mapping(tables: Sequence[Sequence[int]], encoder_lens: Sequence[int], padded_len: int,
+                       block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[B * padded_len]`` slots of a padded ``[B, padded_len]`` encoder batch: request ``b``'s token ``j``
+    goes to its cross block table at ``j``; padding tokens (``j >= encoder_lens[b]``) get -1."""
+    slots = []
+    for t, n in zip(tables, encoder_lens):
+        if n > padded_len or len(t) < -(-n // block_size):
+            raise ValueError(f"cross_slot_mapping: {n} encoder tokens do not fit {padded_len} padded positions "
+                             f"or {len(t)} blocks of {block_size}")
+        slots += [t[j // block_size] * block_size + j % block_size for j in range(n)] + [-1] * (padded_len - n)
+    return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
 def _slots_for(spec: SequenceSpec, block_size: int) -> list[int]:

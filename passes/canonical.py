@@ -17,7 +17,7 @@ from torch.fx import Graph, Node
 from pagedattn.backends.ops import PARAMS_OFFSET
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["CanonicalAttention", "PagedAttention", "attention_node", "read_attention", "paged_nodes",
+__all__ = ["CanonicalAttention", "PagedAttention", "attention_node", "read_attention", "paged_nodes", "attend_node",
            "read_paged", "is_attention", "is_paged_attention", "is_cache_write"]
 
 _ATTENTION = torch.ops.pagedattn.attention.default
@@ -93,8 +93,15 @@ def paged_nodes(graph: Graph, query: Node, key: Node, value: Node, kv_cache: Nod
                 params: AttentionParams) -> Node:
     """A cache write of the step's K/V, then the paged attention over the cache; returns the attention node."""
     graph.call_function(torch.ops.pagedattn.write_kv_cache.default, (key, value, kv_cache, metadata["slot_mapping"]))
-    return graph.call_function(_PAGED, (query, key, value, kv_cache, metadata["block_tables"], metadata["seq_lens"],
-                                        metadata["query_start_loc"], *params.args()))
+    return attend_node(graph, query, key, value, kv_cache, metadata["block_tables"], metadata["seq_lens"],
+                       metadata["query_start_loc"], params)
+
+
+def attend_node(graph: Graph, query: Node, key: Optional[Node], value: Optional[Node], kv_cache: Node,
+                block_tables: Node, seq_lens: Node, query_start_loc: Node, params: AttentionParams) -> Node:
+    """A paged attention node alone (no write): ``key``/``value`` None over a cache filled elsewhere."""
+    return graph.call_function(_PAGED, (query, key, value, kv_cache, block_tables, seq_lens, query_start_loc,
+                                        *params.args()))
 
 
 def read_paged(node: Node) -> PagedAttention:

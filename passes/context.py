@@ -14,7 +14,7 @@ __all__ = ["PassContext", "PassReport", "PagedSite"]
 class PagedSite:
     """One paged site of a paged graph: its cache input and the site it pages."""
 
-    cache_input: str  # placeholder name, kv_cache_<i>
+    cache_input: str  # placeholder name, kv_cache_<i> (cross_kv_cache_<j> for cross-attention)
     site: str  # AttentionSite.name
 
 
@@ -25,8 +25,10 @@ class PassContext:
     ``example_inputs`` maps placeholder names to the traced example values; ``constant_inputs``
     names placeholders that hold model state (parameters, buffers); ``mask_hints`` is the report of
     a multi-token rewrite of the same model, for graphs traced on one token (see ``classify_mask``).
-    Passes fill ``sites`` (``match_attention`` onwards), ``paged_sites`` and ``token_count``
-    (``insert_paged``).
+    ``encoder_inputs`` names the placeholders that carry an encoder's output (an encoder-decoder's
+    decoder step): attention whose keys and values are computed from them alone is cross-attention.
+    Passes fill ``sites`` (``match_attention`` onwards), ``paged_sites``, ``cross_sites`` and
+    ``token_count`` (``insert_paged``).
     """
 
     example_inputs: dict[str, Any] = field(default_factory=dict)
@@ -35,6 +37,8 @@ class PassContext:
     max_length: Optional[int] = None  # the model's longest sequence (its config's), bounding mask proofs
     sites: list[AttentionSite] = field(default_factory=list)
     paged_sites: list[PagedSite] = field(default_factory=list)
+    encoder_inputs: frozenset[str] = frozenset()
+    cross_sites: list[PagedSite] = field(default_factory=list)  # cross_kv_cache_<j> inputs, in order
     token_count: Any = None  # the paged sites' query length S ([B, H, S, D]; a symbol), set by insert_paged
 
     def site(self, name: str) -> AttentionSite:

@@ -79,6 +79,9 @@ class AttentionSite:
     position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
     # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
     attention: bool = True
+    # set when paged: "self" (a KV cache written by the step's tokens) or "cross" (an encoder's K/V,
+    # written once per request, read by every decoder step)
+    attention_type: str = ""
 
     def params(self) -> AttentionParams:
         """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""
@@ -126,6 +129,7 @@ class AttentionSite:
             "position_program": position_mod.describe(self.position_mod) if self.position_mod else None,
             "position_inputs": list(self.position_inputs),
             "attention": self.attention,
+            "attention_type": self.attention_type,
         }
 
 

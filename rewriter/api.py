@@ -27,7 +27,8 @@ Target = "str | AttentionBackend"
 
 
 def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *, target: Target = "auto",
-            block_size: int = 16, mask_hints: Optional[list[dict]] = None) -> RewrittenModel:
+            block_size: int = 16, mask_hints: Optional[list[dict]] = None,
+            encoder_inputs: tuple[str, ...] = ()) -> RewrittenModel:
     """Export ``model`` on an example input, find its attention and replace it with paged attention.
 
     ``target`` is a device name (``cpu``, ``cuda``, ``xla``, ``auto``: that device's default backend)
@@ -36,6 +37,9 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
     rewritten model accepts any. Use a sequence length of at least 2 (export specialises sizes of 1).
     A single-token example needs ``mask_hints``: the ``report`` of a rewrite of the same model on a
     longer example, whose masks it takes site by site (one query and one key show no causal mask or window).
+    ``encoder_inputs`` names keyword inputs that carry an encoder's output (the model is an encoder-decoder's
+    decoder step): attention over keys computed from them alone becomes cross-attention over caches filled
+    once per request by ``RewrittenModel.write_cross_kv`` (see ``pagedattn.seq2seq``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}")
@@ -43,14 +47,18 @@ def rewrite(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *
         args = (args,)
     kwargs = dict(kwargs or {})
     backend = get_backend(target)
+    missing = [n for n in encoder_inputs if n not in kwargs]
+    if missing:
+        raise ValueError(f"rewrite(): encoder_inputs {missing} are not keyword inputs of the example")
     ep = export_model(model, args, kwargs)
     flat = pytree.tree_flatten((args, kwargs))[0]
-    rm = rewrite_program(ep, flat, backend, block_size, mask_hints, info=ModelInfo.of(model))
+    rm = rewrite_program(ep, flat, backend, block_size, mask_hints, info=ModelInfo.of(model),
+                         encoder_inputs=tuple(encoder_inputs))
     if rm.static_sizes:
         log.info("torch.export fixed input sizes %s of %s (its forward specialises them): other sizes "
                  "are traced again when they come", rm.static_sizes, type(model).__name__)
         rm.retrace = lambda a, kw: rewrite(model, a, kw, target=backend, block_size=block_size,
-                                           mask_hints=mask_hints)
+                                           mask_hints=mask_hints, encoder_inputs=encoder_inputs)
     return rm
 
 
@@ -65,20 +73,24 @@ def rewrite_exported(ep: torch.export.ExportedProgram, *, target: Target = "auto
 
 
 def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: AttentionBackend, block_size: int,
-                    mask_hints: Optional[list[dict]] = None, info: Optional[ModelInfo] = None) -> RewrittenModel:
+                    mask_hints: Optional[list[dict]] = None, info: Optional[ModelInfo] = None,
+                    encoder_inputs: tuple[str, ...] = ()) -> RewrittenModel:
     """Rewrite an exported program traced on the flat example inputs ``flat``."""
     from pagedattn.inspection import graph_views
 
     gm, in_spec, out_spec = flat_graph_module(ep)
     before = copy_graph_module(gm)
+    names = dict(zip(ep.graph_signature.user_inputs, [n.name for n in gm.graph.nodes if n.op == "placeholder"]))
     res = rewrite_graph(gm, flat, backend, mask_hints=mask_hints,
-                        max_length=info.max_length if info is not None else None)
+                        max_length=info.max_length if info is not None else None,
+                        encoder_inputs=frozenset(names.get(n, n) for n in encoder_inputs))
     rm = RewrittenModel(res.dropin, res.paged, in_spec, out_spec, res.report, res.cache_specs, backend, block_size,
                         example_inputs=flat, info=info)
     rm.graph_views = graph_views(before, res.paged, res.sites, res.paged_sites)
     rm.position_inputs = res.position_inputs
     rm.padding_inputs = res.padding_inputs
     rm.static_sizes = static_sizes(ep, flat)
+    rm.cross_writer, rm.num_cross_sites = res.cross_writer, len(res.cross_sites)
     check_runs_on_example(res.dropin, flat)
     return rm
 

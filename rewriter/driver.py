@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from pagedattn.backends import AttentionBackend, AttentionConfig, CacheSpec
 from pagedattn.passes import (
     CANONICAL_PIPELINE,
+    CROSS_WRITER_PIPELINE,
     PAGED_PIPELINE,
     AttentionSite,
     PagedSite,
@@ -36,6 +37,10 @@ class RewriteResult:
     cache_specs: list[CacheSpec]  # one per kv_cache_<i> input of the paged graph, in order
     paged_sites: list[PagedSite]  # the same, by cache input name
     passes: list[PassReport]
+    # an encoder-decoder's decoder step: its cross-attention sites (cross_kv_cache_<j> inputs, after the
+    # kv_cache_<i>; their specs follow cache_specs' self-attention ones) and the graph that fills them
+    cross_sites: tuple[PagedSite, ...] = ()
+    cross_writer: Optional[GraphModule] = None
 
     @property
     def report(self) -> list[dict]:
@@ -67,18 +72,23 @@ class RewriteResult:
 
 def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionBackend,
                   constants: frozenset[int] = frozenset(),
-                  mask_hints: Optional[list[dict]] = None, max_length: Optional[int] = None) -> RewriteResult:
+                  mask_hints: Optional[list[dict]] = None, max_length: Optional[int] = None,
+                  encoder_inputs: frozenset[str] = frozenset()) -> RewriteResult:
     """Run the passes on a flat ATen graph (changed in place into the drop-in graph).
 
     ``constants`` are positions of inputs that hold model state (parameters, buffers). ``mask_hints``
     (the report of a multi-token trace of the same model) gives the masks of a graph traced for a
     single token, which no probe can settle; ``max_length`` (the model's longest sequence) bounds
     the lengths masks are established for. Every rewritten site must be one ``backend`` supports.
+    ``encoder_inputs`` (placeholder names) marks the graph as an encoder-decoder's decoder step whose
+    inputs of those names carry the encoder's output: its cross-attention is paged over caches filled
+    once per request, by the ``cross_writer`` graph.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ctx = PassContext(example_inputs={p.name: x for p, x in zip(placeholders, example_inputs)},
                       constant_inputs=frozenset(placeholders[i].name for i in constants),
-                      mask_hints=None if mask_hints is None else list(mask_hints), max_length=max_length)
+                      mask_hints=None if mask_hints is None else list(mask_hints), max_length=max_length,
+                      encoder_inputs=frozenset(encoder_inputs))
     t0 = time.perf_counter()
     reports = run_pipeline(gm, ctx, CANONICAL_PIPELINE)
     for s in ctx.sites:
@@ -86,14 +96,19 @@ def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionB
             reasons = backend.supports(site_config(s))
             if reasons:
                 raise ValueError(f"backend {backend.name} cannot run site {s.name}: {'; '.join(reasons)}")
+    writer = None
+    if ctx.encoder_inputs:
+        writer = copy_graph_module(gm)  # before the paged pipeline: it reads the canonical sites' K/V
+        reports += run_pipeline(writer, ctx, CROSS_WRITER_PIPELINE)
     paged = copy_graph_module(gm)
     reports += run_pipeline(paged, ctx, PAGED_PIPELINE)
     log.info("passes took %.3fs", time.perf_counter() - t0)
     _log_sites(ctx.sites)
     by_name = {s.name: s for s in ctx.sites}
     specs = [CacheSpec(p.site, by_name[p.site].num_kv_heads, by_name[p.site].head_dim,
-                       by_name[p.site].key.meta["val"].dtype) for p in ctx.paged_sites]
-    return RewriteResult(gm, paged, ctx.sites, specs, ctx.paged_sites, reports)
+                       by_name[p.site].key.meta["val"].dtype) for p in [*ctx.paged_sites, *ctx.cross_sites]]
+    return RewriteResult(gm, paged, ctx.sites, specs, ctx.paged_sites, reports, tuple(ctx.cross_sites),
+                         writer if ctx.cross_sites else None)
 
 
 def site_config(s: AttentionSite) -> AttentionConfig:

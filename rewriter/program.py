@@ -142,6 +142,10 @@ class RewrittenModel(nn.Module):
         self._exported: Optional[torch.export.ExportedProgram] = None
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
+        # an encoder-decoder's decoder step: the last num_cross_sites of cache_specs are cross-attention
+        # caches, filled once per request by cross_writer (see write_cross_kv)
+        self.num_cross_sites = 0
+        self.cross_writer: Optional[GraphModule] = None
 
     @property
     def target(self) -> str:
@@ -192,7 +196,25 @@ class RewrittenModel(nn.Module):
         with use_backend(ctx.backend or self.backend):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self._unflatten(self.graph_module(*flat))
-            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites)))
+            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites,
+                                                                               cross=self.num_cross_sites > 0)))
+
+    def write_cross_kv(self, encoder_inputs: dict, kv_caches, slot_mapping: torch.Tensor) -> None:
+        """Write the cross-attention K/V of a padded encoder batch into the cross-attention caches.
+
+        ``encoder_inputs`` maps the encoder input names the program was rewritten with to ``[B, L, ...]``
+        tensors; ``kv_caches`` are all of the program's caches (as ``allocate_kv_caches`` gives them);
+        ``slot_mapping [B * L]`` places every encoder token (-1: padding), see ``cross_slot_mapping``.
+        """
+        if self.cross_writer is None:
+            raise ValueError("this program has no cross-attention sites to write")
+        names = [n.name for n in self.cross_writer.graph.nodes if n.op == "placeholder"]
+        cross = list(kv_caches)[self.num_sites - self.num_cross_sites:self.num_sites]
+        if len(list(kv_caches)) != self.num_sites:
+            raise ValueError(f"write_cross_kv: {len(list(kv_caches))} caches for a program of {self.num_sites} sites")
+        args = [encoder_inputs[n] for n in names[:len(names) - self.num_cross_sites - 1]]
+        with torch.no_grad(), use_backend(self.backend):
+            self.cross_writer(*args, *cross, slot_mapping)
 
     def _variant(self, flat: list, args, kwargs) -> "RewrittenModel":
         """The model rewritten again for these input sizes (its traced program fixed some)."""

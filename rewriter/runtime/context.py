@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from pagedattn.backends import AttentionBackend, AttentionMetadata, get_backend
+from pagedattn.backends import AttentionBackend, AttentionMetadata, CrossMetadata, get_backend
 
 _CURRENT: contextvars.ContextVar[Optional["PagedContext"]] = contextvars.ContextVar("pagedattn_context", default=None)
 
@@ -22,19 +22,30 @@ _CURRENT: contextvars.ContextVar[Optional["PagedContext"]] = contextvars.Context
 @dataclass(frozen=True)
 class PagedContext:
     """The caches and step metadata bound to rewritten graphs; ``backend`` runs their paged ops
-    (``None``: the backend each program was rewritten for)."""
+    (``None``: the backend each program was rewritten for). An encoder-decoder's decoder step also
+    takes ``cross``: where each sequence's cross-attention blocks are (its caches follow the
+    self-attention ones in ``kv_caches``)."""
 
     kv_caches: tuple[torch.Tensor, ...]
     metadata: AttentionMetadata
     backend: Optional[AttentionBackend] = None
+    cross: Optional[CrossMetadata] = None
 
-    def graph_inputs(self, num_caches: int) -> list[torch.Tensor]:
+    def graph_inputs(self, num_caches: int, cross: bool = False) -> list[torch.Tensor]:
         if len(self.kv_caches) != num_caches:
             raise ValueError(
                 f"the rewritten model has {num_caches} attention sites but the context holds "
                 f"{len(self.kv_caches)} KV caches; allocate one cache per site (RewrittenModel.allocate_kv_caches)"
             )
-        return [*self.kv_caches, *self.metadata.tensors()]
+        if not cross:
+            return [*self.kv_caches, *self.metadata.tensors()]
+        if self.cross is None:
+            raise ValueError("the rewritten model has cross-attention sites but the paged context holds no cross "
+                             "metadata: pass cross=build_cross_metadata(...) to paged_context")
+        if self.cross.seq_lens.shape[0] != self.metadata.num_seqs:
+            raise ValueError(f"the cross metadata has {self.cross.seq_lens.shape[0]} sequences but the step has "
+                             f"{self.metadata.num_seqs}")
+        return [*self.kv_caches, *self.metadata.tensors(), *self.cross.tensors()]
 
 
 def refuse_if_unpaged(skipped: Sequence[str]) -> None:
@@ -50,10 +61,12 @@ def current_context() -> Optional[PagedContext]:
 
 @contextlib.contextmanager
 def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
-                  backend: Optional[AttentionBackend] = None) -> Iterator[PagedContext]:
-    """Run rewritten models in paged mode with these caches and this step's metadata (and ``backend``)."""
+                  backend: Optional[AttentionBackend] = None,
+                  cross: Optional[CrossMetadata] = None) -> Iterator[PagedContext]:
+    """Run rewritten models in paged mode with these caches and this step's metadata (and ``backend``;
+    ``cross``: the cross-attention blocks of an encoder-decoder's sequences)."""
     _check_block_size(kv_caches, metadata, backend)
-    ctx = PagedContext(tuple(kv_caches), metadata, backend)
+    ctx = PagedContext(tuple(kv_caches), metadata, backend, cross)
     token = _CURRENT.set(ctx)
     try:
         yield ctx
