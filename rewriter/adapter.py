@@ -28,8 +28,9 @@ from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.context import paged_context
-from pagedattn.runtime.shapes import no_duck_sizing, pad_packed_step
+from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
+from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
 from pagedattn.tracing import without_hf_cache
 
 log = logging.getLogger("pagedattn")
@@ -50,7 +51,9 @@ class ServableModel:
     a sequence's first step where its state does not start from zeros; ``token_steps`` advances
     every sequence one token per step; ``one_row`` runs each row in a call of its own.
     ``min_step`` pads packed steps so that their sizes are at least that (``runtime.shapes``: a
-    compiled step then stays one graph); 0 runs every step at its own size.
+    compiled step then stays one graph); 0 runs every step at its own size. An encoder-decoder has
+    ``seq2seq`` (its encoder, the cross-attention writer, its decoder start and forced tokens): its packed
+    steps are decoder steps and also take each sequence's cross-attention blocks.
     """
 
     step: nn.Module
@@ -66,6 +69,7 @@ class ServableModel:
     token_steps: bool = False
     one_row: bool = False
     min_step: int = 0
+    seq2seq: Optional[Seq2SeqServing] = None
 
     @property
     def device(self) -> torch.device:
@@ -93,13 +97,19 @@ class ServableModel:
         return kwargs
 
     def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
-                   rows: Sequence[int]) -> torch.Tensor:
-        """One packed step; ``[len(rows), V]`` logits of the given token rows."""
+                   rows: Sequence[int], cross=None) -> torch.Tensor:
+        """One packed step; ``[len(rows), V]`` logits of the given token rows (``cross``: an encoder-decoder's
+        ``CrossMetadata``, one row per sequence of ``meta``)."""
         num_rows = len(rows)
         if self.min_step > 1:
             meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step)
-        kwargs = self.packed_inputs(ids, pos, rows)
-        with torch.no_grad(), paged_context(caches, meta, self.backend):
+            if cross is not None:
+                cross = pad_cross(cross, meta.num_seqs, self.min_step)
+        if self.seq2seq is not None:
+            kwargs = self.seq2seq.step_inputs(ids, pos, self.device)
+        else:
+            kwargs = self.packed_inputs(ids, pos, rows)
+        with torch.no_grad(), paged_context(caches, meta, self.backend, cross=cross):
             out = self.step(**kwargs)
         return _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
 
@@ -160,6 +170,10 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     stages = _Stages(progress)
     backend = get_backend(target)
     device = torch.device(backend.device_type)
+    if is_seq2seq(model):
+        with stages.stage(f"rewriting the decoder step of {type(model).__name__} (self-attention paged, "
+                          "cross-attention over blocks filled once per request) and checking it"):
+            return _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
     model_device = _module_device(model)
     if model_device is not None and model_device.type != device.type:
         raise ValueError(f"the model's parameters are on {model_device} but target {target!r} runs on "
@@ -197,6 +211,22 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
         with stages.stage("checking packed and chunked steps against each other"):
             check_packing(servable)
     return servable
+
+
+def _seq2seq_servable(model, backend: AttentionBackend, block_size: int, dtype,
+                      eos_token_id) -> ServableModel:
+    """An encoder-decoder's servable: its rewritten decoder step, with the encoder and cross-attention writer."""
+    if backend.step_padder(512, 256, 1) is not None:
+        raise ValueError(f"PagedEngine serves encoder-decoders on the CPU and CUDA targets, not on "
+                         f"{backend.device_type!r} (its padded step shapes do not cover cross-attention metadata yet)")
+    serving = prepare_seq2seq(model, backend, block_size)
+    spec = serving.spec
+    eos = eos_token_id if eos_token_id is not None else spec.eos_token_id
+    specs = tuple(serving.step.cache_specs)
+    return ServableModel(step=serving.step, backend=backend, block_size=block_size, cache_specs=specs,
+                         cache_dtype=dtype or _cache_dtype(specs, None), input_names=frozenset({"input_ids"}),
+                         vocab_size=spec.vocab_size, eos_ids=frozenset(ModelInfo(eos_token_id=eos).eos_ids()),
+                         seq2seq=serving)
 
 
 def _servable(step: nn.Module, names, dtype, specs=None, **common) -> ServableModel:

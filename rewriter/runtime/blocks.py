@@ -20,6 +20,9 @@ class BlockTable:
     num_cached_tokens: int = 0  # tokens whose K/V are written
     hashes: list[int | None] = field(default_factory=list)  # per full block, for prefix caching
     on_host: bool = False  # swapped out: ``blocks`` are host block ids
+    # the first block's hash parent: an encoder-decoder's decoder blocks depend on the encoder's input too,
+    # so their prefix-caching hashes chain from a hash of it (None for decoder-only models)
+    salt: int | None = None
 
 
 class BlockManager:
@@ -102,7 +105,7 @@ class BlockManager:
         if not self.enable_prefix_caching or table.blocks:
             return 0
         bs = self.block_size
-        parent = None
+        parent = table.salt
         for i in range((len(prompt) - 1) // bs):
             h = hash((parent, tuple(prompt[i * bs:(i + 1) * bs])))
             b = self._cached.get(h)
@@ -147,9 +150,12 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(before // bs, table.num_cached_tokens // bs):
-            parent = table.hashes[i - 1] if i > 0 and i - 1 < len(table.hashes) else None
-            if i > 0 and parent is None:
-                break  # an unhashed block breaks the chain
+            if i == 0:
+                parent = table.salt
+            else:
+                parent = table.hashes[i - 1] if i - 1 < len(table.hashes) else None
+                if parent is None:
+                    break  # an unhashed block breaks the chain
             h = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             while len(table.hashes) <= i:
                 table.hashes.append(None)
@@ -159,11 +165,20 @@ class BlockManager:
                 self._cached[h] = b
                 self._block_hash[b] = h
 
+    def allocate(self, table: BlockTable, num_blocks: int) -> None:
+        """Give an empty table ``num_blocks`` private blocks at once (all or nothing; never prefix-cached):
+        an encoder-decoder request's cross-attention blocks, filled once by its encoder."""
+        if table.blocks:
+            raise ValueError("allocate: the table already holds blocks")
+        if num_blocks > self.num_free:
+            raise NoFreeBlocks
+        table.blocks.extend(self._take() for _ in range(num_blocks))
+
     def fork(self, table: BlockTable) -> BlockTable:
         """A second sequence sharing every block of ``table`` (copy-on-write on its next write)."""
         for b in table.blocks:
             self.ref[b] += 1
-        return BlockTable(list(table.blocks), table.num_cached_tokens, list(table.hashes))
+        return BlockTable(list(table.blocks), table.num_cached_tokens, list(table.hashes), salt=table.salt)
 
     def free(self, table: BlockTable) -> None:
         if table.on_host:

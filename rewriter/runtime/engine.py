@@ -12,10 +12,11 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedattn.backends import build_metadata
+from pagedattn.backends import build_cross_metadata, build_metadata
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.state import StatePool
+from pagedattn.seq2seq import encoder_key
 
 log = logging.getLogger("pagedattn.runtime")
 
@@ -80,6 +81,16 @@ class PagedEngine:
     KV cache (:mod:`pagedattn.runtime.state`); their steps run one row per sequence (decode tokens
     batched, prefill chunks a row each) and prefix caching is off, since a cached prefix carries no
     state. Pass such a model itself, not a ``RewrittenModel``: the engine traces it with its state.
+
+    Encoder-decoders (Hugging Face seq2seq and speech-seq2seq models, or a
+    :class:`pagedattn.seq2seq.Seq2SeqSpec`) take each request's encoder input as its prompt: token ids,
+    or a dict of encoder inputs such as ``{"input_features": [mels, frames]}`` (Whisper). Each request
+    also gets cross-attention blocks for its encoder's K/V: allocated at admission, filled by the
+    encoder (run once, batched across the requests admitted in a step), freed with the request and
+    swapped or recomputed with it on preemption. Its decoder starts from the model's decoder start
+    token, with the generation config's forced first and last tokens; outputs are the generated
+    decoder tokens (without the start token), as Hugging Face ``generate`` returns them after it.
+    Prefix caching shares decoder blocks between requests with the same encoder input only.
     """
 
     def __init__(self, model: nn.Module, *, target="auto", block_size: int = 16,
@@ -94,6 +105,7 @@ class PagedEngine:
         self.backend, self.device, self.block_size = sv.backend, sv.device, sv.block_size
         self.vocab_size, self.cache_specs, self.cache_dtype = sv.vocab_size, list(sv.cache_specs), sv.cache_dtype
         self._eos = set(sv.eos_ids)
+        self._seq2seq = sv.seq2seq
         if sv.state is not None and enable_prefix_caching:
             log.info("prefix caching is off: a cached prefix holds K/V but not the recurrent state")
             enable_prefix_caching = False
@@ -125,7 +137,8 @@ class PagedEngine:
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
-                      "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0}
+                      "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
+                      "encoder_runs": 0, "encoder_s": 0.0}
 
     @property
     def model(self) -> nn.Module:
@@ -155,23 +168,58 @@ class PagedEngine:
         """Queue a request; returns its id. Raises ValueError naming what is wrong with it.
 
         ``prompt``: token ids as a list of ints, a 1-D numpy array or a 1-D torch tensor (any integer
-        dtype, any device).
+        dtype, any device). For an encoder-decoder these are the encoder's input ids; a dict of encoder
+        inputs without the batch dimension (``{"input_features": tensor}``) gives other inputs.
         """
         params = params or SamplingParams(**kw)
         rid = next(self._ids)
         try:
-            ids = token_ids(prompt)
+            req = self._request(rid, prompt, params)
         except ValueError as e:
             raise ValueError(f"request {rid}: {e}") from None
-        why = self.validate(ids, params)
-        if why:
-            raise ValueError(f"request {rid}: {why}")
         if params.seed is not None:
             self._generators[rid] = torch.Generator(device="cpu").manual_seed(params.seed)
         with self._inbox_lock:
-            self._inbox.append(Request(rid, ids, params))
+            self._inbox.append(req)
         self._take_commands_if_idle()
         return rid
+
+    def _request(self, rid: int, prompt, params: SamplingParams) -> Request:
+        """A validated request (ValueError says what is wrong)."""
+        if self._seq2seq is None:
+            ids = token_ids(prompt)
+            why = self.validate(ids, params)
+            if why:
+                raise ValueError(why)
+            return Request(rid, ids, params)
+        s2s = self._seq2seq
+        inputs = s2s.request_inputs(prompt)
+        enc_len, dec = s2s.encoder_len(inputs), list(s2s.spec.decoder_prompt)
+        src = inputs.get("input_ids")
+        if src is not None:
+            why = self.validate(src.tolist(), params)  # the encoder's ids: the same vocabulary checks
+            if why:
+                raise ValueError(why.replace("the prompt", "the encoder input"))
+        if enc_len < 1:
+            raise ValueError("the encoder input is empty")
+        limit = s2s.spec.max_source_len
+        if limit is not None and enc_len > limit:
+            raise ValueError(f"the encoder input has {enc_len} tokens but the encoder takes at most {limit}")
+        need = -(-enc_len // self.block_size) + -(-(len(dec) + params.max_new_tokens) // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"an encoder input of {enc_len} tokens and {params.max_new_tokens} new tokens need {need} "
+                             f"blocks (cross-attention and decoder) but the cache has {self.num_blocks}")
+        why = self.validate(dec, params)
+        if why:
+            raise ValueError(why)
+        forced = {}
+        if s2s.spec.forced_bos is not None and len(dec) == 1:
+            forced[0] = int(s2s.spec.forced_bos)
+        if s2s.spec.forced_eos is not None:  # as generate: the last token a request may have is EOS
+            forced[params.max_new_tokens - 1] = int(s2s.spec.forced_eos)
+        req = Request(rid, dec, params, encoder_inputs=inputs, encoder_len=enc_len, forced=forced)
+        req.table.salt = encoder_key(inputs)
+        return req
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV blocks (and state slot) at once; ``collect()`` reports it with
@@ -255,6 +303,8 @@ class PagedEngine:
                                    f"{len(sched.waiting) + len(sched.swapped)} requests wait for blocks "
                                    "that never free")
             return []
+        if self._seq2seq is not None:
+            self._encode(plan)
         t1 = time.perf_counter()
         if self.states is not None:
             logits, num_tokens = self._run_rows(plan), sum(c.num_tokens for c in plan)
@@ -271,6 +321,24 @@ class PagedEngine:
         self.stats["model_s"] += t2 - t1
         self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
         return finished
+
+    def _encode(self, plan: list[ScheduledChunk]) -> None:
+        """Run the encoder once for the step's requests whose cross-attention blocks are not filled yet
+        (newly admitted or recomputed), in one padded batch, and write their cross-attention K/V."""
+        new = [c.request for c in plan if not c.request.encoded]
+        if not new:
+            return
+        t0 = time.perf_counter()
+        s2s = self._seq2seq
+        states, lens = s2s.encode([r.encoder_inputs for r in new], self.device)
+        for r, n in zip(new, lens):
+            if n != r.encoder_len:
+                raise RuntimeError(f"request {r.id}: the encoder gave {n} states, {r.encoder_len} were expected")
+        s2s.write_cross(self.kv_caches, states, lens, [r.cross_table.blocks for r in new], self.block_size)
+        for r in new:
+            r.encoded = True
+        self.stats["encoder_runs"] += 1
+        self.stats["encoder_s"] += time.perf_counter() - t0
 
     def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
         """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks."""
@@ -290,8 +358,12 @@ class PagedEngine:
             pos += [0] * (meta.num_tokens - num_tokens)
             rows += [0] * (meta.num_seqs - num_rows)
             meta = meta.to(self.device)
+        cross = None
+        if self._seq2seq is not None:
+            cross = build_cross_metadata([c.request.cross_table.blocks for c in plan],
+                                         [c.request.encoder_len for c in plan], self.block_size, device=self.device)
         t1 = time.perf_counter()
-        logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows)
+        logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross)
         return logits[:num_rows], num_tokens, t1  # [R, V]
 
     def _run_rows(self, plan: list[ScheduledChunk]) -> torch.Tensor:
@@ -336,6 +408,7 @@ class PagedEngine:
             if not chunk.completes:
                 continue
             tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
+            tok = req.forced.get(len(req.output), tok)
             r += 1
             req.output.append(tok)
             reason = None

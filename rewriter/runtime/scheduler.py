@@ -72,6 +72,14 @@ class Request:
     finished: bool = False
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # an encoder-decoder request: its encoder inputs, how many encoder tokens its cross-attention blocks
+    # hold, those blocks (allocated at admission, freed, swapped and recomputed with the request), whether
+    # they hold the encoder's K/V yet, and the output tokens its generation config forces (index -> token)
+    encoder_inputs: dict | None = None
+    encoder_len: int = 0
+    cross_table: BlockTable = field(default_factory=BlockTable)
+    encoded: bool = False
+    forced: dict[int, int] = field(default_factory=dict)
 
     @property
     def swapped(self) -> bool:
@@ -141,12 +149,35 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def _cross_blocks_needed(self, req: Request) -> int:
+        """Cross-attention blocks an encoder-decoder request still needs (0 once it holds them)."""
+        if not req.encoder_len or req.cross_table.blocks:
+            return 0
+        return -(-req.encoder_len // self.blocks.block_size)
+
+    def _free(self, req: Request) -> None:
+        """Give back every block of a request, its cross-attention blocks too (their K/V are recomputed)."""
+        self.blocks.free(req.table)
+        if req.cross_table.blocks:
+            self.blocks.free(req.cross_table)
+        req.encoded = False
+
+    def _can_swap_out(self, req: Request) -> bool:
+        return self.blocks.can_swap_out(req.table) and \
+            len(req.table.blocks) + len(req.cross_table.blocks) <= self.blocks.num_free_host
+
+    def _can_swap_in(self, req: Request, n: int) -> bool:
+        return self.blocks.can_swap_in(req.table, n) and \
+            self.blocks.swap_in_blocks_needed(req.table, n) + len(req.cross_table.blocks) <= self.blocks.num_free
+
     def _preempt(self, victim: Request) -> None:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(victim)
-        if self.preemption_mode == "swap" and self.blocks.can_swap_out(victim.table):
+        if self.preemption_mode == "swap" and self._can_swap_out(victim):
             self.blocks.swap_out(victim.table)
+            if victim.cross_table.blocks:
+                self.blocks.swap_out(victim.cross_table)
             self.num_swap_outs += 1
             # appendleft: victims go newest first, so the oldest ends up first in line again
             self.swapped.appendleft(victim)
@@ -154,7 +185,7 @@ class Scheduler:
             return
         if self.preemption_mode == "swap":
             log.debug("host swap space full: request %s is recomputed instead", victim.id)
-        self.blocks.free(victim.table)
+        self._free(victim)
         victim.num_computed = 0
         self.num_recomputes += 1
         self.waiting.appendleft(victim)
@@ -165,9 +196,11 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             n = min(req.num_pending, budget, self.max_chunk)
-            if not self.blocks.can_swap_in(req.table, n):
+            if not self._can_swap_in(req, n):
                 break  # the oldest goes first: later ones wait rather than overtake it
             self.blocks.swap_in(req.table)
+            if req.cross_table.on_host:
+                self.blocks.swap_in(req.cross_table)
             self.blocks.reserve(req.table, n)  # fits: can_swap_in counted these blocks
             self.swapped.popleft()
             self.num_swap_ins += 1
@@ -209,10 +242,15 @@ class Scheduler:
                 req.num_computed = self.blocks.allocate_prompt(req.table, req.tokens)
             n = min(req.num_pending, budget, self.max_chunk)
             try:
+                cross = self._cross_blocks_needed(req)
+                if cross + self.blocks.blocks_needed(req.table, n) > self.blocks.num_free:
+                    raise NoFreeBlocks
+                if cross:
+                    self.blocks.allocate(req.cross_table, cross)
                 self.blocks.reserve(req.table, n)
             except NoFreeBlocks:
                 # waits until blocks are freed, holding none (two waiting requests must not share the cache out)
-                self.blocks.free(req.table)
+                self._free(req)
                 req.num_computed = 0
                 break
             self.waiting.popleft()
@@ -223,7 +261,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.finished, req.finish_reason = True, reason
-        self.blocks.free(req.table)
+        self._free(req)
         if req in self.running:
             self.running.remove(req)
 
@@ -238,7 +276,7 @@ class Scheduler:
             if req is not None:
                 queue.remove(req)
                 req.finished, req.finish_reason = True, "abort"
-                self.blocks.free(req.table)
+                self._free(req)
                 req.num_computed = 0
                 return req
         return None

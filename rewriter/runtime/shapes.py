@@ -23,9 +23,9 @@ from typing import Iterator, Sequence
 
 import torch.nn.functional as F
 
-from pagedattn.backends import AttentionMetadata
+from pagedattn.backends import AttentionMetadata, CrossMetadata
 
-__all__ = ["pad_packed_step", "no_duck_sizing", "graph_count"]
+__all__ = ["pad_packed_step", "pad_cross", "no_duck_sizing", "graph_count"]
 
 
 def pad_packed_step(meta: AttentionMetadata, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int],
@@ -50,6 +50,16 @@ def pad_packed_step(meta: AttentionMetadata, ids: Sequence[int], pos: Sequence[i
         query_start_loc=F.pad(meta.query_start_loc, (0, dS), value=T),
     )
     return meta, list(ids) + [0] * dT, list(pos) + [0] * dT, list(rows) + [rows[0] if rows else 0] * dR
+
+
+def pad_cross(cross: CrossMetadata, num_seqs: int, floor: int) -> CrossMetadata:
+    """An encoder-decoder step's cross metadata padded like its step (``pad_packed_step``): one row per
+    sequence, padding sequences with no encoder tokens, at least ``floor`` block-table columns."""
+    S, W = int(cross.seq_lens.shape[0]), int(cross.block_tables.shape[1])
+    dS, dW = max(0, num_seqs - S), max(0, floor - W)
+    if not (dS or dW):
+        return cross
+    return CrossMetadata(F.pad(cross.block_tables, (0, dW, 0, dS), value=0), F.pad(cross.seq_lens, (0, dS), value=0))
 
 
 @contextlib.contextmanager
