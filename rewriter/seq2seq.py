@@ -100,6 +100,24 @@ class _HFDecoderStepWithPositions(_HFDecoderStep):
                           decoder_position_ids=position_ids, use_cache=False).logits
 
 
+class _SameBatch(nn.Module):
+    """A decoder step whose encoder states have the decoder tokens' batch size, as export is told: without
+    it a decoder that reshapes the states by ``-1`` (``nn.MultiheadAttention``'s cross-attention) traces
+    a head size over two unrelated batch sizes."""
+
+    def __init__(self, decoder: nn.Module):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        torch._check(encoder_hidden_states.shape[0] == input_ids.shape[0])
+        if position_ids is None:
+            return self.decoder(input_ids=input_ids, encoder_hidden_states=encoder_hidden_states)
+        return self.decoder(input_ids=input_ids, encoder_hidden_states=encoder_hidden_states,
+                            position_ids=position_ids)
+
+
 def is_seq2seq(model) -> bool:
     """A Hugging Face encoder-decoder (``config.is_encoder_decoder``) or a :class:`Seq2SeqSpec`."""
     if isinstance(model, Seq2SeqSpec):
@@ -254,7 +272,7 @@ def prepare_seq2seq(model, backend: AttentionBackend, block_size: int) -> Seq2Se
     example = {"input_ids": ids, ENCODER_STATES: torch.randn(2, 11, spec.hidden_size, device=device, dtype=dtype)}
     if takes_positions:
         example["position_ids"] = torch.arange(8, device=device).expand(2, 8).contiguous()
-    step = rewrite(decoder, (), example, target=backend, block_size=block_size, encoder_inputs=(ENCODER_STATES,))
+    step = rewrite(_SameBatch(decoder).eval(), (), example, target=backend, block_size=block_size, encoder_inputs=(ENCODER_STATES,))
     refused = [r for r in step.report if r["status"] != "rewritten" and r.get("attention", True)]
     if refused:
         raise ValueError("the decoder step has attention left as it was: " +

@@ -196,12 +196,12 @@ class PagedEngine:
         inputs = s2s.request_inputs(prompt)
         enc_len, dec = s2s.encoder_len(inputs), list(s2s.spec.decoder_prompt)
         src = inputs.get("input_ids")
-        if src is not None:
-            why = self.validate(src.tolist(), params)  # the encoder's ids: the same vocabulary checks
-            if why:
-                raise ValueError(why.replace("the prompt", "the encoder input"))
         if enc_len < 1:
             raise ValueError("the encoder input is empty")
+        bad = [t for t in (src.tolist() if src is not None else ()) if not 0 <= t < (self.vocab_size or 2**63)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} of the encoder input is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
         limit = s2s.spec.max_source_len
         if limit is not None and enc_len > limit:
             raise ValueError(f"the encoder input has {enc_len} tokens but the encoder takes at most {limit}")

@@ -1,0 +1,137 @@
+"""PagedEngine serving encoder-decoders: greedy tokens equal Hugging Face ``generate`` (tiny BART) and a
+hand-written ``nn.Transformer``'s own greedy loop, under chunked prefill, preemption (recompute and swap)
+and prefix caching; cross-attention blocks come and go with their requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn import PagedEngine
+from pagedattn.adapter import prepare_model
+from pagedattn.runtime.scheduler import SamplingParams
+from pagedattn.seq2seq import Seq2SeqSpec
+
+from ..rewriter.seq2seq_models import (
+    SRC_VOCAB,
+    DecoderOf,
+    EncoderOf,
+    TinyTransformer,
+    hf_seq2seq_generate,
+    sources,
+    tiny_seq2seq,
+    transformer_greedy,
+)
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def bart():
+    return tiny_seq2seq("bart")
+
+
+@pytest.fixture(scope="module")
+def servable(bart):
+    return prepare_model(bart, block_size=4)  # rewritten and checked once, served by every engine below
+
+
+@pytest.fixture(scope="module")
+def reference(bart):
+    return hf_seq2seq_generate(bart, sources(), NEW)
+
+
+SETTINGS = {
+    "whole": dict(num_blocks=400, max_num_tokens=64),
+    "chunked_prefill_and_recompute": dict(num_blocks=14, max_num_tokens=3),
+    "recompute": dict(num_blocks=14, max_num_tokens=64),
+    "swap": dict(num_blocks=14, max_num_tokens=64, preemption_mode="swap"),
+    "swap_small_host": dict(num_blocks=14, max_num_tokens=5, preemption_mode="swap", swap_space=6 * 4 * 2 * 4 * 4 * 32),
+    "no_prefix_caching": dict(num_blocks=24, max_num_tokens=8, enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=list(SETTINGS))
+def test_bart_tokens_equal_hf_generate(servable, reference, setting):
+    engine = PagedEngine(servable, **SETTINGS[setting])
+    assert engine.generate(sources(), max_new_tokens=NEW) == reference
+    if setting != "whole":
+        assert engine.stats["preemptions"] > 0 or setting == "no_prefix_caching"
+    if "swap" in setting:
+        assert engine.stats["swap_outs"] > 0
+    assert engine.blocks.num_free == engine.num_blocks  # cross blocks freed with their requests
+
+
+def test_the_encoder_runs_once_per_request_batched_at_admission(servable, reference):
+    engine = PagedEngine(servable, num_blocks=400, max_num_tokens=64)
+    assert engine.generate(sources(), max_new_tokens=NEW) == reference
+    assert engine.stats["encoder_runs"] == 1  # all six admitted in the first step, encoded together
+
+
+def test_requests_of_different_lengths_through_the_step_api(servable, bart):
+    srcs = sources(seed=3, lengths=(7, 2, 25))
+    news = (3, 12, 6)
+    engine = PagedEngine(servable, num_blocks=40, max_num_tokens=8)
+    rids = [engine.add_request(s, SamplingParams(max_new_tokens=n)) for s, n in zip(srcs, news)]
+    done = {}
+    while engine.has_unfinished():
+        for r in engine.step():
+            done[r.request_id] = r.tokens
+    for rid, s, n in zip(rids, srcs, news):
+        assert done[rid] == hf_seq2seq_generate(bart, [s], n)[0]
+
+
+def test_same_encoder_input_shares_decoder_blocks_other_inputs_do_not(servable, bart):
+    src = sources()[3]
+    engine = PagedEngine(servable, num_blocks=200, max_num_tokens=64)
+    first = engine.generate([src], max_new_tokens=NEW)
+    hits = engine.blocks.prefix_hits
+    # a different encoder input: its decoder prompt (the start token) is the same, its blocks are not
+    other = engine.generate([sources()[1]], max_new_tokens=NEW)
+    assert other == hf_seq2seq_generate(bart, [sources()[1]], NEW)
+    assert engine.generate([src], max_new_tokens=NEW) == first
+    assert engine.blocks.prefix_hits == hits  # one-token decoder prompts leave no full block to share
+
+
+def test_abort_frees_cross_blocks(servable):
+    engine = PagedEngine(servable, num_blocks=100, max_num_tokens=64)
+    rid = engine.add_request(sources()[3], max_new_tokens=NEW)
+    engine.step()
+    assert engine.blocks.num_free < engine.num_blocks - 1  # decoder and cross blocks held
+    engine.abort(rid)
+    assert engine.blocks.num_free == engine.num_blocks
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "empty"),
+    ([5, 999], "outside the vocabulary"),
+    (list(range(3, 90)) * 2, "encoder takes at most 128"),
+    ({"input_features": torch.zeros(4, 4)}, "lack 'input_ids'"),
+])
+def test_bad_encoder_inputs_get_one_clear_error(servable, prompt, match):
+    engine = PagedEngine(servable, num_blocks=100)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, max_new_tokens=4)
+
+
+def test_a_request_the_cache_cannot_hold_is_refused(servable):
+    engine = PagedEngine(servable, num_blocks=6)
+    with pytest.raises(ValueError, match="cross-attention and decoder"):
+        engine.add_request(sources()[3], max_new_tokens=NEW)
+
+
+# -------------------------------------------------------------------- a hand-written nn.Transformer
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    torch.manual_seed(0)
+    return TinyTransformer().eval()
+
+
+def test_nn_transformer_tokens_equal_its_own_greedy_loop(transformer):
+    spec = Seq2SeqSpec(encoder=EncoderOf(transformer), decoder=DecoderOf(transformer), hidden_size=32,
+                       decoder_prompt=(1,), eos_token_id=2, vocab_size=SRC_VOCAB, max_source_len=128)
+    engine = PagedEngine(spec, compile=False, block_size=4, num_blocks=30, max_num_tokens=6, progress=False)
+    assert engine.generate(sources(), max_new_tokens=NEW) == transformer_greedy(transformer, sources(), NEW, 1, 2)
+    assert engine.stats["preemptions"] > 0
