@@ -9,7 +9,7 @@ The flow, one module per step (see the README, "How the code is organised"):
 
 from pagedattn import backends  # noqa: F401  (registers torch.ops.pagedattn.*)
 from pagedattn.api import RewrittenModel, load, rewrite, rewrite_exported
-from pagedattn.backends import AttentionMetadata, build_metadata, get_backend
+from pagedattn.backends import AttentionMetadata, build_cross_metadata, build_metadata, get_backend
 from pagedattn.runtime import paged_context
 from pagedattn.runtime.engine import PagedEngine, RequestErrors, SamplingParams
 
@@ -19,6 +19,7 @@ __all__ = [
     "RequestErrors",
     "RewrittenModel",
     "SamplingParams",
+    "build_cross_metadata",
     "build_metadata",
     "get_backend",
     "load",

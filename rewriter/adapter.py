@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend
+from pagedattn.backends import AttentionBackend, CacheSpec, build_cross_metadata, build_metadata, get_backend
 from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.program import ModelInfo, RewrittenModel
@@ -173,7 +173,11 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     if is_seq2seq(model):
         with stages.stage(f"rewriting the decoder step of {type(model).__name__} (self-attention paged, "
                           "cross-attention over blocks filled once per request) and checking it"):
-            return _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
+            servable = _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
+        if compile or compile is None:
+            with stages.stage("compiling the decoder step with Inductor"):
+                servable = _compile(servable)
+        return servable
     model_device = _module_device(model)
     if model_device is not None and model_device.type != device.type:
         raise ValueError(f"the model's parameters are on {model_device} but target {target!r} runs on "
@@ -269,11 +273,16 @@ def first_step(servable: ServableModel) -> torch.Tensor:
     vocab, bs = servable.vocab_size or 2, servable.block_size
     prompt = list(range(-(-3 // bs)))
     decode = list(range(len(prompt), len(prompt) + -(-2 // bs)))  # one cached token, one new
-    caches = servable.allocate_kv_caches(len(prompt) + len(decode))
+    n = len(prompt) + len(decode)
+    caches = servable.allocate_kv_caches(n + 2)  # an encoder-decoder's cross blocks: one per sequence
+    cross = cross_alone = None
+    if servable.seq2seq is not None:
+        cross = build_cross_metadata([[n], [n + 1]], [1, min(bs, 2)], bs, device=servable.device)
+        cross_alone = build_cross_metadata([[n + 1]], [min(bs, 2)], bs, device=servable.device)
     meta = build_metadata([(0, 3, prompt), (1, 1, decode)], bs, device=servable.device)
-    out = servable.run_packed(caches, meta, [t % vocab for t in (3, 8, 13, 18)], [0, 1, 2, 1], [2, 3])
+    out = servable.run_packed(caches, meta, [t % vocab for t in (3, 8, 13, 18)], [0, 1, 2, 1], [2, 3], cross=cross)
     alone = build_metadata([(1, 1, decode)], bs, device=servable.device)
-    servable.run_packed(caches, alone, [18 % vocab], [1], [0])
+    servable.run_packed(caches, alone, [18 % vocab], [1], [0], cross=cross_alone)
     return out
 
 

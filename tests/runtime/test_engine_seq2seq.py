@@ -135,3 +135,13 @@ def test_nn_transformer_tokens_equal_its_own_greedy_loop(transformer):
     engine = PagedEngine(spec, compile=False, block_size=4, num_blocks=30, max_num_tokens=6, progress=False)
     assert engine.generate(sources(), max_new_tokens=NEW) == transformer_greedy(transformer, sources(), NEW, 1, 2)
     assert engine.stats["preemptions"] > 0
+
+
+@pytest.mark.slow  # Inductor compiles the decoder step (30-60 s on 2 shared cores)
+def test_compiled_decoder_step_equals_hf_generate_in_two_graphs(bart, reference):
+    from pagedattn.runtime.shapes import graph_count
+
+    engine = PagedEngine(bart, block_size=4, num_blocks=14, max_num_tokens=5, progress=False)  # compiled by default
+    before = graph_count()
+    assert engine.generate(sources(), max_new_tokens=NEW) == reference
+    assert graph_count() == before and engine.stats["preemptions"] > 0  # no recompiles while serving

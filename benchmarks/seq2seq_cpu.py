@@ -1,0 +1,152 @@
+"""Encoder-decoder serving on CPU (issue 18): PagedEngine against Hugging Face ``generate`` on a padded batch,
+and a decoder step's cost against the encoder's length.
+
+Workload: a random-weight BART-like model (``--d-model`` 256, 3 encoder and 3 decoder layers, 4 heads, FFN
+1024, vocab 4096), 32 requests of ragged source lengths (16-128 tokens), 64 new tokens each, greedy, no
+early stop (no EOS id in the generation config). The engine runs compiled (its decoder
+step compiled with Inductor at start-up, as by default).
+
+Decode-step cost: 8 requests whose sources all have ``L`` tokens, the engine's mean decode-step time
+(after the first steps) for ``L`` in 16..512, beside the time of the cross-attention calls alone at that
+``L`` (the paged op over the filled cross blocks, once per decoder layer): a step should grow by no more
+than those reads.
+
+    python benchmarks/seq2seq_cpu.py            # the figures in benchmarks/RESULTS.md (issue 18)
+    python benchmarks/seq2seq_cpu.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+from transformers import BartConfig, BartForConditionalGeneration
+
+import pagedattn
+from pagedattn.backends import build_cross_metadata, get_backend, use_backend
+from pagedattn.passes.canonical import is_paged_attention, read_paged
+
+log = logging.getLogger("seq2seq_cpu")
+
+
+def build(d_model: int, layers: int, max_len: int) -> BartForConditionalGeneration:
+    cfg = BartConfig(vocab_size=4096, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=4 * d_model,
+                     decoder_ffn_dim=4 * d_model, max_position_embeddings=max_len, forced_eos_token_id=None)
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(cfg).eval()
+    model.generation_config.eos_token_id = None  # every request generates all its tokens, in both runners
+    model.generation_config.forced_eos_token_id = None
+    return model
+
+
+def sources(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, 4096, (k,), generator=g).tolist() for k in lens]
+
+
+def hf_padded(model, srcs: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    """``generate`` on the right-padded batch (seq2seq encoders take padding on either side)."""
+    longest = max(map(len, srcs))
+    ids = torch.full((len(srcs), longest), model.config.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(srcs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, num_beams=1)
+    return time.perf_counter() - t0, [r[1:].tolist() for r in out]
+
+
+def engine_run(engine, srcs, new: int) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    out = engine.generate(srcs, max_new_tokens=new)
+    return time.perf_counter() - t0, out
+
+
+def decode_step_ms(engine, length: int, batch: int, steps: int) -> float:
+    """Mean decode-step time (ms) of ``batch`` requests whose sources have ``length`` tokens."""
+    srcs = sources(batch, length, length, seed=length)
+    for s in srcs:
+        engine.add_request(s, max_new_tokens=steps + 2)
+    for _ in range(2):  # admission (encoder) and the first decoder step
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished():
+        engine.step()
+    engine.collect()
+    return dt * 1e3
+
+
+def cross_attend_ms(engine, length: int, batch: int, repeats: int = 50) -> float:
+    """Time (ms) of one decode step's cross-attention calls alone: the paged op over ``batch`` requests'
+    filled cross blocks, once per cross site, as the step runs them."""
+    sv = engine.servable
+    spec = sv.cache_specs[-1]
+    n = sv.step.num_cross_sites
+    bs = engine.block_size
+    per = -(-length // bs)
+    cache = engine.kv_caches[-1]
+    cross = build_cross_metadata([list(range(i * per, (i + 1) * per)) for i in range(batch)], [length] * batch, bs)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    site = next(read_paged(x) for x in sv.step.graph_module.graph.nodes if is_paged_attention(x) and x.args[1] is None)
+    p = site.params  # the decoder step's own cross-attention parameters
+    q = torch.randn(batch, site.query.meta["val"].shape[1], spec.head_size)
+    with use_backend(get_backend("cpu")):
+        op = torch.ops.pagedattn.paged_attention
+        for _ in range(3):
+            op(q, None, None, cache, cross.block_tables, cross.seq_lens, qsl, *p.args())
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            for _ in range(n):
+                op(q, None, None, cache, cross.block_tables, cross.seq_lens, qsl, *p.args())
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n, new = (8, 8) if args.quick else (32, 64)
+    model = build(args.d_model, args.layers, 1024)
+    srcs = sources(n, 16, 128)
+    engine = pagedattn.PagedEngine(model, block_size=16, num_blocks=4096, max_num_tokens=512, eos_token_id=[],
+                                   progress=False)  # no EOS, as the padded batch
+    engine.generate(srcs[:2], max_new_tokens=4)  # warm-up
+    hf_padded(model, srcs[:2], 4)
+    t_hf, ref = hf_padded(model, srcs, new)
+    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, encoder_runs=0, encoder_s=0.0)
+    t_eng, got = engine_run(engine, srcs, new)
+    same = sum(a == b for a, b in zip(got, ref))
+    tokens = n * new
+    log.info("model: BART-like d_model %d, %d+%d layers, %.1f M parameters; torch threads %d",
+             args.d_model, args.layers, args.layers, sum(p.numel() for p in model.parameters()) / 1e6,
+             torch.get_num_threads())
+    log.info("%d requests, sources 16-128 tokens, %d new tokens each", n, new)
+    log.info("HF generate (padded batch): %.2f s, %.0f tok/s", t_hf, tokens / t_hf)
+    log.info("PagedEngine:                %.2f s, %.0f tok/s  (%.2fx; encoder %.2f s in %d runs; %d steps)",
+             t_eng, tokens / t_eng, t_hf / t_eng, engine.stats["encoder_s"], engine.stats["encoder_runs"],
+             engine.stats["steps"])
+    log.info("requests with tokens equal to the padded batch's: %d of %d", same, n)
+    lengths = (16, 64) if args.quick else (16, 64, 256, 512)
+    batch, steps = 8, (4 if args.quick else 20)
+    log.info("decode step, %d requests, by encoder length:", batch)
+    log.info("  L     step ms   cross-attention calls ms")
+    for L in lengths:
+        log.info("  %-5d %7.2f   %7.3f", L, decode_step_ms(engine, L, batch, steps), cross_attend_ms(engine, L, batch))
+
+
+if __name__ == "__main__":
+    main()
