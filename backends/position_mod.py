@@ -18,7 +18,9 @@ Leaves: ``["q"]`` (the query's position), ``["k"]`` (the key's), ``["h"]`` (the 
 ``idiv``/``mod`` (floor division and remainder by a positive divisor), ``neg``, ``lt le gt ge eq ne``,
 ``and or not xor``, ``ite`` (condition, then, else), ``to_real``, ``to_int`` (floor), ``call`` (a float
 function by name, on one argument: ``["call", "log", x]``), ``lut`` (``["lut", kind, x, offset, lo,
-size, default]``: ``tables[offset + x - lo]`` for ``lo <= x < lo + size``, else ``default``) and
+size, default]``: ``tables[offset + x - lo]`` for ``lo <= x < lo + size``, else ``default``), ``tval``
+(``["tval", kind, offset]``: one table value, so that layers differing only in learned values share a
+program) and
 ``table`` (``["table", offset, [sizes...], i0, i1, ...]``: an n-d table, indices clamped into it).
 Integers compute in int64, reals in the program's float dtype (the one the model computed them in,
 so a float rounded to an integer bucket rounds as the model's did).
@@ -35,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["evaluate", "FUNCTIONS", "describe", "has_bias"]
+__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "has_bias"]
 
 # float functions a program may call (what the rewriter keeps opaque in its proofs)
 FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -58,7 +60,9 @@ class _Program:
     nodes: tuple
     allowed: Optional[int]
     bias: Optional[int]
-    dead_after: tuple  # node -> the nodes no later node reads
+    tabled: tuple  # node -> whether it reads the tables (a lookup, or a node after one)
+    dead_after: tuple  # position-only node -> the nodes no later position-only node (nor any lookup) reads
+    dead_after_tabled: tuple  # table-reading node -> the nodes no later node reads
     constants: dict  # node -> its value (CPU), for nodes that read no position
     on_device: dict  # device -> constants there (filled on first use)
 
@@ -85,18 +89,39 @@ def _parse(text: str) -> _Program:
         refs = _refs(n)
         if any(not isinstance(r, int) or not 0 <= r < i for r in refs):
             raise ValueError(f"position program: node {i} refers to a later node")
-    last = {}
-    for i, n in enumerate(nodes):
-        if n[0] not in ("q", "k", "h", "n", "int", "real", "bool"):
-            for r in _refs(n):
-                last[r] = i
+    tabled = _tabled(nodes)
     keep = {d.get("allowed"), d.get("bias")}
-    dead = [[] for _ in nodes]
-    for r, i in last.items():
-        if r not in keep:
-            dead[i].append(r)
     constants = _fold(nodes, dtype)
-    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tuple(tuple(x) for x in dead), constants, {})
+    dead, dead_tabled = _lifetimes(nodes, tabled, keep)
+    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tabled, dead, dead_tabled, constants, {})
+
+
+def _tabled(nodes: tuple) -> tuple:
+    out: list = []
+    for n in nodes:
+        leaf = n[0] in ("q", "k", "h", "n", "int", "real", "bool")
+        out.append(not leaf and (n[0] in ("lut", "table", "tval") or any(out[r] for r in _refs(n))))
+    return tuple(out)
+
+
+def _lifetimes(nodes: tuple, tabled: tuple, keep: set) -> tuple[tuple, tuple]:
+    """When each intermediate can be dropped: in the position-only pass (nodes a lookup reads are
+    kept for :func:`finish`), and in the table pass."""
+    last_plain, last_tabled = {}, {}
+    for i, n in enumerate(nodes):
+        if n[0] in ("q", "k", "h", "n", "int", "real", "bool"):
+            continue
+        for r in _refs(n):
+            (last_tabled if tabled[i] else last_plain)[r] = i
+    dead = [[] for _ in nodes]
+    dead_tabled = [[] for _ in nodes]
+    for r, i in last_plain.items():
+        if r not in keep and r not in last_tabled:
+            dead[i].append(r)
+    for r, i in last_tabled.items():
+        if r not in keep:
+            dead_tabled[i].append(r)
+    return tuple(map(tuple, dead)), tuple(map(tuple, dead_tabled))
 
 
 _LEAVES = ("q", "k", "h", "n")
@@ -108,7 +133,7 @@ def _fold(nodes: tuple, fdt: torch.dtype) -> dict:
     out = {}
     for i, n in enumerate(nodes):
         if n[0] in _LEAVES or (n[0] not in ("int", "real", "bool") and any(r not in out for r in _refs(n))) \
-                or n[0] in ("lut", "table"):
+                or n[0] in ("lut", "table", "tval"):
             env.append(None)
             continue
         env.append(_node(n, env, {}, None, fdt, torch.device("cpu")))
@@ -122,6 +147,8 @@ def _refs(n: tuple) -> list:
         return [n[2]]
     if op == "lut":
         return [n[2], n[6]]
+    if op == "tval":
+        return []
     if op == "table":
         return list(n[3:])
     return list(n[1:])
@@ -143,15 +170,20 @@ def describe(text: str) -> str:
     return "position program (" + ", ".join(parts) + ")"
 
 
-def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int,
-             num_heads: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """The program at every (query, key) pair: ``(allowed [B|1, Q, L] bool or None, bias [B|1, Hq|1, Q, L]
-    float32 or None)``.
+@dataclass(frozen=True)
+class Prepared:
+    """A program evaluated at some positions up to its table lookups: what :func:`finish` completes
+    for any tables. Layers that share a program and a step's positions share one (only the learned
+    tables differ between them), so the position arithmetic runs once per step, not once per layer."""
 
-    ``q_pos [B|1, Q]`` and ``k_pos [B|1, L]`` are positions in the sequence; ``seq_len`` (an int, or
-    ``[B|1]`` / ``[B|1, Q]``) is the length of each query's sequence: every real key lies before it.
-    Keys at or past it get values nobody reads (the caller masks them), never an error.
-    """
+    program: _Program
+    env: tuple  # node -> value, for the nodes finish still needs (None elsewhere)
+    leaves: dict
+    shape: tuple  # (B, 1, Q, L)
+
+
+def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_heads: int) -> Prepared:
+    """The position-only part of :func:`evaluate` (arguments as there)."""
     p = _parse(text)
     dev = q_pos.device
     leaves = {
@@ -165,11 +197,27 @@ def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, 
     consts = p.on_device[dev]
     env: list = []
     for i, n in enumerate(p.nodes):
+        if p.tabled[i]:
+            env.append(None)
+            continue
         c = consts.get(i)
-        env.append(c if c is not None else _node(n, env, leaves, tables, p.float_dtype, dev))
+        env.append(c if c is not None else _node(n, env, leaves, None, p.float_dtype, dev))
         for r in p.dead_after[i]:  # [Q, L]-sized intermediates: keep only those still to be read
             env[r] = None
     shape = (max(q_pos.shape[0], k_pos.shape[0]), 1, q_pos.shape[1], k_pos.shape[1])
+    return Prepared(p, tuple(env), leaves, shape)
+
+
+def finish(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """Complete a prepared program with its tables: :func:`evaluate`'s result."""
+    p, leaves, shape = prepared.program, prepared.leaves, prepared.shape
+    env = list(prepared.env)
+    dev = leaves["q"].device
+    for i, n in enumerate(p.nodes):
+        if p.tabled[i]:
+            env[i] = _node(n, env, leaves, tables, p.float_dtype, dev)
+            for r in p.dead_after_tabled[i]:
+                env[r] = None
     allowed = bias = None
     if p.allowed is not None:
         a = env[p.allowed]
@@ -183,6 +231,18 @@ def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, 
         b = b.to(torch.float32)
         bias = b.expand(shape[0], b.shape[1] if b.dim() == 4 else 1, shape[2], shape[3])
     return allowed, bias
+
+
+def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int,
+             num_heads: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The program at every (query, key) pair: ``(allowed [B|1, Q, L] bool or None, bias [B|1, Hq|1, Q, L]
+    float32 or None)``.
+
+    ``q_pos [B|1, Q]`` and ``k_pos [B|1, L]`` are positions in the sequence; ``seq_len`` (an int, or
+    ``[B|1]`` / ``[B|1, Q]``) is the length of each query's sequence: every real key lies before it.
+    Keys at or past it get values nobody reads (the caller masks them), never an error.
+    """
+    return finish(prepare(text, q_pos, k_pos, seq_len, num_heads), tables)
 
 
 def _lengths(seq_len, dev) -> Tensor:
@@ -218,6 +278,8 @@ def _node(n: tuple, env: list, leaves: dict, tables: Optional[Tensor], fdt: torc
         return x.floor().clamp(-2.0 ** 62, 2.0 ** 62).nan_to_num(0.0).to(torch.long) if x.is_floating_point() else x
     if op == "call":
         return FUNCTIONS[n[1]](env[n[2]].to(fdt))
+    if op == "tval":
+        return _as(tables[n[2]].to(dev), n[1], fdt)
     if op == "lut":
         kind, x, offset, lo, size, default = n[1:]
         idx = env[x] - lo

@@ -29,6 +29,7 @@ bottom-right):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,6 +40,7 @@ from pagedattn.backends import position_mod
 from pagedattn.backends.params import AttentionParams
 
 __all__ = ["query_positions", "visible", "earliest_visible_key", "chunk_runs", "alibi_bias", "score_terms",
+           "PositionTerms", "position_terms", "finish_terms",
            "apply_softcap", "dense_attention"]
 
 
@@ -97,31 +99,55 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return slopes.to(dtype).reshape(-1, 1, 1) * rel[..., None, :, :]
 
 
+@dataclass(frozen=True)
+class PositionTerms:
+    """What a site's non-tensor parameters decide at some positions (see :func:`position_terms`)."""
+
+    q_pos: Tensor  # [B|1, Q]
+    k_pos: Tensor  # [B|1, L]
+    visible: Optional[Tensor]  # [B|1, Q, L]: causal / window / chunk
+    program: Optional[position_mod.Prepared]  # the position program up to its table lookups
+    one_row: bool
+
+
+def position_terms(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int,
+                   seq_len: Optional[Tensor | int] = None) -> PositionTerms:
+    """The part of :func:`score_terms` that reads no tensor parameter (ALiBi slopes, a program's
+    tables): the same for every layer whose parameters differ only in those, so a step computes it once."""
+    one_row = q_pos.dim() == 1
+    if one_row:
+        q_pos, k_pos = q_pos[None], k_pos[None]
+    program = None
+    if params.position_mod:
+        n = k_pos[..., -1:] + 1 if seq_len is None else seq_len
+        program = position_mod.prepare(params.position_mod, q_pos, k_pos, n, num_heads)
+    return PositionTerms(q_pos, k_pos, visible(q_pos, k_pos, params), program, one_row)
+
+
+def finish_terms(terms: PositionTerms, params: AttentionParams) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`score_terms` from its position-only part and the site's tensor parameters."""
+    allowed, bias = terms.visible, None
+    if params.alibi_slopes is not None:
+        bias = alibi_bias(params.alibi_slopes, terms.q_pos, terms.k_pos)
+    if terms.program is not None:
+        m_allowed, m_bias = position_mod.finish(terms.program, params.position_tables)
+        if m_allowed is not None:
+            allowed = m_allowed if allowed is None else allowed & m_allowed
+        if m_bias is not None:
+            bias = m_bias if bias is None else bias + m_bias
+    if terms.one_row:
+        allowed = None if allowed is None else allowed[0]
+        bias = None if bias is None else bias[0]
+    return allowed, bias
+
+
 def score_terms(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int,
                 seq_len: Optional[Tensor | int] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Everything positions decide about a site's scores: ``(visible [B|1, Q, L] bool or None, bias
     [B|1, Hq, Q, L] float32 or None)`` for ``q_pos [B|1, Q]`` / ``k_pos [B|1, L]`` (1-D: one row, and
     results without the row dimension). ``seq_len`` (an int, ``[B|1]`` or ``[B|1, Q]``; default: the
     keys run up to the last one given) is what a position program reads as the sequence's length."""
-    one_row = q_pos.dim() == 1
-    if one_row:
-        q_pos, k_pos = q_pos[None], k_pos[None]
-    allowed = visible(q_pos, k_pos, params)
-    bias = None
-    if params.alibi_slopes is not None:
-        bias = alibi_bias(params.alibi_slopes, q_pos, k_pos)
-    if params.position_mod:
-        n = k_pos[..., -1:] + 1 if seq_len is None else seq_len
-        m_allowed, m_bias = position_mod.evaluate(params.position_mod, params.position_tables, q_pos, k_pos, n,
-                                                  num_heads)
-        if m_allowed is not None:
-            allowed = m_allowed if allowed is None else allowed & m_allowed
-        if m_bias is not None:
-            bias = m_bias if bias is None else bias + m_bias
-    if one_row:
-        allowed = None if allowed is None else allowed[0]
-        bias = None if bias is None else bias[0]
-    return allowed, bias
+    return finish_terms(position_terms(q_pos, k_pos, params, num_heads, seq_len), params)
 
 
 def apply_softcap(scores: Tensor, softcap: float) -> Tensor:

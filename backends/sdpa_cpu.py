@@ -242,8 +242,7 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq],
     _, nb, bs, _, d = kv_cache.shape
     dev = kv_cache.device
     num_kv_heads = params.num_kv_heads
-    group = num_heads // num_kv_heads
-    softcap, alibi_slopes = params.softcap, params.alibi_slopes
+    alibi_slopes = params.alibi_slopes
     block_bytes = 2 * bs * num_kv_heads * d * kv_cache.element_size()  # K and V
     budget = max(1, _GATHER_BUDGET_BYTES // block_bytes)  # blocks gathered per group
     chunk = max(1, budget // max(1, torch.get_num_threads()))  # blocks per chunk, at most
@@ -282,7 +281,7 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq],
     masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
               for a, b, n in bounds]
 
-    num_items, n_max = len(los), max(padded)
+    n_max = max(padded)
     first_t = torch.tensor(firsts, device=dev)
     steps = torch.arange(n_max, device=dev)
     cols = (first_t[:, None] + steps).clamp_(max=block_tables.shape[1] - 1)
@@ -295,26 +294,40 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq],
     else:  # K and V are gathered separately: [K of every chunk, V of every chunk]
         index = blocks[keep]
     rows_t = torch.tensor(rows, device=dev)
-    bias = None
+    terms = present = None
     if alibi_slopes is not None or any(masked) or params.position_mod:
         k_pos = first_t[:, None] * bs + torch.arange(n_max * bs, device=dev)  # [I, Lp] absolute
         q_pos = torch.tensor(ends, device=dev)[:, None]  # [I, 1]
-        ok = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
+        present = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
         # the query's sequence holds ``ends + 1`` keys (what a position program reads as its length)
-        vis, terms = reference.score_terms(q_pos, k_pos, params, num_heads, q_pos[:, 0] + 1)  # [I, 1, Lp]
-        if vis is not None:
-            ok = ok & vis[:, 0]
-        if terms is not None:  # [I, Hq|1, 1, Lp]
-            heads = terms.shape[1]
-            bias = terms.reshape(num_items, num_kv_heads if heads > 1 else 1, group if heads > 1 else 1, -1)
-        else:
-            bias = torch.zeros((num_items, 1, 1, n_max * bs), device=dev)
-        bias = bias.float().masked_fill(~ok[:, None, None, :], float("-inf"))
-        if softcap <= 0:
-            bias = bias.to(dtype)
-    return _DecodePlan(tuple(bounds), tuple(masked), index, flat_cache, tuple(rows), rows_t, bias,
+        terms = reference.position_terms(q_pos, k_pos, params, num_heads, q_pos[:, 0] + 1)  # [I, 1, Lp]
+    plan = _DecodePlan(tuple(bounds), tuple(masked), index, flat_cache, tuple(rows), rows_t, None,
                        torch.tensor(sorted(set(rows)), device=dev),
-                       alibi_slopes is not None or bool(params.position_mod))
+                       alibi_slopes is not None or bool(params.position_mod), terms, present)
+    if not _tensor_fields(params):  # the bias depends on nothing a layer holds: one for the whole step
+        plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
+    return plan
+
+
+def _plan_bias(plan: "_DecodePlan", params: AttentionParams, num_heads: int, dtype: torch.dtype) -> Optional[Tensor]:
+    """The additive mask / bias ``[chunks, Hkv or 1, G or 1, keys]`` of a plan's chunks for one site."""
+    if plan.terms is None:
+        return None
+    num_items, width = plan.present.shape
+    vis, terms = reference.finish_terms(plan.terms, params)
+    ok = plan.present if vis is None else plan.present & vis[:, 0]
+    if terms is not None:  # [I, Hq|1, 1, Lp]
+        heads, kv = terms.shape[1], params.num_kv_heads
+        bias = terms.reshape(num_items, kv if heads > 1 else 1, num_heads // kv if heads > 1 else 1, width)
+    else:
+        bias = torch.zeros((num_items, 1, 1, width), device=ok.device)
+    bias = bias.float().masked_fill(~ok[:, None, None, :], float("-inf"))
+    return bias.to(dtype) if params.softcap <= 0 else bias
+
+
+def _tensor_fields(params: AttentionParams) -> tuple:
+    """The site's tensor parameters (ALiBi slopes, sinks, a program's tables): they differ per layer."""
+    return tuple(f.name for f in dataclasses.fields(params) if isinstance(getattr(params, f.name), Tensor))
 
 
 @dataclass(frozen=True)
@@ -327,29 +340,35 @@ class _DecodePlan:
     flat_cache: bool  # K and V gathered by one index over the cache seen as 2 * num_blocks blocks
     rows: tuple  # each chunk's query row
     rows_t: Tensor
-    bias: Optional[Tensor]  # [chunks, Hkv or 1, G or 1, keys] additive mask / ALiBi bias
+    bias: Optional[Tensor]  # [chunks, Hkv or 1, G or 1, keys] additive mask / bias (None: per site)
     uniq: Tensor  # the query rows, each once, sorted
     biased: bool = False  # the bias adds values (ALiBi, a position program): every group applies it
+    terms: Optional[reference.PositionTerms] = None  # what positions decide, for the bias
+    present: Optional[Tensor] = None  # [chunks, keys]: the gathered keys that exist
 
 
 def _decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], params: AttentionParams,
                  num_heads: int, dtype: torch.dtype) -> Optional[_DecodePlan]:
     """``_build_decode_plan``, memoised for one step: every layer of a step passes the same block table
     tensor (unchanged) and sequences, and at decode sizes building the plan (Python and a dozen small
-    index ops) costs about what the attention does. Sites whose parameters hold tensors (ALiBi slopes
-    differ per site) are not memoised."""
-    fields = tuple(getattr(params, f.name) for f in dataclasses.fields(params))
-    if any(isinstance(v, Tensor) for v in fields):
-        return _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+    index ops, a position program's arithmetic) costs about what the attention does. A site's tensor
+    parameters (ALiBi slopes, a program's tables: they differ per layer) are applied per call, in
+    :func:`_plan_bias`; the memo keys on which of them are set."""
+    fields = tuple(v is None if isinstance(v, Tensor) or v is None else v
+                   for v in (getattr(params, f.name) for f in dataclasses.fields(params)))
     key = (tuple((s.index, s.start, s.q_len, s.kv_len) for s in seqs), fields, tuple(kv_cache.shape),
            kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
            block_tables._version)
-    memo = getattr(_LOCAL, "decode_plan", None)
-    # the memo holds the block table itself, so a later tensor cannot take over its id
-    if memo is not None and memo[0] is block_tables and memo[1] == key:
-        return memo[2]
-    plan = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
-    _LOCAL.decode_plan = (block_tables, key, plan)
+    memo = getattr(_LOCAL, "decode_plans", None)
+    # the memo holds the block table itself, so a later tensor cannot take over its id; it keeps the
+    # plans of one step (layers may alternate between parameters, e.g. sliding and global attention)
+    if memo is None or memo[0] is not block_tables or len(memo[1]) > 8:
+        memo = _LOCAL.decode_plans = (block_tables, {})
+    plan = memo[1].get(key)
+    if plan is None and key not in memo[1]:
+        plan = memo[1][key] = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+    if plan is not None and plan.bias is None and plan.terms is not None:
+        plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
     return plan
 
 

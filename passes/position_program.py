@@ -287,8 +287,15 @@ class _Compiler:
             missing = [c for c in range(lo, hi + 1) if c not in pairs]
             if missing:
                 return None
-        at = self.table(values)
-        return self.add(["lut", kind, self.emit(x), at, lo, hi - lo + 1, self.emit(rest)])
+        size = hi - lo + 1
+        if default is not None and default[0] == kind:
+            # a constant default (an embedding's last row, say) travels in the tables too: layers whose
+            # programs differ only in learned values then share one program text
+            at = self.table(torch.cat((values, torch.tensor([float(default[1])], dtype=torch.float64))))
+            other = self.add(["tval", kind, at + size])
+        else:
+            at, other = self.table(values), self.emit(rest)
+        return self.add(["lut", kind, self.emit(x), at, lo, size, other])
 
 
 def _value(e) -> Optional[tuple]:

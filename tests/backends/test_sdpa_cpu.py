@@ -96,6 +96,23 @@ def test_a_position_program_differs_from_the_causal_reading():
     assert not torch.allclose(out[:n].double(), reference_step(b, 0.125), atol=1e-3)
 
 
+@pytest.mark.parametrize("mod", ["bucket_bias", "alibi"])
+def test_sites_sharing_a_program_share_the_step_plan_with_their_own_tables(monkeypatch, mod):
+    # layers whose parameters differ only in tensors (a program's learned tables, ALiBi slopes) build the
+    # decode plan once a step; each still gets the bias of its own tensors
+    from pagedattn.backends import sdpa_cpu
+
+    builds = []
+    real = sdpa_cpu._build_decode_plan
+    monkeypatch.setattr(sdpa_cpu, "_build_decode_plan", lambda *a: builds.append(1) or real(*a))
+    b = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2)
+    tables = (BUCKET_TABLE, BUCKET_TABLE.flip(0) * 2, BUCKET_TABLE)
+    for t in tables:
+        feature = {"mod": (BUCKET_BIAS_MOD, t)} if mod == "bucket_bias" else {"alibi": t[:4].abs()}
+        _check(b, torch.float32, causal=mod == "alibi", **feature)
+    assert len(builds) == 1
+
+
 @pytest.mark.parametrize("shape", ["all_decode", "many_blocks", "chunked"])
 def test_sinks_over_split_decode(shape, monkeypatch):
     # long decodes are attended in chunks merged by log-sum-exp: the sink joins that merge

@@ -469,3 +469,19 @@ def test_position_programs_through_the_engine_past_every_probe(name):
         x = torch.tensor([prompts[0]])
         assert (m(x)[0, -1] - plain().eval()(x)[0, -1]).abs().max() > 1e-2
     assert engine.generate(prompts, max_new_tokens=4) == want
+
+
+def test_layers_differing_only_in_learned_tables_share_one_program():
+    # two T5 layers: the same bucket arithmetic, their own learned biases (an embedding whose last row is
+    # the lookup's default): one program text, so the backends run the position arithmetic once a step
+    from pagedattn.passes.canonical import read_paged
+
+    torch.manual_seed(0)
+    m = nn.Sequential(zoo.T5RelativeBias(), zoo.T5RelativeBias()).eval()
+    rm = _rewrite(m)
+    sites = [read_paged(n).params for n in rm.graph_module.graph.nodes
+             if n.target is torch.ops.pagedattn.paged_attention.default]
+    assert len(sites) == 2 and sites[0].position_mod and sites[0].position_mod == sites[1].position_mod
+    assert '"tval"' in sites[0].position_mod
+    assert sites[0].position_tables is not sites[1].position_tables
+    _dropin_matches(m, rm, 150)
