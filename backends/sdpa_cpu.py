@@ -359,17 +359,34 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], param
     key = (tuple((s.index, s.start, s.q_len, s.kv_len) for s in seqs), fields, tuple(kv_cache.shape),
            kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
            block_tables._version)
-    memo = getattr(_LOCAL, "decode_plans", None)
-    # the memo holds the block table itself, so a later tensor cannot take over its id; it keeps the
-    # plans of one step (layers may alternate between parameters, e.g. sliding and global attention)
-    if memo is None or memo[0] is not block_tables or len(memo[1]) > 8:
-        memo = _LOCAL.decode_plans = (block_tables, {})
-    plan = memo[1].get(key)
-    if plan is None and key not in memo[1]:
-        plan = memo[1][key] = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+    plans = _step_plans(block_tables)
+    plan = plans.get(key)
+    if plan is None and key not in plans:
+        plan = plans[key] = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
     if plan is not None and plan.bias is None and plan.terms is not None:
         plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
     return plan
+
+
+def _step_plans(block_tables: Tensor) -> dict:
+    """The plans memoised for one block table tensor (a step's; an encoder-decoder's step passes two,
+    its own and the cross-attention one, alternating layer by layer). The memo holds the tensors
+    themselves, so a later tensor cannot take over an id; it keeps the last few tables, and a few plans
+    per table (layers may alternate between parameters, e.g. sliding and global attention)."""
+    memo = _LOCAL.__dict__.setdefault("decode_plans", [])
+    for i, (t, plans) in enumerate(memo):
+        if t is block_tables:
+            if i:
+                memo.insert(0, memo.pop(i))
+            if len(plans) > 8:
+                plans.clear()
+            return plans
+    memo.insert(0, (block_tables, {}))
+    del memo[_MEMO_TABLES:]
+    return memo[0][1]
+
+
+_MEMO_TABLES = 4
 
 
 def _kv_views(ws: Tensor, g: int, span: int, chunk_stride: int, k_off: int, v_off: int) -> tuple[Tensor, Tensor]:

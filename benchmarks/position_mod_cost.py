@@ -3,10 +3,15 @@
 Two models with the same weights: a stack of T5-style decoder layers (bucketed relative bias, causal:
 no fast kind, so served by its position program, evaluated for each step's positions) and the same
 stack with a plain causal mask (the CPU backend's flash-decoding). Each engine prefills ``--batch``
-prompts of ``--context`` tokens, then decode steps are timed (median of ``--steps``), in this process.
-Also prints the rewrite time, most of it the proof that the bias depends on positions only.
+prompts of ``--context`` tokens, then decode steps of the two engines are timed alternately (so that
+both see the same machine load), median and fastest of ``--steps``.
 
-    python benchmarks/position_mod_cost.py [--context 2048] [--batch 1] [--layers 4]
+Then the rewrite time against the number of layers, most of it the proof that the bias depends on
+positions only: causal, T5 buckets with each layer's own bucket program and table (a proof per layer:
+the programs differ in their tables), and T5 buckets computed once and shared by every layer (as Hugging
+Face's T5 passes layer 0's ``position_bias`` on: one distinct mask program, one proof).
+
+    python benchmarks/position_mod_cost.py [--context 2048] [--batch 1,8] [--layers 4] [--sweep 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 import torch
 from torch import nn
 
+import pagedattn
 from pagedattn import PagedEngine, SamplingParams
 
 C, H, VOCAB = 256, 4, 512
@@ -41,66 +47,94 @@ class Layer(nn.Module):
                          * (self.buckets - exact)).to(torch.long)
         return torch.where(n < exact, n, torch.min(large, torch.full_like(large, self.buckets - 1)))
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(self.n1(x)).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
         s = q @ k.transpose(-1, -2) * D ** -0.5
         rel = torch.arange(T)[None, :] - torch.arange(T)[:, None]
         if self.t5:
             s = s + self.rel(self.bucket(rel)).permute(2, 0, 1)
+        if bias is not None:
+            s = s + bias
         s = s.masked_fill(rel > 0, float("-inf"))
         x = x + self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.n2(x))
 
 
 class LM(nn.Module):
-    def __init__(self, layers: int, t5: bool):
+    def __init__(self, layers: int, t5: bool, shared: bool = False):
         super().__init__()
         torch.manual_seed(0)
+        self.shared = shared
         self.emb, self.head = nn.Embedding(VOCAB, C), nn.Linear(C, VOCAB)
-        self.layers = nn.ModuleList(Layer(t5) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(t5 and not shared) for _ in range(layers))
+        self.bias = Layer(True) if shared else None  # its bucket function and table only
 
     def forward(self, input_ids):
         x = self.emb(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        if self.shared:
+            T = x.shape[1]
+            rel = torch.arange(T)[None, :] - torch.arange(T)[:, None]
+            bias = self.bias.rel(self.bias.bucket(rel)).permute(2, 0, 1)  # [H, T, T], once for every layer
+            for layer in self.layers:
+                x = layer(x, bias)
+        else:
+            for layer in self.layers:
+                x = layer(x)
         return self.head(x)
 
 
-def decode_step_s(model: nn.Module, context: int, batch: int, steps: int) -> tuple[float, float]:
-    """(rewrite seconds, median decode-step seconds)."""
-    t0 = time.perf_counter()
-    engine = PagedEngine(model, block_size=16, max_num_tokens=2048, compile=False)
-    rewrite_s = time.perf_counter() - t0
+def engine_at_context(model: nn.Module, context: int, batch: int, steps: int) -> PagedEngine:
+    """An engine whose ``batch`` requests have prefilled ``context`` tokens and have ``steps`` decodes left."""
+    engine = PagedEngine(model, block_size=16, max_num_tokens=2048, compile=False, progress=False)
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
         engine.add_request(torch.randint(0, VOCAB, (context,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=steps + 8))
     while engine.scheduler.waiting or any(r.num_pending > 1 for r in engine.scheduler.running):
         engine.step()  # prefill (and the first decodes)
-    times = []
+    return engine
+
+
+def decode_steps(engines: list, steps: int) -> list[list[float]]:
+    """Seconds per decode step of each engine, the engines stepped in turn."""
+    times = [[] for _ in engines]
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return rewrite_s, statistics.median(times)
+        for e, t in zip(engines, times):
+            t0 = time.perf_counter()
+            e.step()
+            t.append(time.perf_counter() - t0)
+    return times
+
+
+def rewrite_s(model: nn.Module) -> float:
+    t0 = time.perf_counter()
+    pagedattn.rewrite(model.eval(), (torch.randint(0, VOCAB, (1, 8)),))
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--sweep", default="1,2,4,8", help="layer counts for the rewrite times ('' to skip)")
     a = p.parse_args(argv)
+    print(f"hidden {C}, {H} heads, {a.layers} layers, context {a.context}, {torch.get_num_threads()} threads")
     with torch.no_grad():
-        r_causal, causal = decode_step_s(LM(a.layers, t5=False).eval(), a.context, a.batch, a.steps)
-        r_t5, t5 = decode_step_s(LM(a.layers, t5=True).eval(), a.context, a.batch, a.steps)
-    print(f"{a.layers} layers, hidden {C}, {H} heads, batch {a.batch}, context {a.context}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"rewrite: causal {r_causal:.2f} s, T5 buckets {r_t5:.2f} s (the proof of the position program)")
-    print(f"decode step: causal (fast path) {causal * 1e3:.2f} ms, T5 buckets (position program) {t5 * 1e3:.2f} ms, "
-          f"ratio {t5 / causal:.2f}x (target <= 1.5x)")
+        for batch in (int(b) for b in a.batch.split(",")):
+            engines = [engine_at_context(LM(a.layers, t5=t5).eval(), a.context, batch, a.steps) for t5 in (False, True)]
+            causal, t5 = decode_steps(engines, a.steps)
+            mc, mt = statistics.median(causal), statistics.median(t5)
+            print(f"batch {batch}: decode step causal (fast path) median {mc * 1e3:.2f} ms / fastest "
+                  f"{min(causal) * 1e3:.2f} ms; T5 buckets (position program) {mt * 1e3:.2f} / {min(t5) * 1e3:.2f} ms; "
+                  f"ratio {mt / mc:.2f}x median, {min(t5) / min(causal):.2f}x fastest (target <= 1.5x)")
+            del engines
+    for n in (int(x) for x in a.sweep.split(",") if x):
+        times = [rewrite_s(LM(n, t5=t5, shared=shared)) for t5, shared in ((False, False), (True, False), (True, True))]
+        print(f"rewrite, {n} layers: causal {times[0]:.2f} s, T5 per-layer programs {times[1]:.2f} s, "
+              f"T5 shared program {times[2]:.2f} s")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,21 @@ def test_sites_sharing_a_program_share_the_step_plan_with_their_own_tables(monke
     assert len(builds) == 1
 
 
+def test_steps_alternating_two_block_tables_keep_both_plans(monkeypatch):
+    # an encoder-decoder's step: self-attention and cross-attention layers alternate between two block
+    # tables; each keeps its plan for the whole step
+    from pagedattn.backends import sdpa_cpu
+
+    builds = []
+    real = sdpa_cpu._build_decode_plan
+    monkeypatch.setattr(sdpa_cpu, "_build_decode_plan", lambda *a: builds.append(1) or real(*a))
+    one = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2, generator=torch.Generator().manual_seed(1))
+    two = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2, generator=torch.Generator().manual_seed(2))
+    for b in (one, two, one, two, one):
+        _check(b, torch.float32)
+    assert len(builds) == 2
+
+
 @pytest.mark.parametrize("shape", ["all_decode", "many_blocks", "chunked"])
 def test_sinks_over_split_decode(shape, monkeypatch):
     # long decodes are attended in chunks merged by log-sum-exp: the sink joins that merge
