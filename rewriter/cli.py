@@ -552,6 +552,41 @@ def _serve_model(args):
     return ck.model, ck.tokenizer, name, _check_target(args.target), args.block_size
 
 
+def _serve_tokenizer(args):
+    """(tokenizer or None, served name) without loading the model: the server's process needs no more (the
+    engine process loads the model)."""
+    spec = args.model
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
+        info, _ = _read_out(spec)
+        return _tokenizer(spec, info), os.path.basename(os.path.abspath(spec))
+    from pagedattn import checkpoint as ckpt_mod
+
+    try:
+        kind, path = ckpt_mod.resolve(spec)
+    except ckpt_mod.CheckpointError as e:
+        raise CliError(str(e)) from e
+    if kind != "hf":
+        raise CliError(f"{spec} is a torch.export program: rewrite it first (rewrite-model {spec} -o OUT) and "
+                       "serve OUT")
+    return ckpt_mod._tokenizer(path), spec if _is_demo(spec) else os.path.basename(os.path.abspath(spec))
+
+
+def _serve_engine(args):
+    """The engine ``rewrite-model serve`` serves; runs in the engine process (a ``CliError`` says what is wrong)."""
+    import torch
+
+    import pagedattn
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _tok, _name, target, block_size = _serve_model(args)
+    try:
+        return pagedattn.PagedEngine(model, target=target, block_size=block_size, num_blocks=args.num_blocks,
+                                     max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+
+
 def cmd_serve(args) -> None:
     _check_serve_args(args)
     try:
@@ -559,11 +594,10 @@ def cmd_serve(args) -> None:
     except ImportError as e:
         raise CliError(f"rewrite-model serve needs fastapi, uvicorn and prometheus-client ({e}); "
                        "pip install 'pagedattn[serve]'") from e
+    import functools
     import signal
 
     import torch
-
-    import pagedattn
 
     template = None
     if args.chat_template:
@@ -579,15 +613,15 @@ def cmd_serve(args) -> None:
     except OSError as e:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}; pick another --port") from e
     try:
-        model, tok, name, target, block_size = _serve_model(args)
-        try:
-            engine = pagedattn.PagedEngine(model, target=target, block_size=block_size, num_blocks=args.num_blocks,
-                                           max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens)
-        except ValueError as e:
-            raise CliError(str(e)) from e
+        tok, name = _serve_tokenizer(args)
         config = serve.ServeConfig(model_name=args.served_model_name or name, max_queue=args.max_queue,
                                    max_model_len=args.max_model_len, chat_template=template)
-        app = serve.create_app(engine, tok, config)
+        # the engine steps in a process of its own (it loads, rewrites and compiles the model there)
+        engine = serve.EngineProcess(functools.partial(_serve_engine, args))
+        try:
+            app = serve.create_app(engine, tok, config)
+        except serve.EngineStartError as e:
+            raise CliError(str(e).removeprefix("the engine could not be built: CliError: ")) from e
         host, port = sock.getsockname()[:2]
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/v1"
         print(f"serving {config.model_name} on {url} (OpenAI API: /v1/completions, /v1/chat/completions; "
@@ -603,7 +637,10 @@ def cmd_serve(args) -> None:
             signal.signal(signal.SIGTERM, term)
     finally:
         sock.close()
-    print(f"stopped: {engine.blocks.num_free} of {engine.num_blocks} KV blocks free", flush=True)
+    loop = app.state.engine_loop
+    final = loop.final
+    free = f"{loop.info.num_blocks - final.blocks_used}" if final is not None else "unknown (the engine died)"
+    print(f"stopped: {free} of {loop.info.num_blocks} KV blocks free", flush=True)
 
 
 # ----------------------------------------------------------------------------- ONNX

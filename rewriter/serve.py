@@ -3,19 +3,24 @@
     app = create_app(engine, tokenizer, ServeConfig(model_name="demo"))
     run(app, bind("127.0.0.1", 8000))
 
-One background thread (:class:`EngineLoop`) steps the engine. The server's event loop adds and aborts
-requests through the engine's thread-safe ``add_request``/``abort`` and receives each request's new tokens
-once per step. Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``
-as server-sent events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus). Errors are
-OpenAI-shaped JSON, ``{"error": {"message", "type", "param", "code"}}``: 4xx naming the problem for bad
-requests, 503 when the waiting queue is full or the server is shutting down. A client that disconnects
-aborts its request (its KV blocks are freed at once).
+The engine steps in a process of its own (:class:`~pagedattn.serve_engine.EngineProcess`, what
+``rewrite-model serve`` runs; or, for an engine built in this process, in a thread). The server's event loop
+(:class:`EngineLoop`) sends it requests and aborts and receives one message per engine step with every
+request's new tokens, which it fans out to the requests' streams.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` as server-sent
+events), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus). Errors are OpenAI-shaped
+JSON, ``{"error": {"message", "type", "param", "code"}}``: 4xx naming the problem for bad requests, 503 when
+the waiting queue is full, the server is shutting down or the engine process has died (requests in flight
+when it died get a 500). A client that disconnects aborts its request (its KV blocks are freed between
+steps).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -35,11 +40,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedattn.runtime.engine import PagedEngine
 from pagedattn.runtime.scheduler import SamplingParams
+from pagedattn.serve_engine import (
+    EngineDead,
+    EngineInfo,
+    EngineProcess,
+    EngineStartError,
+    EngineThread,
+    Gauges,
+    max_model_len,
+)
 
 log = logging.getLogger("pagedattn.serve")
 
-__all__ = ["ServeConfig", "ApiError", "TextStream", "EngineLoop", "Metrics", "create_app", "bind", "run",
-           "BackgroundServer", "chat_prompt_ids", "completion_prompt_ids", "max_model_len"]
+__all__ = ["ServeConfig", "ApiError", "TextStream", "EngineLoop", "EngineProcess", "EngineStartError", "Metrics",
+           "create_app", "bind", "run", "BackgroundServer", "chat_prompt_ids", "completion_prompt_ids",
+           "max_model_len"]
 
 MAX_STOPS = 4  # as the OpenAI API allows
 RATE_WINDOW_S = 5.0  # tokens/s gauge: output tokens of the last this many seconds
@@ -258,14 +273,6 @@ def sampling_params(req: _Common, max_tokens: Optional[int], prompt_len: int, ro
                           seed=req.seed)
 
 
-def max_model_len(engine: PagedEngine) -> Optional[int]:
-    """The longest sequence the engine's paged kernels accept: the shortest length a rewritten site's mask is
-    established for (None: every length)."""
-    limits = [r.get("mask_up_to") for r in getattr(engine.model, "report", None) or []
-              if r.get("status") == "rewritten" and r.get("mask_up_to")]
-    return min(limits) if limits else None
-
-
 # ----------------------------------------------------------------------------- detokenizing
 
 
@@ -400,74 +407,100 @@ class _Rate:
 
 
 class EngineLoop:
-    """Steps a ``PagedEngine`` in one background thread and hands each request's new tokens to its asyncio queue.
+    """The server's side of the engine: requests in flight, each with an asyncio queue of its events.
 
-    :meth:`submit` and :meth:`abort` are called from the event loop; they never wait for a step. At most
-    ``engine.scheduler.max_num_seqs + max_queue`` requests are in flight; :meth:`submit` answers 503 beyond.
-    Events on a request's queue: ``("tokens", ids)``, then ``("finish", reason)``, or ``("error", message)``, or
+    ``engine`` is an :class:`~pagedattn.serve_engine.EngineProcess` (the engine steps in a process of its own)
+    or a ``PagedEngine`` of this process (it steps in a thread: :class:`~pagedattn.serve_engine.EngineThread`).
+    :meth:`submit` and :meth:`abort` are called from the event loop and never wait for a step. The engine sends
+    one message per step with every request's new tokens; :meth:`_on_message` fans it out to the requests'
+    queues. At most ``max_num_seqs + max_queue`` requests are in flight; :meth:`submit` answers 503 beyond.
+    Events on a request's queue: ``("tokens", ids)``, then ``("finish", reason)``; or ``("error", status, message,
+    param)`` (400: the engine refused the request; 500: a step failed or the engine process died); or
     ``("aborted", why)`` when the server aborts it (shutdown).
     """
 
-    def __init__(self, engine: PagedEngine, metrics: Metrics, max_queue: int = 256):
+    def __init__(self, engine: PagedEngine | EngineProcess, metrics: Metrics, max_queue: int = 256):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.engine, self.metrics = engine, metrics
-        self.capacity = engine.scheduler.max_num_seqs + max_queue
+        self.transport = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
+        self.metrics = metrics
+        self.info: EngineInfo = self.transport.start()  # an engine process: blocks until it is built
+        self.capacity = self.info.max_num_seqs + max_queue
+        self.gauges = Gauges(0, 0, 0, False, 0)  # the engine's latest
+        self.final: Optional[Gauges] = None  # the engine's state as it stopped
+        self.dead: Optional[str] = None  # why the engine is gone (its process died)
         self._streams: dict[int, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams between the event loop and the loop thread
-        self._wake = threading.Event()
-        self._halt = threading.Event()
-        self._resume = threading.Event()
-        self._resume.set()
+        self._ids = itertools.count()
+        self._sent = 0  # commands sent (the engine reports how many it applied)
         self._stopping = False
-        self._thread: Optional[threading.Thread] = None
         self._aio: Optional[asyncio.AbstractEventLoop] = None
         self._rate = _Rate()
-        metrics.kv_blocks_total.set(engine.num_blocks)
+        metrics.kv_blocks_total.set(self.info.num_blocks)
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight, and the engine's latest state (after every command sent) holds no request and no
+        block: what tests and health checks wait for."""
+        g = self.gauges
+        return not self._streams and g.applied == self._sent and not g.unfinished and g.blocks_used == 0
+
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         self._aio = aio_loop
-        self._thread = threading.Thread(target=self._run, name="pagedattn-engine-loop", daemon=True)
-        self._thread.start()
+        self.transport.attach(aio_loop, self._on_message, self._on_dead)
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> _Stream:
-        """Add a request; raises :class:`ApiError` (400 for a request the engine refuses, 503 when full)."""
-        why = self.engine.validate(prompt, params)
-        if why:
-            raise ApiError(400, why, "prompt")
+    def _send(self, command: tuple) -> None:
+        self._sent += 1
+        try:
+            self.transport.send(command)
+        except EngineDead as e:
+            self._on_dead(str(e))
+
+    def submit(self, prompt: list[int], params: SamplingParams, room: Optional[int] = None) -> _Stream:
+        """Add a request; raises :class:`ApiError` (503 when full, shutting down or the engine is gone). The engine
+        refuses a request it cannot serve with a 400 event (see :class:`EngineLoop`)."""
+        if self.dead:
+            raise ApiError(503, f"the engine is not running ({self.dead}); retry on another server",
+                           code="engine_dead")
         if self._stopping:
             raise ApiError(503, "the server is shutting down; retry on another server", code="shutting_down")
         if len(self._streams) >= self.capacity:
             raise ApiError(503, f"the server is at capacity ({len(self._streams)} requests in flight, "
-                                f"{self.engine.scheduler.max_num_seqs} generating at a time and the rest queued); "
+                                f"{self.info.max_num_seqs} generating at a time and the rest queued); "
                                 "retry later", code="overloaded")
-        with self._lock:  # registered before the loop thread can see it finish
-            rid = self.engine.add_request(prompt, params)
-            stream = self._streams[rid] = _Stream(rid, asyncio.Queue(), time.perf_counter())
+        stream = _Stream(next(self._ids), asyncio.Queue(), time.perf_counter())
+        self._streams[stream.rid] = stream
+        self._send(("add", stream.rid, prompt, params, room))
         self.metrics.prompt_tokens.inc(len(prompt))
-        self._wake.set()
         return stream
 
     def abort(self, stream: _Stream, why: str = "aborted", reason: str = "abort") -> None:
-        """Stop a request whose client went away or that hit a stop string (call it from the event loop); its
-        blocks are freed as soon as no step is running. Idempotent: a finished request is left alone.
-        ``reason`` is the finish reason the metrics count it under."""
-        with self._lock:
-            if self._streams.pop(stream.rid, None) is None:
-                return
-        self.engine.abort(stream.rid)
+        """Stop a request whose client went away or that hit a stop string (call it from the event loop); the
+        engine frees its blocks between steps. Idempotent: a finished request is left alone. ``reason`` is the
+        finish reason the metrics count it under."""
+        if self._streams.pop(stream.rid, None) is None:
+            return
         self.metrics.finished.labels(reason).inc()
         stream.queue.put_nowait(("aborted", why))  # whoever still reads the request's events stops
-        self._wake.set()
+        if not self.dead:
+            self._send(("abort", stream.rid))
 
     async def events(self, stream: _Stream) -> AsyncIterator[tuple]:
-        """The request's events, up to and including its last."""
+        """The request's events, up to and including its last. Token events already queued come as one (a reader
+        that fell behind catches up in one chunk instead of one per step)."""
+        queue = stream.queue
         while True:
-            event = await stream.queue.get()
+            event = await queue.get()
+            while event[0] == "tokens" and not queue.empty():
+                nxt = queue.get_nowait()
+                if nxt[0] != "tokens":
+                    yield event
+                    event = nxt
+                    break
+                event = ("tokens", event[1] + nxt[1])
             yield event
             if event[0] != "tokens":
                 return
@@ -475,13 +508,22 @@ class EngineLoop:
     @contextlib.contextmanager
     def paused(self):
         """Hold the engine between steps (requests are admitted and wait; nothing is generated), e.g. to fill
-        the queue in a test or for maintenance."""
-        self._resume.clear()
+        the queue in a test or for maintenance. Callable from any thread."""
+        self._command_from_any_thread(("pause",))
         try:
             yield
         finally:
-            self._resume.set()
-            self._wake.set()
+            self._command_from_any_thread(("resume",))
+
+    def _command_from_any_thread(self, command: tuple) -> None:
+        done = threading.Event()
+
+        def send():
+            self._send(command)
+            done.set()
+
+        self._aio.call_soon_threadsafe(send)
+        done.wait(10)
 
     def drain(self, grace: float) -> None:
         """Start a graceful shutdown (call it from the event loop): new requests get 503 at once, and the ones in
@@ -494,68 +536,46 @@ class EngineLoop:
         for stream in list(self._streams.values()):
             self.abort(stream, "the server shut down before the request finished")
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, abort those in flight (their clients get an ``aborted`` event), end the thread."""
+    def stop(self, timeout: float = 30.0) -> Optional[Gauges]:
+        """Refuse new requests, abort those in flight (their clients get an ``aborted`` event) and stop the engine
+        (its process ends); the engine's final state."""
         self._stopping = True
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            self.engine.abort(stream.rid)
-            self.metrics.finished.labels("abort").inc()
-            stream.queue.put_nowait(("aborted", "the server shut down before the request finished"))
-        self._halt.set()
-        self._resume.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self.engine.has_unfinished():
-            log.warning("the engine loop stopped with requests unfinished")
-        log.info("engine loop stopped: %d of %d KV blocks free", self.engine.blocks.num_free, self.engine.num_blocks)
+        self._abort_all()
+        self.final = self.transport.close(timeout)
+        if self.final is None:
+            log.warning("the engine stopped without reporting its state (%s)", self.dead or "it did not answer")
+        elif self.final.unfinished or self.final.blocks_used:
+            log.warning("the engine stopped with requests unfinished or blocks in use: %s", self.final)
+        else:
+            log.info("engine stopped: %d of %d KV blocks free", self.info.num_blocks - self.final.blocks_used,
+                     self.info.num_blocks)
+        return self.final
 
-    # --- the loop thread
+    # --- messages from the engine, on the event loop
 
-    def _run(self) -> None:
-        while not self._halt.is_set():
-            if not self._resume.is_set() or not self.engine.has_unfinished():
-                self._wake.wait(0.1)
-                self._wake.clear()
-                self._update_gauges(time.perf_counter(), 0)
-                continue
-            try:
-                self.engine.step()
-                self._publish()
-            except Exception as e:  # never let one bad step end the loop: fail what is in flight, go on
-                log.exception("engine step failed")
-                self._fail_all(f"the engine failed: {type(e).__name__}: {_first_line(e)}")
-
-    def _publish(self) -> None:
+    def _on_message(self, msg: tuple) -> None:
+        """One step's (or one batch of commands') news: each request's tokens, ends and refusals."""
+        if msg[0] != "out":
+            log.warning("unexpected message from the engine: %r", msg[0])
+            return
+        _, entries, gauges = msg
         now = time.perf_counter()
-        finished = self.engine.collect()
-        with self._lock:
-            progress = self.engine.unfinished_outputs({rid: s.sent for rid, s in self._streams.items()})
-        batch: list[tuple[_Stream, tuple]] = []
         new_tokens = 0
-        with self._lock:
-            for out in finished:
-                stream = self._streams.pop(out.request_id, None)
-                if stream is None:  # aborted by the server: nobody waits for it
-                    continue
-                new_tokens += self._advance(stream, out.tokens[stream.sent:], now, batch)
-                batch.append((stream, ("finish", out.finish_reason)))
-                self.metrics.finished.labels(out.finish_reason).inc()
-                self.metrics.e2e.observe(now - stream.t_submit)
-            for rid, new in progress.items():
-                stream = self._streams.get(rid)
-                if stream is not None and new:
-                    new_tokens += self._advance(stream, new, now, batch)
-        if batch:
-            self._aio.call_soon_threadsafe(_deliver, batch)
+        for cid, tokens, finish, error in entries:
+            stream = self._streams.get(cid)
+            if stream is None:  # aborted by the server meanwhile: nobody waits for it
+                continue
+            if tokens:
+                new_tokens += self._advance(stream, tokens, now)
+            if error is not None:
+                self._end(stream, ("error", *error), "error" if error[0] >= 500 else "rejected", now)
+            elif finish is not None:
+                self._end(stream, ("finish", finish), finish, now)
+        self.gauges = gauges
         self._update_gauges(now, new_tokens)
 
-    def _advance(self, stream: _Stream, new: list[int], now: float, batch: list) -> int:
-        """Hand ``new`` tokens (those past ``stream.sent``) to the stream; observe its latencies."""
-        if not new:
-            return 0
+    def _advance(self, stream: _Stream, new: list[int], now: float) -> int:
+        """Hand ``new`` tokens to the stream; observe its latencies."""
         if stream.sent == 0:
             self.metrics.ttft.observe(now - stream.t_submit)
         else:
@@ -563,31 +583,35 @@ class EngineLoop:
             for _ in new:
                 self.metrics.itl.observe(gap)
         stream.sent, stream.t_last = stream.sent + len(new), now
-        batch.append((stream, ("tokens", new)))
+        stream.queue.put_nowait(("tokens", new))
         return len(new)
 
-    def _update_gauges(self, now: float, new_tokens: int) -> None:
-        s, m = self.engine.scheduler, self.metrics
+    def _end(self, stream: _Stream, event: tuple, reason: str, now: float) -> None:
+        del self._streams[stream.rid]
+        stream.queue.put_nowait(event)
+        if reason != "rejected":  # a refused request is counted by its status (the API's error handler)
+            self.metrics.finished.labels(reason).inc()
+            self.metrics.e2e.observe(now - stream.t_submit)
+
+    def _update_gauges(self, now: float, new_tokens: int = 0) -> None:
+        m, g = self.metrics, self.gauges
         m.output_tokens.inc(new_tokens)
         m.tokens_per_second.set(self._rate.add(now, new_tokens))
-        m.running.set(len(s.running))
-        m.waiting.set(max(0, len(self._streams) - len(s.running)))
-        m.kv_blocks_used.set(self.engine.num_blocks - self.engine.blocks.num_free)
+        m.running.set(g.running)
+        m.waiting.set(max(0, len(self._streams) - g.running))
+        m.kv_blocks_used.set(g.blocks_used)
 
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
+    def _on_dead(self, why: str) -> None:
+        """The engine process is gone: every request in flight gets a 500, every new one a 503."""
+        if self.dead:
+            return
+        self.dead = why
+        log.error("%s: requests in flight fail, new ones are refused", why)
+        streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            self.engine.abort(stream.rid)
+            stream.queue.put_nowait(("error", 500, f"{why}; the request was lost", None))
             self.metrics.finished.labels("error").inc()
-        if streams:
-            self._aio.call_soon_threadsafe(_deliver, [(s, ("error", message)) for s in streams])
-
-
-def _deliver(batch: list[tuple[_Stream, tuple]]) -> None:
-    """Runs on the event loop: one call per step for every request's events."""
-    for stream, event in batch:
-        stream.queue.put_nowait(event)
+        self._update_gauges(time.perf_counter())
 
 
 # ----------------------------------------------------------------------------- responses
@@ -624,8 +648,8 @@ class _Service:
 
     def __init__(self, loop: EngineLoop, tokenizer, config: ServeConfig):
         self.loop, self.tokenizer, self.config = loop, tokenizer, config
-        engine = loop.engine
-        limits = [engine.num_blocks * engine.block_size, config.max_model_len or max_model_len(engine)]
+        info = loop.info
+        limits = [info.num_blocks * info.block_size, config.max_model_len or info.max_model_len]
         self.room = min(x for x in limits if x)  # tokens one request may reach
 
     def check_model(self, name: Optional[str]) -> None:
@@ -634,23 +658,16 @@ class _Service:
                                 "(GET /v1/models)", "model", "model_not_found")
 
     def admit(self, req: _Common, prompt: list[int], max_tokens: Optional[int]) -> tuple[SamplingParams, tuple]:
-        """The request's sampling parameters and stop strings; 400 for anything the engine could never serve."""
-        params = sampling_params(req, max_tokens, len(prompt), self.room)
-        stops = _stops(req.stop, self.tokenizer)
-        why = self.loop.engine.validate(prompt, params)  # empty prompt, token ids, cache size: named by the engine
-        if why:
-            raise ApiError(400, why, "prompt")
-        if len(prompt) + params.max_new_tokens > self.room:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_new_tokens}: "
-                                f"together more than the {self.room} tokens a request may reach; shorten the prompt "
-                                "or lower max_tokens", "max_tokens")
-        return params, stops
+        """The request's sampling parameters and stop strings; 400 for malformed ones. What only the engine knows
+        (an empty prompt, token ids outside the vocabulary, more blocks than the cache has, more than ``room``
+        tokens) it checks as it takes the request in, and refuses with a 400 before the first token."""
+        return sampling_params(req, max_tokens, len(prompt), self.room), _stops(req.stop, self.tokenizer)
 
     async def pieces(self, request: Request, prompt: list[int], params: SamplingParams, stops: tuple,
                      usage: _Usage) -> AsyncIterator[_Piece]:
         """The request's output as text pieces; the last carries the finish reason. Aborts the request when
         the client disconnects, a stop string completes, or the consumer stops early."""
-        stream = self.loop.submit(prompt, params)
+        stream = self.loop.submit(prompt, params, self.room)
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: self.loop.abort(stream, "client gone")))
         text = TextStream(self.tokenizer, stops)
         try:
@@ -674,7 +691,8 @@ class _Service:
                     yield _Piece(text.flush(), (), event[1])
                     return
                 elif kind == "error":
-                    raise ApiError(500, event[1], code="engine_error")
+                    status, message, param = event[1:]
+                    raise ApiError(status, message, param, code="engine_error" if status >= 500 else None)
                 else:  # aborted by the server
                     raise ApiError(503, event[1], code="shutting_down")
         finally:
@@ -844,9 +862,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return f"{'.'.join(loc)}: {err.get('msg')}", loc[0]
 
 
-def create_app(engine: PagedEngine, tokenizer, config: ServeConfig) -> FastAPI:
-    """The OpenAI-compatible app over ``engine`` (tokenizer may be None: prompts as token ids). Its lifespan
-    starts the engine loop and stops it (in-flight requests aborted, every block freed); ``app.state.engine_loop``
+def create_app(engine: PagedEngine | EngineProcess, tokenizer, config: ServeConfig) -> FastAPI:
+    """The OpenAI-compatible app over ``engine`` (tokenizer may be None: prompts as token ids): an
+    :class:`EngineProcess` (started here, which blocks until its engine is built; the engine steps in its own
+    process) or a ``PagedEngine`` of this process (it steps in a thread). Its lifespan starts the engine loop and
+    stops it (in-flight requests aborted, every block freed, the engine process ended); ``app.state.engine_loop``
     is the loop, ``app.state.metrics`` the metrics."""
     metrics = Metrics()
     loop = EngineLoop(engine, metrics, config.max_queue)
@@ -891,7 +911,10 @@ def create_app(engine: PagedEngine, tokenizer, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "requests_in_flight": loop.in_flight}
+        pid = loop.transport.pid
+        if loop.dead:
+            return JSONResponse({"status": "engine down", "error": loop.dead, "engine_pid": pid}, status_code=503)
+        return {"status": "ok", "requests_in_flight": loop.in_flight, "engine_pid": pid}
 
     @app.get("/v1/models")
     async def models():
@@ -900,6 +923,7 @@ def create_app(engine: PagedEngine, tokenizer, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
+        loop._update_gauges(time.perf_counter())  # the tokens/s window moves on while the engine idles
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")

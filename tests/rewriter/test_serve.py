@@ -1,8 +1,12 @@
 """``rewrite-model serve``: the OpenAI-compatible server over the paged engine, driven by real clients.
 
-One server on the demo model for the module, in a thread of this process on a free localhost port, so the
-tests can read the engine it serves: greedy answers must equal ``PagedEngine.generate`` token for token,
-and every abort (disconnects, stop strings, shutdown) must give back every KV block.
+One server on the demo model for the module, as ``rewrite-model serve`` runs it: the HTTP side in a thread of
+this process on a free localhost port, the engine in a process of its own (built there from a picklable
+factory). Greedy answers must equal ``PagedEngine.generate`` (on an engine built the same way in this process)
+token for token, and every abort (disconnects, stop strings, shutdown) must give back every KV block, as the
+engine process reports it. Servers over an engine of this process (stepped in a thread) are tested for a
+failing step and a graceful shutdown; a stand-in engine (``_SlowEngine``) for the engine process's death and
+for the server's (the engine process must not outlive it).
 """
 
 from __future__ import annotations
@@ -10,7 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import io
+import itertools
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -24,13 +33,17 @@ openai = pytest.importorskip("openai")
 from pagedattn import PagedEngine  # noqa: E402
 from pagedattn.checkpoint import load_checkpoint  # noqa: E402
 from pagedattn.cli import main  # noqa: E402
+from pagedattn.runtime.engine import RequestOutput  # noqa: E402
 from pagedattn.serve import (  # noqa: E402
     ApiError,
     BackgroundServer,
+    EngineProcess,
     ServeConfig,
     TextStream,
+    bind,
     chat_prompt_ids,
     create_app,
+    run,
 )
 
 NEW = 12
@@ -41,28 +54,36 @@ CHAT = [{"role": "user", "content": "Simple is "}, {"role": "user", "content": "
 MAX_SEQS, MAX_QUEUE = 4, 2
 
 
+def _demo_engine() -> PagedEngine:
+    """The module's engine (built in the engine process, and in this one for the reference answers)."""
+    ck = load_checkpoint("demo", None, "eager")
+    return PagedEngine(ck.model, num_blocks=64, max_num_seqs=MAX_SEQS, max_num_tokens=64, compile=False,
+                       progress=False)
+
+
 @pytest.fixture(scope="module")
 def served():
-    ck = load_checkpoint("demo", None, "eager")
-    tok = ck.tokenizer
-    engine = PagedEngine(ck.model, num_blocks=64, max_num_seqs=MAX_SEQS, max_num_tokens=64, compile=False)
+    process = EngineProcess(_demo_engine).launch()  # builds its engine while this process builds the reference
+    tok = load_checkpoint("demo", None, "eager").tokenizer
+    engine = _demo_engine()
     prompts = [tok(t)["input_ids"] for t in TEXTS] + [chat_prompt_ids(CHAT, tok, TEMPLATE)]
-    ref = engine.generate(prompts, max_new_tokens=NEW)  # before the server: the same engine, in-process
-    app = create_app(engine, tok, ServeConfig("demo", max_queue=MAX_QUEUE, chat_template=TEMPLATE))
+    ref = engine.generate(prompts, max_new_tokens=NEW)
+    app = create_app(process, tok, ServeConfig("demo", max_queue=MAX_QUEUE, chat_template=TEMPLATE))
+    loop = app.state.engine_loop
     with BackgroundServer(app) as srv:
         client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
-        yield SimpleNamespace(srv=srv, engine=engine, tok=tok, prompts=prompts, ref=ref, client=client,
-                              loop=app.state.engine_loop, start=engine.blocks.num_free)
-    assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
+        yield SimpleNamespace(srv=srv, engine=engine, tok=tok, prompts=prompts, ref=ref, client=client, loop=loop)
+    assert loop.final is not None and loop.final.blocks_used == 0 and not loop.final.unfinished
+    assert not process.proc.is_alive() and process.proc.exitcode == 0
 
 
 def _settled(s, timeout: float = 10.0) -> None:
-    """Wait until no request is in flight, then check every block came back."""
+    """Wait until no request is in flight and the engine, having taken every command sent, holds no request and
+    no block."""
     deadline = time.monotonic() + timeout
-    while (s.loop.in_flight or s.engine.has_unfinished()) and time.monotonic() < deadline:
+    while not s.loop.settled and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert s.loop.in_flight == 0 and not s.engine.has_unfinished()
-    assert s.engine.blocks.num_free == s.start
+    assert s.loop.in_flight == 0 and s.loop.settled, s.loop.gauges
 
 
 def _text(s, i: int) -> str:
@@ -194,6 +215,8 @@ def test_bad_requests_leave_the_others_alone(served):
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypatch):
+    """An engine of this process (stepped in a thread): a step that raises fails its requests with a 500."""
+    app = create_app(served.engine, served.tok, ServeConfig("demo"))
     real_step = served.engine.step
     calls = []
 
@@ -204,11 +227,14 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served, monkeypa
         return real_step()
 
     monkeypatch.setattr(served.engine, "step", step_once_broken)
-    with pytest.raises(openai.InternalServerError, match="engine failed: RuntimeError: boom"):
-        served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
-    a = served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
-    assert a.choices[0].text == _text(served, 0)
-    _settled(served)
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="engine failed: RuntimeError: boom"):
+            client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
+        a = client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=NEW, temperature=0)
+        assert a.choices[0].text == _text(served, 0)
+        _settled(SimpleNamespace(loop=app.state.engine_loop))
+    assert served.engine.blocks.num_free == served.engine.num_blocks
 
 
 def test_client_disconnect_mid_stream_aborts_the_request(served):
@@ -251,7 +277,8 @@ def test_full_queue_answers_503_and_loses_nothing(served):
 
 
 def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served):
-    """A second server on the same prepared model: stopped while a stream runs and a request waits."""
+    """A second server on the same prepared model (stepped in a thread): stopped while a stream runs and a
+    request waits."""
     engine = PagedEngine(served.engine.servable, num_blocks=40, max_num_seqs=1, compile=False)
     app = create_app(engine, served.tok, ServeConfig("demo", max_model_len=620))
     srv = BackgroundServer(app, shutdown_timeout=0.2).start()
@@ -304,3 +331,121 @@ def test_cli_serve_refuses_bad_arguments_in_one_line(args, words):
     with contextlib.redirect_stderr(err):
         code = main(args)
     assert code == 2 and words in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- the engine process's life
+
+
+class _SlowEngine:
+    """Stands in for ``PagedEngine`` in engine processes that the tests kill (it starts in a second, not 30):
+    every request gets token 65 once per 20 ms step."""
+
+    num_blocks, block_size, model = 1000, 16, None
+
+    def __init__(self):
+        self.scheduler = SimpleNamespace(running=[], max_num_seqs=4)
+        self.blocks = SimpleNamespace(num_free=self.num_blocks)
+        self.requests: dict[int, tuple[list[int], int]] = {}
+        self.done: list[RequestOutput] = []
+        self.ids = itertools.count()
+
+    def validate(self, prompt, params):
+        return None if prompt else "the prompt is empty"
+
+    def add_request(self, prompt, params):
+        rid = next(self.ids)
+        self.requests[rid] = ([], params.max_new_tokens)
+        return rid
+
+    def abort(self, rid):
+        self.requests.pop(rid, None)
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.02)
+        for rid, (tokens, limit) in list(self.requests.items()):
+            tokens.append(65)
+            if len(tokens) >= limit:
+                self.done.append(RequestOutput(rid, [], tokens, "length"))
+                del self.requests[rid]
+
+    def collect(self):
+        out, self.done = self.done, []
+        return out
+
+    def unfinished_outputs(self, since):
+        return {rid: tokens[since.get(rid, 0):] for rid, (tokens, _) in self.requests.items()}
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_a_dead_engine_process_turns_into_500_and_503_not_hangs():
+    """The engine process is killed mid-stream: the stream ends with an error event, a waiting non-streaming
+    request gets a 500, new requests and /health a 503, and the server still stops cleanly."""
+    app = create_app(EngineProcess(_SlowEngine), None, ServeConfig("slow"))
+    loop = app.state.engine_loop
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=30)
+        body = {"prompt": [1, 2], "max_tokens": 10000, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                httpx.stream("POST", srv.url + "/completions", json=body, timeout=30) as r:
+            waiting = pool.submit(client.completions.create, model="slow", prompt=[3], max_tokens=10000)
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            while loop.in_flight < 2:
+                time.sleep(0.01)
+            os.kill(loop.transport.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+            assert "engine process died" in rest[-2] and rest[-1] == "data: [DONE]"
+            with pytest.raises(openai.InternalServerError, match="engine process died"):
+                waiting.result()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="slow", prompt=[1], max_tokens=2)
+        assert e.value.status_code == 503 and "engine is not running" in e.value.message
+        health = httpx.get(srv.url.removesuffix("/v1") + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine down"
+    assert loop.in_flight == 0
+
+
+def _serve_slow_engine() -> None:
+    """A server over ``_SlowEngine`` in an engine process, for a test to kill: prints its URL and engine pid."""
+    app = create_app(EngineProcess(_SlowEngine), None, ServeConfig("slow"))
+    sock = bind("127.0.0.1", 0)
+    print(sock.getsockname()[1], app.state.engine_loop.transport.pid, flush=True)
+    run(app, sock)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_engine_process_dies_with_the_server(sig):
+    """However the server ends (killed outright, or stopped), its engine process ends with it: no orphans."""
+    code = "from tests.rewriter.test_serve import _serve_slow_engine; _serve_slow_engine()"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    server = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        port, pid = map(int, server.stdout.readline().split())
+        assert _alive(pid)
+        body = {"prompt": [1, 2], "max_tokens": 10000, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))  # the engine is stepping
+            server.send_signal(sig)
+            assert server.wait(30) in (-sig, 0)
+        assert _gone_within(pid, 10), f"engine process {pid} outlived its server"
+    finally:
+        server.kill()
+        server.wait()
