@@ -38,7 +38,7 @@ from pagedattn.passes.mask_program import (
     read_mask,
     reads_by_value,
 )
-from pagedattn.passes.position_program import position_program
+from pagedattn.passes.position_program import position_program, program_padding
 from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
@@ -135,9 +135,7 @@ def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
             try:
                 kind = establish(read, padding)
             except NotEstablished as first:
-                if padding:
-                    raise
-                kind = _positional(read, first)
+                kind = _positional(read, first, padding)
     except NotEstablished as e:
         return str(e)
     if kind.chunk and "chunk_size" not in {f.name for f in dataclasses.fields(AttentionParams)}:
@@ -146,16 +144,24 @@ def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
     return kind
 
 
-def _positional(read, why: NotEstablished) -> MaskKind:
-    """No kind with its own kernel: the generic path, when the mask and bias depend on positions only."""
-    try:
-        mod, tables, f = position_program(read)
-    except NotEstablished as e:
-        raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {e}") from None
-    longest = f.maximize(f.L)
-    up_to = None if longest is None or longest >= 2 ** 31 - 1 else longest
-    return MaskKind("positional", up_to=up_to, positions=tuple(f.positions), how="proof (position program)",
-                    position_mod=mod, position_tables=tables)
+def _positional(read, why: NotEstablished, padding: list[str]) -> MaskKind:
+    """No kind with its own kernel: the generic path, when the mask and bias depend on positions only
+    (beside key padding, where the site has a padding input)."""
+    errors = []
+    # a boolean padding input whose True means "ignore" reads as every key hidden when all True
+    for present in (True, "false") if padding else (True,):
+        try:
+            mod, tables, f = position_program(read, present)
+            pad = program_padding(read, f, padding) if padding else (None, True, False, False)
+        except NotEstablished as e:
+            errors.append(str(e))
+            continue
+        longest = f.maximize(f.L)
+        up_to = None if longest is None or longest >= 2 ** 31 - 1 else longest
+        return MaskKind("positional", up_to=up_to, positions=tuple(f.positions), how="proof (position program)",
+                        position_mod=mod, position_tables=tables, key_padding=pad[0], padding_keeps_true=pad[1],
+                        padding_runs=pad[2], positions_from_first_key=pad[3])
+    raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {errors[0]}")
 
 
 def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

@@ -36,19 +36,74 @@ try:
 except ImportError:  # pragma: no cover - mask_program refuses first
     z3 = None
 
-__all__ = ["position_program"]
+__all__ = ["position_program", "program_padding"]
 
 _MAX_TABLE = 1 << 22  # elements of constant tables a program may carry
 _MIN_CHAIN = 3  # if-then-else chains over one index at least this long become table lookups
 
 
-def position_program(read: Callable[[Any, str], MaskFormula]) -> tuple[str, Optional[torch.Tensor], MaskFormula]:
+def position_program(read: Callable[[Any, str], MaskFormula], present: Any = True
+                     ) -> tuple[str, Optional[torch.Tensor], MaskFormula]:
     """The site's mask and bias as a position program (JSON) and its tables, with the reading it was compiled
-    from (its facts bound the lengths it holds for); or NotEstablished."""
-    f, g = read(True, "ga"), read(True, "gb")
+    from (its facts bound the lengths it holds for); or NotEstablished. ``present`` is how padding inputs are
+    read (``read_mask``'s ``keys_present``: every key present, in either convention)."""
+    f, g = read(present, "ga"), read(present, "gb")
     _prove_positions_only(f, g)
     allowed, bias = _bound(f)
     return (*_Compiler(f).build(allowed, bias), f)
+
+
+def program_padding(read: Callable[[Any, str], MaskFormula], f: MaskFormula, names: list[str]
+                    ) -> tuple[str, bool, bool, bool]:
+    """Key padding beside a position program: ``(input, keeps_true, one_run_per_row, positions_from_first_key)``.
+
+    With the padding input read as data (any pattern of present keys, else one run per row), the mask must be
+    the program's mask and the input's keys (either convention), and the bias the program's on every seen key,
+    the program's positions counted from 0 or (one run per row) from the run's first key. Programs reading the
+    sequence's length are refused: under padding, which length the model means is not established here."""
+    allowed, bias = _bound(f)
+    sizes = _consts([f.S, f.L])
+    if any(name in sizes for name in _consts([allowed, bias])):
+        raise NotEstablished("a position program that reads the sequence's length, beside key padding")
+    gave_up, unread = None, []
+    for mode in (False, "runs"):
+        try:
+            d = read(mode, "pd")
+        except NotEstablished as e:
+            unread.append(str(e))
+            continue
+        for name in names:
+            found, why = _padding_beside(d, allowed, bias, f, name)
+            if found is not None:
+                return (name, found[0], mode == "runs", found[1])
+            gave_up = why or gave_up
+    if gave_up is not None:
+        raise NotEstablished(f"the position program beside key padding could not be established (the solver gave "
+                             f"up: {gave_up})")
+    if len(unread) == 2:
+        raise NotEstablished(f"its padding input is read in a way that cannot be established: {unread[0]}; as left "
+                             f"or right padding: {unread[1]}")
+    raise NotEstablished(f"the mask depends on input {names[0]!r} in a way that is not key padding beside the "
+                         "position program")
+
+
+def _padding_beside(d: MaskFormula, allowed, bias, f: MaskFormula, name: str) -> tuple[Optional[tuple], Any]:
+    """``((keeps_true, positions_from_first_key), None)`` when reading ``d`` is the program beside padding
+    input ``name``; else ``(None, why the solver gave up or None)``."""
+    present = d.padding.get(name)
+    if present is None:
+        return None, None
+    start = d.run_starts.get(name)
+    gave_up = None
+    for relative, origin in [(False, z3.IntVal(0))] + ([(True, start)] if start is not None else []):
+        sub = [(f.i, d.q_pos - origin), (f.j, d.j - origin), (f.h, d.h), (f.b, d.b)]
+        p_allowed, p_bias = z3.substitute(allowed, *sub), z3.substitute(bias, *sub)
+        for keeps_true, term in ((True, present), (False, z3.Not(present))):
+            ok, why = d.holds(z3.And(d.allowed == z3.And(p_allowed, term), z3.Implies(d.allowed, d.bias == p_bias)))
+            if ok:
+                return (keeps_true, relative), None
+            gave_up = why if ok is None else gave_up
+    return None, gave_up
 
 
 # ----------------------------------------------------------------------------- the proof

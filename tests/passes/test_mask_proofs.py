@@ -191,6 +191,67 @@ def test_a_boolean_padding_mask_that_marks_keys_to_ignore():
     torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=1e-4)
 
 
+class PaddedPositional(zoo.T5RelativeBias):
+    """A position program beside key padding: T5's bucketed bias or sink tokens plus a window over positions
+    in the row, and a padding input (0/1 as Hugging Face's ``attention_mask``, or boolean with True =
+    ignore); ``positions="present"`` counts positions over each row's present keys instead."""
+
+    def __init__(self, program="t5", ignore_true=False, positions="row"):
+        super().__init__()
+        self.program, self.ignore_true, self.positions = program, ignore_true, positions
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.qkv(x)
+        keep = ~attention_mask if self.ignore_true else attention_mask.bool()  # [B, T]
+        if self.positions == "present":
+            pos = keep.long().cumsum(-1) - 1
+        else:
+            pos = torch.arange(x.shape[1])[None]
+        i, j = pos[:, :, None], pos[:, None, :]  # [B|1, T, 1], [B|1, 1, T]
+        if self.program == "t5":
+            s = q @ k.transpose(-1, -2) + self.rel(self.bucket(j - i)).permute(0, 3, 1, 2)
+            vis = j <= i
+        else:
+            s = (q @ k.transpose(-1, -2)) * D ** -0.5
+            vis = (j <= i) & ((i - j < 20) | (j < 4))
+        vis = vis & keep[:, None, :]
+        s = s.masked_fill(~vis[:, None], float("-inf"))
+        return self.merge(s.softmax(-1) @ v)
+
+
+@pytest.mark.parametrize("program, ignore_true", [("t5", False), ("sinks", False), ("t5", True)],
+                         ids=["t5_buckets", "sinks_window", "t5_ignore_true"])
+def test_position_programs_beside_key_padding(program, ignore_true):
+    # traced at 8 tokens, called at 200 with left and right padding (past the buckets' exact range and the
+    # window): equal to eager on every row eager computes
+    torch.manual_seed(0)
+    m = PaddedPositional(program, ignore_true).eval()
+    ones = torch.ones(2, 8, dtype=torch.bool) if ignore_true else torch.ones(2, 8, dtype=torch.long)
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), ~ones if ignore_true else ones))
+    site = _site(rm)
+    assert (site["status"], site["mask"], site["key_padding"]) == ("rewritten", "positional", "attention_mask"), site
+    assert site["key_padding_ignores_true"] == ignore_true
+    x = torch.randn(2, 200, C)
+    keep = torch.ones(2, 200, dtype=torch.bool)
+    keep[0, :37] = False
+    keep[1, 150:] = False
+    mask = ~keep if ignore_true else keep.long()
+    with torch.no_grad():
+        out, ref = rm(x, mask), m(x, mask)
+    rows = ref.isfinite().all(-1)  # left-padding queries see no key: NaN in eager
+    assert rows[0, 37:].all() and rows[1].all()
+    torch.testing.assert_close(out[rows], ref[rows], atol=2e-5, rtol=1e-4)
+
+
+def test_position_programs_beside_padding_that_moves_them_are_left():
+    # positions counted over each row's present keys: under right padding the padded queries keep the last
+    # position, which the program at their place in the row would not give, so no program beside padding holds
+    m = PaddedPositional("sinks", positions="present").eval()
+    rm = pagedattn.rewrite(m, (torch.randn(2, 8, C), torch.ones(2, 8, dtype=torch.long)))
+    site = _site(rm)
+    assert site["status"] == "skipped" and "not key padding beside the position program" in site["reason"], site
+
+
 def test_hugging_face_packed_positions_are_refused_in_drop_in_mode():
     """Llama called with packed ``position_ids`` (restarting at 0 in one row) builds a per-document mask:
     the rewrite must not let the second document see the first."""
