@@ -221,6 +221,10 @@ def _shrink(d: dict) -> dict:
     for n in ("sliding_window", "attention_window", "window_size"):
         if isinstance(o.get(n), int) and o[n] > _WINDOW:
             d[n] = _WINDOW
+    # chunked local attention (Llama 4's attention_chunk_size, 8192 by default) with chunks longer than the
+    # tiny model's 512 positions is plain causal attention there: chunks as short as the windows instead
+    if isinstance(o.get("attention_chunk_size"), int) and o["attention_chunk_size"] > 512:
+        d["attention_chunk_size"] = _WINDOW
     if "is_decoder" in d:
         d["is_decoder"] = True
     layers0 = _first(o, _LAYERS) or next((len(v) for n, v in o.items() if n.endswith("layers_block_type")
@@ -368,7 +372,8 @@ def _summary(report: list[dict]) -> dict:
     other = [r for r in report if not r.get("attention", True)]
     report = [r for r in report if r.get("attention", True)]
     rw = [r for r in report if r["status"] == "rewritten"]
-    kinds = sorted({f"{r['mask']}" + (f"/{r['window']}" if r["window"] else "") + (" softcap" if r["softcap"] else "")
+    kinds = sorted({f"{r['mask']}" + (f"/{r['window']}" if r["window"] else "") + (f"/{r['chunk']}" if r.get("chunk") else "")
+                    + (" softcap" if r["softcap"] else "")
                     + (" alibi" if r["alibi"] else "") + (" sinks" if r.get("sinks") else "") for r in rw})
     return {"sites": len(report), "rewritten": len(rw), "other_softmax": len(other),
             "skipped": sorted({r["reason"] for r in report if r["status"] != "rewritten"}), "kinds": kinds}
