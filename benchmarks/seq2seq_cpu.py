@@ -13,12 +13,16 @@ than those reads.
 
     python benchmarks/seq2seq_cpu.py            # the figures in benchmarks/RESULTS.md (issue 18)
     python benchmarks/seq2seq_cpu.py --quick    # a smoke run
+
+The two runners run ``--repeats`` times each, alternately (the machine may be shared), and the medians are
+compared.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 
 import torch
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each runner, alternating (median reported)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
@@ -126,19 +131,27 @@ def main() -> None:
                                    progress=False)  # no EOS, as the padded batch
     engine.generate(srcs[:2], max_new_tokens=4)  # warm-up
     hf_padded(model, srcs[:2], 4)
-    t_hf, ref = hf_padded(model, srcs, new)
-    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, encoder_runs=0, encoder_s=0.0)
-    t_eng, got = engine_run(engine, srcs, new)
+    hf_times, eng_times = [], []
+    for _ in range(args.repeats):  # alternately, so that both runners see the same machine load
+        t_hf, ref = hf_padded(model, srcs, new)
+        engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, encoder_runs=0, encoder_requests=0, encoder_s=0.0)
+        t_eng, got = engine_run(engine, srcs, new)
+        hf_times.append(t_hf)
+        eng_times.append(t_eng)
+    t_hf, t_eng = statistics.median(hf_times), statistics.median(eng_times)
     same = sum(a == b for a, b in zip(got, ref))
     tokens = n * new
     log.info("model: BART-like d_model %d, %d+%d layers, %.1f M parameters; torch threads %d",
              args.d_model, args.layers, args.layers, sum(p.numel() for p in model.parameters()) / 1e6,
              torch.get_num_threads())
     log.info("%d requests, sources 16-128 tokens, %d new tokens each", n, new)
+    log.info("median of %d runs each, alternating (HF: %s s; engine: %s s)", args.repeats,
+             " ".join(f"{t:.2f}" for t in hf_times), " ".join(f"{t:.2f}" for t in eng_times))
     log.info("HF generate (padded batch): %.2f s, %.0f tok/s", t_hf, tokens / t_hf)
-    log.info("PagedEngine:                %.2f s, %.0f tok/s  (%.2fx; encoder %.2f s in %d runs; %d steps)",
-             t_eng, tokens / t_eng, t_hf / t_eng, engine.stats["encoder_s"], engine.stats["encoder_runs"],
-             engine.stats["steps"])
+    log.info("PagedEngine:                %.2f s, %.0f tok/s  (%.2fx; last run: encoder %.2f s in %d calls for %d "
+             "requests; %d steps, model %.2f s, other %.2f s)", t_eng, tokens / t_eng, t_hf / t_eng,
+             engine.stats["encoder_s"], engine.stats["encoder_runs"], engine.stats["encoder_requests"],
+             engine.stats["steps"], engine.stats["model_s"], engine.stats["overhead_s"] - engine.stats["encoder_s"])
     log.info("requests with tokens equal to the padded batch's: %d of %d", same, n)
     lengths = (16, 64) if args.quick else (16, 64, 256, 512)
     batch, steps = 8, (4 if args.quick else 20)

@@ -12,7 +12,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedattn.backends import build_cross_metadata, build_metadata
+from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.state import StatePool
@@ -86,7 +86,8 @@ class PagedEngine:
     :class:`pagedattn.seq2seq.Seq2SeqSpec`) take each request's encoder input as its prompt: token ids,
     or a dict of encoder inputs such as ``{"input_features": [mels, frames]}`` (Whisper). Each request
     also gets cross-attention blocks for its encoder's K/V: allocated at admission, filled by the
-    encoder (run once, batched across the requests admitted in a step), freed with the request and
+    encoder (run once, batched across the requests admitted in a step, in groups of similar lengths:
+    ``stats["encoder_runs"]`` counts the encoder's calls, ``stats["encoder_requests"]`` the requests), freed with the request and
     swapped or recomputed with it on preemption. Its decoder starts from the model's decoder start
     token, with the generation config's forced first and last tokens; outputs are the generated
     decoder tokens (without the start token), as Hugging Face ``generate`` returns them after it.
@@ -106,6 +107,7 @@ class PagedEngine:
         self.vocab_size, self.cache_specs, self.cache_dtype = sv.vocab_size, list(sv.cache_specs), sv.cache_dtype
         self._eos = set(sv.eos_ids)
         self._seq2seq = sv.seq2seq
+        self._last_cross: Optional[tuple[tuple, CrossMetadata]] = None  # see _cross_metadata
         if sv.state is not None and enable_prefix_caching:
             log.info("prefix caching is off: a cached prefix holds K/V but not the recurrent state")
             enable_prefix_caching = False
@@ -138,7 +140,7 @@ class PagedEngine:
         self._aborts: list[int] = []
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
-                      "encoder_runs": 0, "encoder_s": 0.0}
+                      "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0}
 
     @property
     def model(self) -> nn.Module:
@@ -330,14 +332,16 @@ class PagedEngine:
             return
         t0 = time.perf_counter()
         s2s = self._seq2seq
-        states, lens = s2s.encode([r.encoder_inputs for r in new], self.device)
-        for r, n in zip(new, lens):
-            if n != r.encoder_len:
-                raise RuntimeError(f"request {r.id}: the encoder gave {n} states, {r.encoder_len} were expected")
-        s2s.write_cross(self.kv_caches, states, lens, [r.cross_table.blocks for r in new], self.block_size)
+        for group, states, lens in s2s.encode_groups([r.encoder_inputs for r in new], self.device):
+            reqs = [new[i] for i in group]
+            for r, n in zip(reqs, lens):
+                if n != r.encoder_len:
+                    raise RuntimeError(f"request {r.id}: the encoder gave {n} states, {r.encoder_len} were expected")
+            s2s.write_cross(self.kv_caches, states, lens, [r.cross_table.blocks for r in reqs], self.block_size)
+            self.stats["encoder_runs"] += 1
+        self.stats["encoder_requests"] += len(new)
         for r in new:
             r.encoded = True
-        self.stats["encoder_runs"] += 1
         self.stats["encoder_s"] += time.perf_counter() - t0
 
     def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
@@ -358,13 +362,23 @@ class PagedEngine:
             pos += [0] * (meta.num_tokens - num_tokens)
             rows += [0] * (meta.num_seqs - num_rows)
             meta = meta.to(self.device)
-        cross = None
-        if self._seq2seq is not None:
-            cross = build_cross_metadata([c.request.cross_table.blocks for c in plan],
-                                         [c.request.encoder_len for c in plan], self.block_size, device=self.device)
+        cross = self._cross_metadata(plan) if self._seq2seq is not None else None
         t1 = time.perf_counter()
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross)
         return logits[:num_rows], num_tokens, t1  # [R, V]
+
+    def _cross_metadata(self, plan: list[ScheduledChunk]) -> CrossMetadata:
+        """The step's cross metadata; the same tensors as the previous step's while the step's requests and
+        their cross blocks stay the same (every decode step between admissions): the backends memoise what
+        they derive from a block table (decode plans, checks) by the tensor itself, and the cross blocks and
+        encoder lengths of a request never change while it runs."""
+        key = tuple((c.request.id, c.request.encoder_len, tuple(c.request.cross_table.blocks)) for c in plan)
+        last = self._last_cross
+        if last is not None and last[0] == key:
+            return last[1]
+        cross = build_cross_metadata([k[2] for k in key], [k[1] for k in key], self.block_size, device=self.device)
+        self._last_cross = (key, cross)
+        return cross
 
     def _run_rows(self, plan: list[ScheduledChunk]) -> torch.Tensor:
         """Stateful models: one row per sequence; ``[R, V]`` logits of the completing chunks."""

@@ -10,7 +10,7 @@ import torch
 from pagedattn import PagedEngine
 from pagedattn.adapter import prepare_model
 from pagedattn.runtime.scheduler import SamplingParams
-from pagedattn.seq2seq import Seq2SeqSpec
+from pagedattn.seq2seq import Seq2SeqSpec, length_groups
 
 from ..rewriter.seq2seq_models import (
     SRC_VOCAB,
@@ -65,7 +65,34 @@ def test_bart_tokens_equal_hf_generate(servable, reference, setting):
 def test_the_encoder_runs_once_per_request_batched_at_admission(servable, reference):
     engine = PagedEngine(servable, num_blocks=400, max_num_tokens=64)
     assert engine.generate(sources(), max_new_tokens=NEW) == reference
-    assert engine.stats["encoder_runs"] == 1  # all six admitted in the first step, encoded together
+    # all six admitted in the first step, encoded together in groups of similar lengths
+    assert engine.stats["encoder_requests"] == 6
+    assert engine.stats["encoder_runs"] == len(length_groups([len(s) for s in sources()])) > 1
+
+
+def test_length_groups_trade_padding_against_calls():
+    assert length_groups([]) == []
+    assert length_groups([5, 5, 5]) == [[0, 1, 2]]  # alike: one batch
+    assert length_groups([4, 300, 5, 290]) == [[0, 2], [3, 1]]  # two lengths apart: two batches, sorted
+    assert length_groups([10, 300], group_cost=10_000) == [[0, 1]]  # calls dearer than padding: one batch
+    for lens in ([7, 1, 128, 64, 3, 90, 90, 2], list(range(1, 40))):
+        groups = length_groups(lens)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+
+
+def test_decode_steps_reuse_the_cross_metadata_tensors(servable):
+    engine = PagedEngine(servable, num_blocks=100, max_num_tokens=64)
+    for s in sources()[:3]:
+        engine.add_request(s, max_new_tokens=4)
+    engine.step()
+    first = engine._last_cross[1]
+    engine.step()
+    assert engine._last_cross[1] is first  # same requests, same cross blocks: the same tensors
+    engine.add_request(sources()[3], max_new_tokens=4)
+    engine.step()
+    assert engine._last_cross[1] is not first and engine._last_cross[1].seq_lens.shape[0] == 4
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_requests_of_different_lengths_through_the_step_api(servable, bart):
