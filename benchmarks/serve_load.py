@@ -4,9 +4,11 @@ on a 30M-parameter Llama (random weights built from a config, the demo's byte-le
 Per level: requests/s, output tokens/s, time to first token and inter-token latency (p50/p99, as the clients
 see them), HTTP errors by status, lost requests (admitted but never finished) and KV blocks still in use
 once the level is over (from the server's /metrics). The server runs in its own process (the CLI, on a free
-localhost port); clients retry a 503 (the documented full-queue answer) after its Retry-After. Then the same
-requests run in this process through ``PagedEngine.generate`` (waves of N prompts, the clients' concurrency)
-on an engine built the same way: the server's output tokens/s over generate's is its overhead figure.
+localhost port), its engine in a process of its own; clients retry a 503 (the documented full-queue answer)
+after its Retry-After. Then the same requests run in this process through ``PagedEngine.generate`` (waves of
+N prompts, the clients' concurrency) on an engine built the same way: the server's output tokens/s over
+generate's is its overhead figure. CPU per output token of the engine process, of the in-process run and of
+the server's HTTP process (``/proc``) tells the engine's own cost from the cores a loaded machine lends.
 
     pip install -e '.[serve]' aiohttp   # aiohttp: the load generator (a warm httpx pool costs more than the server)
     python benchmarks/serve_load.py [--models demo,llama30m] [--levels 1,4,16,64,256] [--max-tokens 32]
@@ -99,6 +101,11 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pid(url: str) -> int:
+    """The server's engine process (``GET /health``)."""
+    return httpx.get(url.removesuffix("/v1") + "/health").json()["engine_pid"]
 
 
 def server_metrics(url: str) -> dict[str, float]:
@@ -250,12 +257,13 @@ def main(argv=None) -> None:
                 # warm-up request (first steps allocate); then the ramp
                 asyncio.run(run_level(url, name, 1, [ZEN[0]], 4, args.level_timeout))
                 level_prompts = {}
+                pids = (proc.pid, engine_pid(url))  # the HTTP process and the engine process
                 for n in levels:
                     prompts = prompts_for(max(n, args.min_requests))
                     level_prompts[n] = prompts
-                    cpu0 = process_cpu_s(proc.pid)
+                    cpu0 = [process_cpu_s(p) for p in pids]
                     s = asyncio.run(run_level(url, name, n, prompts, args.max_tokens, args.level_timeout))
-                    cpu1 = process_cpu_s(proc.pid)
+                    cpu1 = [process_cpu_s(p) for p in pids]
                     m = server_metrics(url)
                     row = {"model": model, "clients": n, "requests": len(prompts), "done": s["done"],
                            "lost": s["lost"], "errors": s["errors"], "wall_s": s["wall"],
@@ -264,7 +272,9 @@ def main(argv=None) -> None:
                            "itl_p50": pct(s["itl"], 50), "itl_p99": pct(s["itl"], 99),
                            "blocks_in_use": m.get("pagedattn_kv_blocks_used"),
                            "in_flight": m.get("pagedattn_requests_running", 0) + m.get("pagedattn_requests_waiting", 0),
-                           "server_cpu_per_tok": (cpu1 - cpu0) / max(1, s["tokens"]), "load": os.getloadavg()[0]}
+                           "http_cpu_per_tok": (cpu1[0] - cpu0[0]) / max(1, s["tokens"]),
+                           "engine_cpu_per_tok": (cpu1[1] - cpu0[1]) / max(1, s["tokens"]),
+                           "load": os.getloadavg()[0]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             finally:
@@ -277,16 +287,20 @@ def main(argv=None) -> None:
                       f"{row['tok_s']:.0f} tok/s ({100 * row['overhead_ratio']:.0f} %)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    nan = float("nan")
     print("\n| model | clients | requests | req/s | out tok/s | in-process tok/s | server/in-process | TTFT p50 / p99 "
-          "(s) | ITL p50 / p99 (ms) | CPU ms/token server / in-process | errors | lost | blocks in use after |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(s) | ITL p50 / p99 (ms) | CPU ms/token: engine process / in-process / HTTP process | engine CPU vs "
+          "in-process | errors | lost | blocks in use after | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
         print(f"| {r['model']} | {r['clients']} | {r['requests']} | {r['req_s']:.1f} | {r['tok_s']:.0f} | "
               f"{r.get('inproc_tok_s', float('nan')):.0f} | {100 * r.get('overhead_ratio', float('nan')):.0f} % | "
               f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p99']:.1f} | "
-              f"{1e3 * r['server_cpu_per_tok']:.2f} / {1e3 * r.get('inproc_cpu_per_tok', float('nan')):.2f} | "
-              f"{errors} | {r['lost']} | {r['blocks_in_use']:.0f} |")
+              f"{1e3 * r['engine_cpu_per_tok']:.2f} / {1e3 * r.get('inproc_cpu_per_tok', nan):.2f} / "
+              f"{1e3 * r['http_cpu_per_tok']:.2f} | "
+              f"{100 * r.get('inproc_cpu_per_tok', nan) / max(r['engine_cpu_per_tok'], 1e-9):.0f} % | "
+              f"{errors} | {r['lost']} | {r['blocks_in_use']:.0f} | {r['load']:.1f} |")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

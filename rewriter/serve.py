@@ -516,6 +516,10 @@ class EngineLoop:
             self._command_from_any_thread(("resume",))
 
     def _command_from_any_thread(self, command: tuple) -> None:
+        with contextlib.suppress(RuntimeError):  # RuntimeError: no event loop runs in this thread
+            if asyncio.get_running_loop() is self._aio:
+                self._send(command)
+                return
         done = threading.Event()
 
         def send():
