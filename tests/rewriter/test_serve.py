@@ -296,7 +296,8 @@ def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served)
         assert "shut down" in rest[-2] and rest[-1] == "data: [DONE]"
         with pytest.raises(openai.APIStatusError) as e:
             waiting.result()
-        assert e.value.status_code == 503 and "shut down" in e.value.message
+        # the waiting request reaches the server before the shutdown (aborted) or while it runs (refused)
+        assert e.value.status_code == 503 and ("shut down" in e.value.message or "shutting down" in e.value.message)
     assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
 
 
