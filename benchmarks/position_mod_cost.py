@@ -54,9 +54,10 @@ class Layer(nn.Module):
         rel = torch.arange(T)[None, :] - torch.arange(T)[:, None]
         if self.t5:
             s = s + self.rel(self.bucket(rel)).permute(2, 0, 1)
-        if bias is not None:
+        if bias is None:
+            s = s.masked_fill(rel > 0, float("-inf"))
+        else:  # the bias and the causal mask computed once for every layer, as Hugging Face's T5 does
             s = s + bias
-        s = s.masked_fill(rel > 0, float("-inf"))
         x = x + self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
         return x + self.mlp(self.n2(x))
 
@@ -76,6 +77,7 @@ class LM(nn.Module):
             T = x.shape[1]
             rel = torch.arange(T)[None, :] - torch.arange(T)[:, None]
             bias = self.bias.rel(self.bias.bucket(rel)).permute(2, 0, 1)  # [H, T, T], once for every layer
+            bias = bias.masked_fill(rel > 0, float("-inf"))
             for layer in self.layers:
                 x = layer(x, bias)
         else:
