@@ -15,7 +15,7 @@ ONNX) and ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs).
 from pagedattn.passes.classify_mask import classify_mask
 from pagedattn.passes.cleanup import remove_dead_code
 from pagedattn.passes.context import PagedSite, PassContext, PassReport
-from pagedattn.passes.cross_attention import cross_kv_writes
+from pagedattn.passes.cross_attention import cross_kv_writes, mark_varying_masks
 from pagedattn.passes.fp32_matmuls import Fp32Matmuls, native_cpu_matmul
 from pagedattn.passes.functional_cache_writes import FunctionalCacheWrites
 from pagedattn.passes.insert_paged import insert_paged
@@ -26,7 +26,7 @@ from pagedattn.passes.replace_attention import replace_attention
 from pagedattn.passes.site import AttentionSite
 
 # model graph -> graph with canonical pagedattn::attention nodes (the drop-in form)
-CANONICAL_PIPELINE = (match_attention, classify_mask, replace_attention, remove_dead_code)
+CANONICAL_PIPELINE = (match_attention, classify_mask, mark_varying_masks, replace_attention, remove_dead_code)
 # canonical graph -> KV-cache writes + paged attention, caches and metadata as inputs
 PAGED_PIPELINE = (insert_paged, packed_positions, remove_dead_code)
 # canonical graph of an encoder-decoder's decoder step -> the graph writing its cross-attention caches
@@ -47,6 +47,7 @@ __all__ = [
     "classify_mask",
     "cross_kv_writes",
     "insert_paged",
+    "mark_varying_masks",
     "match_attention",
     "native_cpu_matmul",
     "packed_positions",

@@ -22,7 +22,7 @@ from pagedattn.passes.cleanup import remove_dead_code
 from pagedattn.passes.context import PassContext, PassReport
 from pagedattn.passes.site import AttentionSite, aten
 
-__all__ = ["cross_attention_sites", "cross_refusal", "input_ancestors", "cross_kv_writes", "tokens_view",
+__all__ = ["cross_attention_sites", "cross_refusal", "constant_over_positions", "mark_varying_masks", "input_ancestors", "cross_kv_writes", "tokens_view",
            "CROSS_SLOT_MAPPING"]
 
 CROSS_SLOT_MAPPING = "cross_slot_mapping"
@@ -55,7 +55,97 @@ def cross_refusal(site: Optional[AttentionSite]) -> Optional[str]:
         return "it reads a key-padding mask (cross-attention blocks hold a request's encoder tokens only)"
     if p.alibi_slopes is not None or p.position_mod or p.sinks is not None:
         return "it adds a bias over positions or attention sinks"
+    if site.mask_varying is None and (site.biases or site.conds or site.factors):
+        return "its mask terms were not examined (mark_varying_masks did not run)"
+    if site.mask_varying:
+        # the mask was proven with queries at the last key positions (a decoder no longer than its encoder);
+        # at runtime the decoder may be longer: only terms no position can change hold for every pair
+        return (f"its mask term {site.mask_varying} is all-visible only for a decoder no longer than the encoder "
+                "(a decoder step may outgrow it)")
     return None
+
+
+def mark_varying_masks(gm: GraphModule, ctx: PassContext) -> PassReport:
+    """Record on each site (``AttentionSite.mask_varying``) the first mask term whose value may differ between
+    (query, key) pairs (:func:`constant_over_positions`), while the terms are still in the graph; cross-attention
+    refuses such sites (:func:`cross_refusal`). Runs for encoder-decoder steps only (``ctx.encoder_inputs``)."""
+    if not ctx.encoder_inputs:
+        return PassReport("mark_varying_masks", False, "not an encoder-decoder step")
+    marked = 0
+    for site in ctx.sites:
+        terms = [t[0] for t in (*site.biases, *site.conds, *site.factors)]
+        site.mask_varying = ""
+        if site.mask_kind == "none" and not all(constant_over_positions(t) for t in terms):
+            why = _hides_keys_of_a_longer_decoder(gm, site, ctx)
+            if why:
+                site.mask_varying = f"{terms[0].name} ({why})"
+                marked += 1
+    return PassReport("mark_varying_masks", False, f"{marked} sites whose mask is proven only for a decoder no "
+                                                   "longer than the encoder")
+
+
+def _hides_keys_of_a_longer_decoder(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> str:
+    """Why the site's mask may hide a key or add a bias once the queries outnumber the keys ("" when it is
+    proven not to): its mask program read as for the classification (``passes.mask_program.read_mask``),
+    proven with every fact but ``S <= L`` (the queries being the last of the key positions), so that query
+    and key counts are independent, as a decoder step's tokens and its encoder's are."""
+    import z3
+
+    from pagedattn.passes.classify_mask import _roles
+    from pagedattn.passes.mask_program import NotEstablished, read_mask
+
+    roles, constants = _roles(gm, site, ctx)
+    try:
+        with torch.no_grad():
+            f = read_mask(gm, site, roles, constants, ctx.max_length, True, "x")
+    except NotEstablished as e:
+        return str(e)
+    facts = [x for x in f.facts if not z3.eq(x, f.S <= f.L)]
+    solver = z3.Solver()
+    solver.set("timeout", 10_000)
+    solver.add(*facts, z3.Not(z3.And(f.allowed, f.bias == 0)))
+    verdict = solver.check()
+    if verdict == z3.unsat:
+        return ""
+    if verdict == z3.sat:
+        m = solver.model()
+        at = ", ".join(f"{n} = {m.eval(v, model_completion=True)}" for n, v in
+                       (("decoder tokens", f.S), ("encoder tokens", f.L), ("query", f.i), ("key", f.j)))
+        return f"it hides a key or adds a bias at {at}"
+    return "the solver could not decide it"
+
+
+# ops whose result holds no position: a value filled in, reshaped, cast or combined elementwise (their
+# inputs checked in turn); anything else (arange, triu/tril, indexing, a buffer, an input) may read one
+_CONSTANT_OPS = frozenset(getattr(aten, n).default for n in (
+    "full", "zeros", "ones", "scalar_tensor", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+    "new_full", "expand", "view", "reshape", "unsqueeze", "squeeze", "_to_copy", "clone", "alias", "lift_fresh_copy",
+    "detach", "contiguous") if hasattr(getattr(aten, n, None), "default")) | frozenset(
+    getattr(getattr(aten, n), o) for n in ("add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge",
+                                           "logical_and", "logical_or", "logical_not", "neg", "masked_fill",
+                                           "where", "to", "fill", "bitwise_and", "bitwise_or", "bitwise_not")
+    for o in ("Tensor", "Scalar", "default", "Tensor_Scalar", "ScalarOther", "self", "dtype", "dtype_layout")
+    if hasattr(getattr(aten, n, None), o))
+
+
+def constant_over_positions(node: Node) -> bool:
+    """Whether a mask term's value is the same at every (query, key) pair, for every size: every tensor it is
+    computed from is filled with constants (sizes may shape it, values never come from an index, a buffer
+    or an input). Cross-attention mask terms must be: a decoder step may run more tokens than its encoder has
+    (see :func:`cross_refusal`)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):  # a size or a scalar: shapes the term, carries no position
+            continue
+        if n.op != "call_function" or n.target not in _CONSTANT_OPS or getattr(n, "_erased", False):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 def cross_attention_sites(gm: GraphModule, ctx: PassContext) -> list[Node]:

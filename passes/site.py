@@ -82,6 +82,9 @@ class AttentionSite:
     # set when paged: "self" (a KV cache written by the step's tokens) or "cross" (an encoder's K/V,
     # written once per request, read by every decoder step)
     attention_type: str = ""
+    # an encoder-decoder step's site: the first mask term whose value may vary over (query, key) pairs
+    # (passes.cross_attention.mark_varying_masks; None: not examined, and cross-attention refuses the site)
+    mask_varying: Optional[str] = None
 
     def params(self) -> AttentionParams:
         """The site's parameters as classified (``alibi_slopes`` a tensor, ``sinks`` the graph node)."""

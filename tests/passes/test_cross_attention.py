@@ -110,20 +110,51 @@ class Toy(nn.Module):
         q = self._heads(self.q(x))
         k, v = self._heads(self.k(mem)), self._heads(self.v(mem))
         causal = self.kind == "causal_over_encoder"  # decoder token i sees encoder tokens up to its own position
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=self._cross_mask(x.shape[1],
+                                                                                                  mem.shape[1]))
         return self.head(x + self.o(y.transpose(1, 2).flatten(2)))
 
 
-@pytest.mark.parametrize("kind", ["keys_read_decoder", "causal_over_encoder"])
+    def _cross_mask(self, dec_len: int, enc_len: int):
+        """Masks that read decoder positions yet hide nothing while the decoder is no longer than the encoder
+        (the only case the mask's proof covers, its queries being the last key positions)."""
+        i, j = torch.arange(dec_len)[:, None], torch.arange(enc_len)[None, :]
+        if self.kind == "rows_below_encoder_len":
+            return (i < enc_len) | (j < 0)  # decoder tokens past the encoder's length see nothing
+        if self.kind == "row_minus_key_within_encoder_len":
+            return (i - j) <= enc_len  # a decoder token 2 past the encoder's length no longer sees key 0
+        if self.kind == "zeros_bias":  # T5's cross-attention bias without a mask: constant, served as cross
+            return torch.zeros(dec_len, enc_len)
+        return None
+
+
+@pytest.mark.parametrize("kind", ["keys_read_decoder", "causal_over_encoder", "rows_below_encoder_len",
+                                  "row_minus_key_within_encoder_len"])
 def test_attention_over_the_encoder_that_is_not_plain_cross_attention_is_not_paged_as_such(kind):
     rm = pagedattn.rewrite(Toy(kind).eval(), (), _example(), encoder_inputs=("encoder_hidden_states",))
     assert rm.num_cross_sites == 0 and rm.cross_writer is None
     assert [r["attention_type"] for r in rm.report] == ["self", ""]
 
 
-def test_plain_cross_attention_of_the_toy_is_paged():
-    rm = pagedattn.rewrite(Toy("plain").eval(), (), _example(), encoder_inputs=("encoder_hidden_states",))
+@pytest.mark.parametrize("kind", ["plain", "zeros_bias"])
+def test_plain_cross_attention_of_the_toy_is_paged(kind):
+    rm = pagedattn.rewrite(Toy(kind).eval(), (), _example(), encoder_inputs=("encoder_hidden_states",))
     assert [r["attention_type"] for r in rm.report] == ["self", "cross"]
+
+
+@pytest.mark.parametrize("kind", ["rows_below_encoder_len", "row_minus_key_within_encoder_len"])
+def test_masks_reading_decoder_positions_differ_once_the_decoder_outgrows_the_encoder(kind):
+    """Why those masks are refused: proven "every key visible" for a decoder no longer than the encoder (the
+    example's 8 tokens over 11), they hide keys from a 12-token decoder over 3 encoder tokens, which a paged
+    cross-attention (every encoder key for every decoder token) would not."""
+    torch.manual_seed(0)
+    toy, plain = Toy(kind).eval(), Toy("plain").eval()
+    plain.load_state_dict(toy.state_dict())
+    ids, enc = torch.randint(0, 96, (1, 12)), torch.randn(1, 3, H)
+    with torch.no_grad():
+        assert not torch.allclose(toy(ids, enc).nan_to_num(), plain(ids, enc))
+        short = _example()
+        torch.testing.assert_close(toy(**short), plain(**short))  # within the proof's lengths: the same
 
 
 def test_without_encoder_inputs_cross_attention_stays_dense(bart):
