@@ -32,6 +32,11 @@ class Checkpoint:
     config: Any = None
 
     @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder (served with its encoder: ``rewrite-model`` keeps the checkpoint, not a program)."""
+        return bool(getattr(self.config, "is_encoder_decoder", False)) and hasattr(self.model, "get_encoder")
+
+    @property
     def architecture(self) -> str:
         if self.config is not None:
             return ",".join(getattr(self.config, "architectures", None) or [type(self.model).__name__])
@@ -66,7 +71,7 @@ def load_checkpoint(spec: str, dtype: Optional[torch.dtype] = None, attn_impleme
 
 def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optional[str]) -> Checkpoint:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as e:
         raise CheckpointError("loading a Hugging Face checkpoint needs transformers: pip install 'pagedattn[hf]'") from e
     try:
@@ -85,8 +90,8 @@ def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optio
                               "save_pretrained(folder)")
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
-                                                         attn_implementation=attn_implementation)
+            model = _auto_class(config).from_pretrained(path, local_files_only=True, dtype=dtype or "auto",
+                                                        attn_implementation=attn_implementation)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise CheckpointError(f"{path} holds a {type(config).__name__} model, which has no causal-LM class: "
@@ -99,6 +104,20 @@ def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optio
         raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {_first_line(e)}; "
                               "the files may be corrupt or truncated, re-save the checkpoint") from e
     return Checkpoint("hf", path, model=model.eval(), tokenizer=_tokenizer(path), config=config)
+
+
+def _auto_class(config):
+    """transformers' auto class for a config: speech-seq2seq and seq2seq models (encoder-decoders, served
+    with their encoder) before causal LMs (which would load an encoder-decoder's decoder alone)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    if getattr(config, "is_encoder_decoder", False):
+        if config.model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+            return transformers.AutoModelForSpeechSeq2Seq
+        if config.model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+            return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForCausalLM
 
 
 @contextlib.contextmanager

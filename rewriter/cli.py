@@ -66,7 +66,8 @@ def _rewrite_parser() -> argparse.ArgumentParser:
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", action="append", default=[], help="text prompt (repeat for a batch)")
+    p.add_argument("--prompt", action="append", default=[], help="text prompt (repeat for a batch); for an "
+                   "encoder-decoder, the encoder's input text")
     p.add_argument("--ids", action="append", default=[], help="prompt as token ids, e.g. '1 2 3' (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate per prompt (default 64; "
                    "the demo: until EOS)")
@@ -75,6 +76,9 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: enough for the batch)")
+    p.add_argument("--features", action="append", default=[], metavar="FILE",
+                   help="speech encoder-decoders (Whisper): a [mels, frames] log-mel features file, .npy (no "
+                        "pickles) or .pt (tensors only), one request per file (repeatable); no audio decoding")
 
 
 def _command_parser(cmd: str) -> argparse.ArgumentParser:
@@ -186,6 +190,9 @@ def cmd_rewrite(args) -> None:
         except ckpt_mod.CheckpointError as e:
             raise CliError(str(e)) from e
         timings["load_s"] = _lap(bar, t0, timings)
+        if ck.kind == "hf" and ck.seq2seq:
+            _rewrite_seq2seq(args, ck, out, target, bar, t0, timings)
+            return
         bar.set_description("torch.export")
         if ck.kind == "hf":
             model = ck.model.to(target if target != "xla" else "cpu")
@@ -245,6 +252,93 @@ def cmd_rewrite(args) -> None:
         _export_onnx(out, os.path.join(out, ONNX), check=True)
     if args.run:
         _run(out, args)
+
+
+def _rewrite_seq2seq(args, ck, out: str, target: str, bar, t0: float, timings: dict) -> None:
+    """An encoder-decoder checkpoint: its decoder step rewritten (self-attention paged, cross-attention over
+    blocks filled once per request) and checked, its encoder's attention rewritten for the report; OUT keeps
+    the checkpoint itself (config, safetensors weights, generation config, tokenizer) and the report, no
+    ``model.pt2`` (a saved decoder step would lose its cross-attention writer): ``run`` and ``serve`` rebuild
+    the engine from OUT, loading the weights without running code from them."""
+    from pagedattn.backends import get_backend
+    from pagedattn.seq2seq import prepare_seq2seq
+
+    if args.onnx:
+        raise CliError("--onnx: ONNX export of an encoder-decoder is not supported")
+    bar.set_description("rewrite decoder step")
+    model = ck.model.to(target)
+    try:
+        serving = prepare_seq2seq(model, get_backend(target), args.block_size)
+    except ValueError as e:
+        raise CliError(f"{args.checkpoint} cannot be served: {_one_line(e)}", 1) from e
+    timings["export_s"] = _lap(bar, t0, timings)
+    bar.set_description("encoder")
+    report = _encoder_sites(serving, target) + [dict(r) for r in serving.step.report]
+    for r in report[len(report) - len(serving.step.report):]:
+        r["attention_type"] = {"self": "decoder self", "cross": "cross"}.get(r.get("attention_type"), "")
+    timings["passes_s"] = _lap(bar, t0, timings)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out) or ".")
+    try:
+        bar.set_description("save checkpoint and report")
+        _save_weights(ck, os.path.join(tmp, WEIGHTS))
+        ck.config.save_pretrained(tmp)
+        if getattr(ck.model, "generation_config", None) is not None:
+            ck.model.generation_config.save_pretrained(tmp)
+        if ck.tokenizer is not None:
+            ck.tokenizer.save_pretrained(tmp)
+        timings["save_s"] = _lap(bar, t0, timings)
+        info = {**_report_info(args, ck, serving.step, target, timings), "kind": "seq2seq", "sites": len(report),
+                "rewritten": sum(r["status"] == "rewritten" for r in report),
+                "encoder_input": serving.spec.encoder_input}
+        info["skipped"] = info["sites"] - info["rewritten"]
+        _write_reports(tmp, info, report, None)
+        bar.update(1)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    from pagedattn.report import site_table
+
+    print(f"{args.checkpoint} ({ck.architecture}, encoder-decoder) -> {args.out}: {_site_kinds(report)} in "
+          f"{time.perf_counter() - t0:.1f}s (target {target})")
+    print(site_table(report))
+    print(f"wrote {', '.join(sorted(os.listdir(out)))}")
+    if args.run:
+        _run(out, args)
+
+
+def _encoder_sites(serving, target: str) -> list[dict]:
+    """The encoder's attention sites as the rewriter reads them (report rows, ``attention_type`` "encoder
+    self"); the engine runs the model's own encoder once per request, non-causal over its tokens."""
+    import torch
+
+    import pagedattn
+    from pagedattn.seq2seq import _example_sources
+
+    srcs = _example_sources(serving, torch.device(target))
+    name = serving.spec.encoder_input
+    example = {name: torch.stack([s[name] for s in srcs[:1]] * 2).to(target)}
+    if name == "input_ids":
+        example = {name: torch.stack([srcs[0][name]] * 2).to(target),
+                   "attention_mask": torch.ones(2, srcs[0][name].shape[-1], dtype=torch.long, device=target)}
+    try:
+        rm = pagedattn.rewrite(serving.spec.encoder, (), example, target=target)
+    except Exception as e:  # the report goes without them; serving does not need them
+        log.warning("the encoder's attention could not be read for the report: %s", _one_line(e))
+        return []
+    return [{**r, "name": f"encoder.{r['name']}", "attention_type": "encoder self"} for r in rm.report]
+
+
+def _site_kinds(report: list[dict]) -> str:
+    """``2 encoder self, 2 decoder self, 2 cross (6 of 6 rewritten)``."""
+    kinds = [r.get("attention_type") or "other" for r in report]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    return f"{counts} ({sum(r['status'] == 'rewritten' for r in report)} of {len(report)} rewritten)"
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
 
 
 def _lap(bar, t0: float, timings: dict) -> float:
@@ -376,6 +470,11 @@ def cmd_inspect(args) -> None:
         _write_html(args.out, args.html)
         return
     print(_summary_text(info))
+    if info.get("kind") == "seq2seq":
+        print(f"sites: {_site_kinds(info['report'])}")
+        for r in info["report"]:
+            print(f"  {r.get('attention_type') or 'other':13s} {r['name']}: {r['status']}"
+                  + (f" ({r['reason']})" if r.get("reason") else ""))
     print()
     print(render_text(info["report"], views, sites=args.site or None, diff=not args.no_diff))
 
@@ -456,6 +555,11 @@ def _run(out: str, args) -> None:
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tok = _tokenizer(out, info)
+    if info.get("kind") == "seq2seq":
+        _run_seq2seq(out, args, info, tok)
+        return
+    if getattr(args, "features", None):
+        raise CliError("--features is for speech encoder-decoders (e.g. Whisper); this model takes text")
     prompts = _prompts(args, info, tok)  # bad prompts fail before the program loads
     rm = _load_program(out)
     demo = bool(info.get("default_prompt"))
@@ -483,6 +587,82 @@ def _run(out: str, args) -> None:
             print(f"[{i}] prompt {p} -> {o}")
     print(f"{len(prompts)} prompt(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
           f"engine ({target}, {num_blocks} blocks of {rm.block_size})")
+
+
+def _seq2seq_inputs(args, info: dict, tok) -> list:
+    """Each request's encoder input: texts tokenized as the model's ``generate`` takes them (special tokens
+    included), ``--ids``, or (speech models) ``--features`` files."""
+    if info.get("encoder_input") == "input_features":
+        if args.prompt or args.ids:
+            raise CliError("this model's encoder takes audio features: give --features FILE (.npy or .pt, "
+                           "[mels, frames])")
+        if not args.features:
+            raise CliError("nothing to transcribe: give --features FILE (.npy or .pt, [mels, frames])")
+        return [{"input_features": _read_features(f)} for f in args.features]
+    if args.features:
+        raise CliError("--features is for speech encoder-decoders; this model's encoder takes text")
+    if args.prompt and tok is None:
+        raise CliError("this checkpoint carries no tokenizer: give the encoder input as token ids with --ids '1 2 3'")
+    inputs = [tok(t)["input_ids"] for t in args.prompt]
+    for s in args.ids:
+        try:
+            inputs.append([int(x) for x in s.replace(",", " ").split()])
+        except ValueError as e:
+            raise CliError(f"--ids {s!r}: token ids are integers separated by spaces or commas") from e
+    if not inputs:
+        raise CliError("nothing to generate from: give --prompt TEXT (the encoder's input) or --ids '1 2 3'")
+    return inputs
+
+
+def _read_features(path: str):
+    """A ``[mels, frames]`` float array from ``.npy`` (no pickles) or ``.pt`` (``weights_only``: tensors only)."""
+    import numpy as np
+    import torch
+
+    try:
+        if path.endswith(".npy"):
+            x = torch.from_numpy(np.load(path, allow_pickle=False))
+        elif path.endswith(".pt"):
+            x = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise CliError(f"--features {path}: give a .npy or .pt file holding a [mels, frames] array")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CliError(f"--features {path}: cannot read it ({_one_line(e)})") from e
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        raise CliError(f"--features {path}: expected one float [mels, frames] array, got "
+                       f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return x.float()
+
+
+def _run_seq2seq(out: str, args, info: dict, tok) -> None:
+    """``run`` for an encoder-decoder OUT: the engine built from the checkpoint OUT keeps (safetensors)."""
+    import pagedattn
+    from pagedattn import checkpoint as ckpt_mod
+
+    inputs = _seq2seq_inputs(args, info, tok)  # bad input fails before the model loads
+    try:
+        ck = ckpt_mod.load_checkpoint(out, None, None)
+    except ckpt_mod.CheckpointError as e:
+        raise CliError(str(e)) from e
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else 64
+    target = info["target"]
+    try:
+        engine = pagedattn.PagedEngine(ck.model.to(target), target=target, block_size=info["block_size"],
+                                       num_blocks=args.num_blocks or 2048, max_num_tokens=512, progress=False)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    t0 = time.perf_counter()
+    try:
+        outs = engine.generate(inputs, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed)
+    except pagedattn.RequestErrors as e:
+        raise CliError("; ".join(f"input {i}: {why}" for i, why in e.errors.items())) from e
+    dt = time.perf_counter() - t0
+    n = sum(len(o) for o in outs)
+    for i, o in enumerate(outs):
+        print(f"[{i}] {tok.decode(o, skip_special_tokens=True)}" if tok is not None else f"[{i}] {o}")
+    print(f"{len(outs)} input(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
+          f"engine ({target}, encoder-decoder)")
 
 
 # ----------------------------------------------------------------------------- serve

@@ -28,8 +28,14 @@ def save(model: RewrittenModel, path: str) -> None:
     """Write the paged program: graph and specs as data (JSON), weights as raw tensor payloads.
 
     The program carries no example inputs (a loaded program runs in paged mode and needs none), so
-    nothing in the file is a pickle.
+    nothing in the file is a pickle. An encoder-decoder's decoder step (cross-attention sites, filled by
+    its ``cross_writer`` graph) is refused: the archive holds one graph, and a loaded step could not fill
+    its cross-attention caches.
     """
+    if model.cross_writer is not None or model.num_cross_sites:
+        raise ValueError(f"cannot save an encoder-decoder's decoder step ({model.num_cross_sites} cross-attention "
+                         "sites): the archive would lose the graph that fills their caches; serve the model itself "
+                         "with PagedEngine(model)")
     extra = {
         _INFO_FILE: json.dumps({
             "report": model.report, "cache_specs": [s.to_json() for s in model.cache_specs], "target": model.target,
