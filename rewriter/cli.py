@@ -716,6 +716,9 @@ def _serve_model(args):
     spec = args.model
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
         info, _ = _read_out(spec)
+        if info.get("kind") == "seq2seq":
+            raise CliError(f"{spec} is an encoder-decoder: serving one over HTTP is not supported yet; generate "
+                           f"with rewrite-model run {spec}")
         tok = _tokenizer(spec, info)
         rm = _load_program(spec)
         return rm, tok, os.path.basename(os.path.abspath(spec)), info["target"], rm.block_size
@@ -738,6 +741,9 @@ def _serve_tokenizer(args):
     spec = args.model
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
         info, _ = _read_out(spec)
+        if info.get("kind") == "seq2seq":
+            raise CliError(f"{spec} is an encoder-decoder: serving one over HTTP is not supported yet; generate "
+                           f"with rewrite-model run {spec}")
         return _tokenizer(spec, info), os.path.basename(os.path.abspath(spec))
     from pagedattn import checkpoint as ckpt_mod
 
@@ -827,7 +833,9 @@ def cmd_serve(args) -> None:
 
 
 def cmd_export_onnx(args) -> None:
-    _read_out(args.out)
+    info, _ = _read_out(args.out)
+    if info.get("kind") == "seq2seq":
+        raise CliError(f"{args.out} is an encoder-decoder: ONNX export of one is not supported")
     _export_onnx(args.out, args.output or os.path.join(args.out, ONNX), check=not args.no_check)
 
 

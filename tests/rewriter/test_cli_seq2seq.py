@@ -44,6 +44,9 @@ def test_bart_folder_three_kinds_of_site_and_run_equals_generate(tmp_path, capsy
     assert main(["run", str(out), "--ids", " ".join(map(str, src)), "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out.splitlines()[0]
     assert printed == f"[0] {hf_seq2seq_generate(model, [src], 6)[0]}"
+    assert main(["export-onnx", str(out)]) == 2  # not supported: one line
+    assert main(["run", str(out), "--features", "x.npy"]) == 2  # features for a text model: one line
+    assert "takes text" in capsys.readouterr().err
 
 
 def test_whisper_folder_runs_features_files(tmp_path, capsys):
