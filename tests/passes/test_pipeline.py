@@ -107,4 +107,4 @@ def test_configured_passes_are_named_by_their_name():
 
 def test_pipelines_are_tuples_of_passes():
     names = [getattr(p, "__name__", None) for p in CANONICAL_PIPELINE]
-    assert names == ["match_attention", "classify_mask", "replace_attention", "remove_dead_code"]
+    assert names == ["match_attention", "classify_mask", "mark_varying_masks", "replace_attention", "remove_dead_code"]
