@@ -137,8 +137,11 @@ def hf_seq2seq(model: nn.Module) -> Seq2SeqSpec:
         return v if v is not None else getattr(cfg, name, None)
 
     start = setting("decoder_start_token_id")
+    if start is None:  # as generate: the BOS token starts the decoder when no start token is set
+        start = setting("bos_token_id")
     if start is None:
-        raise ValueError(f"{type(model).__name__} has no decoder_start_token_id in its generation config or config")
+        raise ValueError(f"{type(model).__name__} has no decoder_start_token_id or bos_token_id in its generation "
+                         "config or config")
     main = getattr(model, "main_input_name", "input_ids")
     if main not in ("input_ids", "input_features"):
         raise ValueError(f"{type(model).__name__}'s encoder takes {main!r}; served are input_ids and input_features")

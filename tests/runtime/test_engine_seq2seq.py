@@ -172,3 +172,11 @@ def test_compiled_decoder_step_equals_hf_generate_in_two_graphs(bart, reference)
     before = graph_count()
     assert engine.generate(sources(), max_new_tokens=NEW) == reference
     assert graph_count() == before and engine.stats["preemptions"] > 0  # no recompiles while serving
+
+
+def test_without_a_decoder_start_token_the_bos_token_starts_the_decoder_as_generate_does():
+    model = tiny_seq2seq("mbart", decoder_start_token_id=None)
+    model.generation_config.decoder_start_token_id = None
+    engine = PagedEngine(model, num_blocks=100, max_num_tokens=64, compile=False, progress=False)
+    assert engine.servable.seq2seq.spec.decoder_prompt == (model.config.bos_token_id,)
+    assert engine.generate(sources()[:2], max_new_tokens=6) == hf_seq2seq_generate(model, sources()[:2], 6)
