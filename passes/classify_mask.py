@@ -37,6 +37,7 @@ from pagedattn.passes.mask_program import (
     extract_program,
     read_mask,
     reads_by_value,
+    value_nodes,
 )
 from pagedattn.passes.position_program import position_program, program_padding
 from pagedattn.passes.site import AttentionSite, same_size, shape
@@ -168,12 +169,12 @@ def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict
     """What each placeholder the mask terms read by value stands for; refuses data-dependent masks."""
     terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
     module, inputs = extract_program(gm, terms)
-    nodes = set(module.graph.nodes)
+    values = value_nodes(module)
     inner = {n.name: n for n in module.graph.nodes if n.op == "placeholder"}
     key_len = shape(site.key)[2]
     roles, constants = {}, {}
     for p in inputs:
-        if not reads_by_value(inner[p.name], nodes) or not isinstance(p.meta.get("val"), torch.Tensor):
+        if not reads_by_value(inner[p.name], values) or not isinstance(p.meta.get("val"), torch.Tensor):
             continue
         example = ctx.example_inputs.get(p.name)
         if isinstance(example, torch.Tensor) and example.is_meta:

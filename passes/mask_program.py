@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - a declared dependency; refuse rather t
     z3 = None
 
 __all__ = ["NotEstablished", "MaskFormula", "MaskKind", "read_mask", "establish", "extract_program",
-           "reads_by_value"]
+           "reads_by_value", "value_nodes"]
 
 _NEG = -1e30  # stands for -inf and finfo.min: any value at or below MASK_LIMIT masks
 _SMALL_CONSTANT = 4096  # constants up to this many elements are read element by element
@@ -81,9 +81,35 @@ def extract_program(gm: GraphModule, outputs: Sequence[Node]) -> tuple[GraphModu
     return GraphModule(gm, g), inputs
 
 
-def reads_by_value(p: Node, nodes: set[Node]) -> bool:
-    """Whether the program reads a placeholder's values (not only its sizes)."""
-    return any(u in nodes and u.target is not aten.sym_size.int for u in p.users)
+# ops whose first argument gives only a shape (and dtype): ``zeros_like(x)`` reads none of ``x``'s values
+_SHAPE_OF_FIRST = frozenset({
+    aten.sym_size.int, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_full.default})
+
+
+def value_nodes(module: GraphModule) -> set[Node]:
+    """The nodes whose values reach the program's outputs; the others are read for their shapes only (a
+    ``zeros_like`` of the token embeddings, GIT's mask): their values are never read nor interpreted."""
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    need: set[Node] = set()
+    stack = list(out.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        need.add(n)
+        args = n.all_input_nodes
+        if n.target in _SHAPE_OF_FIRST and n.args and isinstance(n.args[0], Node):
+            args = [a for a in args if a is not n.args[0]]
+        stack.extend(args)
+    return need
+
+
+def reads_by_value(p: Node, values: set[Node]) -> bool:
+    """Whether the program reads a placeholder's values (not only its sizes): ``values`` from
+    :func:`value_nodes`."""
+    return p in values
 
 
 # ----------------------------------------------------------------------------- values
@@ -389,9 +415,13 @@ class _Interpreter:
     # --- the program
 
     def run(self, outputs: Sequence[Node]) -> list[_Val]:
+        values = value_nodes(self.module)
         for n in self.module.graph.nodes:
             if n.op == "output":
                 break
+            if n not in values:  # read for its shape only: sizes come from its metadata
+                self.env[n] = None
+                continue
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
                 self.float_dtypes.add(v.dtype)

@@ -546,3 +546,31 @@ def test_layers_differing_only_in_learned_tables_share_one_program():
     assert '"tval"' in sites[0].position_mod
     assert sites[0].position_tables is not sites[1].position_tables
     _dropin_matches(m, rm, 150)
+
+
+class ShapeOfValues(zoo._Base):
+    """A causal mask or'ed with a tensor shaped like the hidden states (GIT's, without pixels): ``zeros_like``
+    reads their shape only; ``reads_values`` compares the states themselves instead (a data-dependent mask)."""
+
+    def __init__(self, reads_values=False):
+        super().__init__()
+        self.reads_values = reads_values
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        T = x.shape[1]
+        extra = x[..., 0] > 100 if self.reads_values else torch.zeros_like(x[..., 0]).bool()  # [B, T]
+        vis = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None] | extra[:, None, :]
+        s = (q @ k.transpose(-1, -2)) * D ** -0.5
+        s = s.masked_fill(~vis[:, None], float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+def test_a_mask_reading_only_the_shape_of_the_states_is_proven():
+    m = ShapeOfValues().eval()
+    rm = _rewrite(m)
+    site = _site(rm)
+    assert (site["status"], site["mask"]) == ("rewritten", "causal"), site
+    _dropin_matches(m, rm, 40)
+    site = _site(_rewrite(ShapeOfValues(reads_values=True)))
+    assert site["status"] == "skipped" and "values of input" in site["reason"], site
