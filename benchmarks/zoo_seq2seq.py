@@ -72,10 +72,10 @@ def _requests(model, serving) -> list:
     """3 token sources of different lengths, or 2 feature windows for a speech encoder."""
     import torch
 
-    from pagedattn.seq2seq import _example_sources
+    from pagedattn.seq2seq import example_sources
 
     if serving.spec.encoder_input != "input_ids":
-        return [{"input_features": s["input_features"]} for s in _example_sources(serving, "cpu")]
+        return [{"input_features": s["input_features"]} for s in example_sources(serving, "cpu")]
     vocab = min(int(serving.spec.vocab_size or 64), 512)
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 13, 9)]

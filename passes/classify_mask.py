@@ -44,7 +44,7 @@ from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
 
-__all__ = ["classify_mask"]
+__all__ = ["classify_mask", "input_roles"]
 
 
 def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
@@ -126,7 +126,7 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
 def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
     """The site's ``MaskKind``, or the reason it cannot be established."""
     try:
-        roles, constants = _roles(gm, site, ctx)
+        roles, constants = input_roles(gm, site, ctx)
         padding = [name for name, role in roles.items() if role == "padding"]
 
         def read(keys_present: bool, prefix: str):
@@ -165,8 +165,10 @@ def _positional(read, why: NotEstablished, padding: list[str]) -> MaskKind:
     raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {errors[0]}")
 
 
-def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """What each placeholder the mask terms read by value stands for; refuses data-dependent masks."""
+def input_roles(gm: GraphModule, site: AttentionSite,
+                ctx: PassContext) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """What each placeholder the mask terms read by value stands for (``read_mask``'s roles, and the values
+    of constant inputs); raises NotEstablished for data-dependent masks."""
     terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
     module, inputs = extract_program(gm, terms)
     values = value_nodes(module)

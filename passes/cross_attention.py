@@ -91,10 +91,10 @@ def _hides_keys_of_a_longer_decoder(gm: GraphModule, site: AttentionSite, ctx: P
     and key counts are independent, as a decoder step's tokens and its encoder's are."""
     import z3
 
-    from pagedattn.passes.classify_mask import _roles
+    from pagedattn.passes.classify_mask import input_roles
     from pagedattn.passes.mask_program import NotEstablished, read_mask
 
-    roles, constants = _roles(gm, site, ctx)
+    roles, constants = input_roles(gm, site, ctx)
     try:
         with torch.no_grad():
             f = read_mask(gm, site, roles, constants, ctx.max_length, True, "x")

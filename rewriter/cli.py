@@ -313,9 +313,9 @@ def _encoder_sites(serving, target: str) -> list[dict]:
     import torch
 
     import pagedattn
-    from pagedattn.seq2seq import _example_sources
+    from pagedattn.seq2seq import example_sources
 
-    srcs = _example_sources(serving, torch.device(target))
+    srcs = example_sources(serving, torch.device(target))
     name = serving.spec.encoder_input
     example = {name: torch.stack([s[name] for s in srcs[:1]] * 2).to(target)}
     if name == "input_ids":

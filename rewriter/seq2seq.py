@@ -36,7 +36,7 @@ from pagedattn.runtime.context import paged_context
 log = logging.getLogger("pagedattn")
 
 __all__ = ["Seq2SeqSpec", "Seq2SeqServing", "hf_seq2seq", "is_seq2seq", "prepare_seq2seq", "encoder_key",
-           "length_groups"]
+           "length_groups", "example_sources"]
 
 ENCODER_STATES = "encoder_hidden_states"
 
@@ -336,7 +336,7 @@ def check_seq2seq(serving: Seq2SeqServing, backend: AttentionBackend, block_size
     spec = serving.spec
     device = next(iter(spec.decoder.parameters())).device
     vocab = spec.vocab_size or 2
-    srcs = _example_sources(serving, device)
+    srcs = example_sources(serving, device)
     states, lens = serving.encode(srcs, device)
     decs = [[(3 + 5 * i) % vocab for i in range(7)], [(11 + 3 * i) % vocab for i in range(5)]]
     bs = block_size
@@ -393,7 +393,7 @@ def check_seq2seq(serving: Seq2SeqServing, backend: AttentionBackend, block_size
                              "tokens by their index in the step, or mixes tokens outside attention")
 
 
-def _example_sources(serving: Seq2SeqServing, device) -> list[dict[str, torch.Tensor]]:
+def example_sources(serving: Seq2SeqServing, device) -> list[dict[str, torch.Tensor]]:
     """Two requests' encoder inputs of different lengths (token ids), or two feature windows."""
     spec = serving.spec
     if spec.encoder_input == "input_ids":
