@@ -155,7 +155,7 @@ def write_table(rows: list[dict], path: str = TABLE) -> str:
     for r in rows:
         c, why = verdict(r)
         if c not in ("ok", "ok-state", "not-run"):
-            for key in {_reason_key(part) for part in why.split("; ")}:  # each architecture once per reason
+            for key in {reason_key(part) for part in why.split("; ")}:  # each architecture once per reason
                 reasons[key] += 1
     lines = [
         "# Coverage across the Hugging Face model zoo",
@@ -212,7 +212,12 @@ def write_table(rows: list[dict], path: str = TABLE) -> str:
                                    else ("differs" if "equal" in eng else "err"))
         lines.append(f"| {r['arch']} | {r.get('class', '-')} | {_cell(r.get('eager'))} | {_cell(r.get('sdpa'))} | "
                      f"{_cell(r.get('compile'))} | {_err(r)} | {gen} | {r.get('time_s', 0):.0f} | {c} | "
-                     f"{_md(why)} |")
+                     f"{md_cell(why)} |")
+    return write_markdown(path, lines)
+
+
+def write_markdown(path: str, lines: list[str]) -> str:
+    """Write a markdown table's lines to ``path`` (its folder made if needed); the text written."""
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -220,17 +225,17 @@ def write_table(rows: list[dict], path: str = TABLE) -> str:
     return text
 
 
-def _md(s: str) -> str:
+def md_cell(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")[:400]
 
 
-def _reason_key(part: str) -> str:
+def reason_key(part: str) -> str:
     """A reason without the stage and the specifics, for counting."""
     p = part.split(": ", 1)[-1] if part.split(": ", 1)[0] in ("eager", "sdpa", "compile", "engine") else part
     for cut in (" (", " at ", ": shape", "'"):
         if cut in p[12:]:
             p = p[: 12 + p[12:].index(cut)]
-    return _md(p[:120])
+    return md_cell(p[:120])
 
 
 # --------------------------------------------------------------------------------- main

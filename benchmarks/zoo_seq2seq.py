@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from zoo import MEMORY_LIMIT, _md, _reason_key, load_rows  # noqa: E402  (zoo.py's runner helpers)
+from zoo import MEMORY_LIMIT, load_rows, md_cell, reason_key, write_markdown  # noqa: E402  (zoo.py's runner helpers)
 
 RESULTS = os.path.join(ROOT, "benchmarks", "zoo_seq2seq_results.jsonl")
 TABLE = os.path.join(ROOT, "docs", "coverage_seq2seq.md")
@@ -223,7 +223,7 @@ def write_table(rows: list[dict], path: str = TABLE) -> str:
                   f"- built tiny: {built}; decoder step rewritten and checked: {rewritten}",
                   f"- **ok (tokens equal to HF generate): {cats['ok']}**; differ: {cats['differs']}; engine error: "
                   f"{cats['engine-error']}", ""]
-    reasons = Counter(_reason_key(verdict(r)[1]) for r in rows if verdict(r)[0] not in ("ok", "not-run"))
+    reasons = Counter(reason_key(verdict(r)[1]) for r in rows if verdict(r)[0] not in ("ok", "not-run"))
     lines += ["## Top reasons", "", "| reason | architectures |", "|---|---|"]
     lines += [f"| {k} | {n} |" for k, n in reasons.most_common(12)]
     lines += ["", "## Per architecture", "",
@@ -236,11 +236,8 @@ def write_table(rows: list[dict], path: str = TABLE) -> str:
         kinds = f"{rw['self']} / {rw['cross']}" if "sites" in rw else "-"
         gen = "-" if not eng else "equal" if eng.get("equal") else "err" if "error" in eng else "differs"
         lines.append(f"| {r['arch']} | {r.get('mapping', '')} | {r.get('class', '-')} | {sites} | {kinds} | {gen} | "
-                     f"{r.get('time_s', 0):.0f} | {c} | {_md(why)} |")
-    text = "\n".join(lines) + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-    return text
+                     f"{r.get('time_s', 0):.0f} | {c} | {md_cell(why)} |")
+    return write_markdown(path, lines)
 
 
 def main() -> None:

@@ -152,8 +152,8 @@ def _positional(read, why: NotEstablished, padding: list[str]) -> MaskKind:
     # a boolean padding input whose True means "ignore" reads as every key hidden when all True
     for present in (True, "false") if padding else (True,):
         try:
-            mod, tables, f = position_program(read, present)
-            pad = program_padding(read, f, padding) if padding else (None, True, False, False)
+            mod, tables, f, terms = position_program(read, present)
+            pad = program_padding(read, f, terms, padding) if padding else (None, True, False, False)
         except NotEstablished as e:
             errors.append(str(e))
             continue

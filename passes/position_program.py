@@ -43,17 +43,18 @@ _MIN_CHAIN = 3  # if-then-else chains over one index at least this long become t
 
 
 def position_program(read: Callable[[Any, str], MaskFormula], present: Any = True
-                     ) -> tuple[str, Optional[torch.Tensor], MaskFormula]:
+                     ) -> tuple[str, Optional[torch.Tensor], MaskFormula, tuple]:
     """The site's mask and bias as a position program (JSON) and its tables, with the reading it was compiled
-    from (its facts bound the lengths it holds for); or NotEstablished. ``present`` is how padding inputs are
-    read (``read_mask``'s ``keys_present``: every key present, in either convention)."""
+    from (its facts bound the lengths it holds for) and the program's ``(allowed, bias)`` terms in that
+    reading's query row, key and head; or NotEstablished. ``present`` is how padding inputs are read
+    (``read_mask``'s ``keys_present``: every key present, in either convention)."""
     f, g = read(present, "ga"), read(present, "gb")
     _prove_positions_only(f, g)
     allowed, bias = _bound(f)
-    return (*_Compiler(f).build(allowed, bias), f)
+    return (*_Compiler(f).build(allowed, bias), f, (allowed, bias))
 
 
-def program_padding(read: Callable[[Any, str], MaskFormula], f: MaskFormula, names: list[str]
+def program_padding(read: Callable[[Any, str], MaskFormula], f: MaskFormula, terms: tuple, names: list[str]
                     ) -> tuple[str, bool, bool, bool]:
     """Key padding beside a position program: ``(input, keeps_true, one_run_per_row, positions_from_first_key)``.
 
@@ -61,7 +62,7 @@ def program_padding(read: Callable[[Any, str], MaskFormula], f: MaskFormula, nam
     the program's mask and the input's keys (either convention), and the bias the program's on every seen key,
     the program's positions counted from 0 or (one run per row) from the run's first key. Programs reading the
     sequence's length are refused: under padding, which length the model means is not established here."""
-    allowed, bias = _bound(f)
+    allowed, bias = terms  # position_program's, over f's indices
     sizes = _consts([f.S, f.L])
     if any(name in sizes for name in _consts([allowed, bias])):
         raise NotEstablished("a position program that reads the sequence's length, beside key padding")

@@ -567,18 +567,9 @@ def _run(out: str, args) -> None:
     need = sum(-(-(len(p) + max_new) // rm.block_size) for p in prompts)
     num_blocks = args.num_blocks if args.num_blocks is not None else need + 1
     target = info["target"]
-    try:
-        engine = pagedattn.PagedEngine(rm, target=target, block_size=rm.block_size, num_blocks=num_blocks,
-                                       max_num_tokens=512)
-    except ValueError as e:
-        raise CliError(str(e)) from e
-    t0 = time.perf_counter()
-    try:
-        outs = engine.generate(prompts, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, seed=args.seed)
-    except pagedattn.RequestErrors as e:
-        raise CliError("; ".join(f"prompt {i}: {why}" for i, why in e.errors.items())) from e
-    dt = time.perf_counter() - t0
+    outs, dt = _generate(lambda: pagedattn.PagedEngine(rm, target=target, block_size=rm.block_size,
+                                                       num_blocks=num_blocks, max_num_tokens=512),
+                         prompts, max_new, args, "prompt")
     n = sum(len(o) for o in outs)
     for i, (p, o) in enumerate(zip(prompts, outs)):
         if tok is not None:
@@ -646,23 +637,33 @@ def _run_seq2seq(out: str, args, info: dict, tok) -> None:
         raise CliError(str(e)) from e
     max_new = args.max_new_tokens if args.max_new_tokens is not None else 64
     target = info["target"]
-    try:
-        engine = pagedattn.PagedEngine(ck.model.to(target), target=target, block_size=info["block_size"],
-                                       num_blocks=args.num_blocks or 2048, max_num_tokens=512, progress=False)
-    except ValueError as e:
-        raise CliError(str(e)) from e
-    t0 = time.perf_counter()
-    try:
-        outs = engine.generate(inputs, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, seed=args.seed)
-    except pagedattn.RequestErrors as e:
-        raise CliError("; ".join(f"input {i}: {why}" for i, why in e.errors.items())) from e
-    dt = time.perf_counter() - t0
+    outs, dt = _generate(lambda: pagedattn.PagedEngine(ck.model.to(target), target=target,
+                                                       block_size=info["block_size"], num_blocks=args.num_blocks or 2048,
+                                                       max_num_tokens=512, progress=False),
+                         inputs, max_new, args, "input")
     n = sum(len(o) for o in outs)
     for i, o in enumerate(outs):
         print(f"[{i}] {tok.decode(o, skip_special_tokens=True)}" if tok is not None else f"[{i}] {o}")
     print(f"{len(outs)} input(s), {n} tokens generated in {dt:.2f}s ({n / dt:.1f} tok/s) through the paged "
           f"engine ({target}, encoder-decoder)")
+
+
+def _generate(make_engine, prompts: list, max_new: int, args, what: str) -> tuple[list, float]:
+    """Build the engine and generate with the command's sampling options: ``(outputs, seconds)``; a model
+    the engine refuses or a bad prompt is one CliError line (``what`` names a prompt in it)."""
+    import pagedattn
+
+    try:
+        engine = make_engine()
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    t0 = time.perf_counter()
+    try:
+        outs = engine.generate(prompts, max_new_tokens=max_new, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed)
+    except pagedattn.RequestErrors as e:
+        raise CliError("; ".join(f"{what} {i}: {why}" for i, why in e.errors.items())) from e
+    return outs, time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- serve
