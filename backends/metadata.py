@@ -331,14 +331,23 @@ def _value_check(op: str, cond: torch.Tensor, msg: str) -> None:
 
 
 def _checked(key: str, tensors: tuple, extra: tuple) -> bool:
-    """Whether these very tensors (same objects, unchanged) passed the checks with ``extra`` already."""
-    memo = getattr(_MEMO, key, None)
-    return memo is not None and len(memo[0]) == len(tensors) and all(a is b for a, b in zip(memo[0], tensors)) \
-        and memo[1:] == (tuple(t._version for t in tensors), extra)
+    """Whether these very tensors (same objects, unchanged) passed the checks with ``extra`` already.
+
+    A few entries per check are kept: an encoder-decoder step alternates its own metadata and the
+    cross-attention metadata layer by layer, and each should be checked once per step, not per call."""
+    versions = tuple(t._version for t in tensors)
+    return any(len(seen) == len(tensors) and all(a is b for a, b in zip(seen, tensors))
+               and (seen_versions, seen_extra) == (versions, extra)
+               for seen, seen_versions, seen_extra in getattr(_MEMO, key, ()))
 
 
 def _passed(key: str, tensors: tuple, extra: tuple) -> None:
-    setattr(_MEMO, key, (tensors, tuple(t._version for t in tensors), extra))
+    memo = _MEMO.__dict__.setdefault(key, [])
+    memo.insert(0, (tensors, tuple(t._version for t in tensors), extra))
+    del memo[_MEMO_ENTRIES:]
+
+
+_MEMO_ENTRIES = 4
 
 
 def check_write_cheap(key: torch.Tensor, value: torch.Tensor, num_slots: int, kv_heads: int, head_size: int,

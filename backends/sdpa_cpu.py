@@ -39,10 +39,36 @@ class _Seq:
         return self.kv_len - self.q_len
 
 
-def _plan(query_start_loc: Tensor, seq_lens: Tensor) -> list[_Seq]:
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    return [_Seq(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(len(lens))]
+@dataclass(frozen=True)
+class _Split:
+    """A call's sequences by how they are attended: decodes (one query), prefills with no cached keys
+    (``fresh``: their keys are the call's ``key``/``value``), and the rest (chunks over cached keys)."""
+
+    single: tuple[_Seq, ...]
+    fresh: tuple[_Seq, ...]
+    rest: tuple[_Seq, ...]
+    single_key: tuple  # the decodes, as the decode plan's memo key
+
+
+def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
+    """The call's sequences, memoised by the metadata tensors (same objects, unchanged): every layer of a
+    step passes the same ones, and at decode sizes reading them on the host costs about what a layer's
+    attention does."""
+    memo = _LOCAL.__dict__.setdefault("splits", [])
+    versions = (query_start_loc._version, seq_lens._version)
+    for qsl, lens, seen, key, split in memo:
+        if qsl is query_start_loc and lens is seq_lens and seen == versions and key == has_key:
+            return split
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    seqs = [_Seq(i, qsl[i], qsl[i + 1] - qsl[i], lens[i]) for i in range(len(lens))]
+    single = tuple(s for s in seqs if s.q_len == 1)
+    fresh = tuple(s for s in seqs if has_key and s.q_len > 1 and s.kv_len == s.q_len)
+    fresh_ids = {s.index for s in fresh}
+    rest = tuple(s for s in seqs if s.q_len > 1 and s.index not in fresh_ids)
+    split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single))
+    memo.insert(0, (query_start_loc, seq_lens, versions, has_key, split))
+    del memo[_MEMO_TABLES:]
+    return split
 
 
 def _fold_gqa(q: Tensor, num_kv_heads: int) -> Tensor:
@@ -99,16 +125,13 @@ class SdpaCpuBackend(SplitKVBackend):
     # --- attention
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
-        seqs = _plan(metadata.query_start_loc, metadata.seq_lens)
+        split = _plan(metadata.query_start_loc, metadata.seq_lens, key is not None)
         out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
-        fresh = [s for s in seqs if key is not None and s.q_len > 1 and s.kv_len == s.q_len]
         # a position program's prefills take the reference's math, one sequence at a time (rows it hides
         # entirely give zeros, as the reference defines); its decodes the flash path with its bias
-        single = [s for s in seqs if s.q_len == 1]
-        fresh_ids = {s.index for s in fresh}
-        rest = [s for s in seqs if s.q_len > 1 and s.index not in fresh_ids]
-        if single:
-            self._decode(out, query, kv_cache, metadata.block_tables, single, params)
+        if split.single:
+            self._decode(out, query, kv_cache, metadata.block_tables, split, params)
+        fresh, rest = split.fresh, split.rest
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
@@ -171,7 +194,7 @@ class SdpaCpuBackend(SplitKVBackend):
                 o = _with_sinks(qf, k, v, mask, params.scale, params.sinks, num_heads)
         out[rows] = o[0].transpose(0, 1)
 
-    def _decode(self, out, query, kv_cache, block_tables, seqs: list[_Seq], params: AttentionParams):
+    def _decode(self, out, query, kv_cache, block_tables, split: _Split, params: AttentionParams):
         # Flash-decoding on CPU. Each sequence's visible keys are cut into near-equal chunks;
         # chunks, longest first, form groups whose padded K+V fit _GATHER_BUDGET_BYTES. A group is
         # gathered by one index_select (K and V blocks together) into a reused workspace that stays
@@ -184,7 +207,7 @@ class SdpaCpuBackend(SplitKVBackend):
         # with equal chunks each thread attends to the keys it gathered itself, still in its own
         # cache. With one chunk per group the two splits cross and half of every read is remote
         # (up to ~40% slower at 1024-token contexts on a 2-core EPYC VM).
-        plan = _decode_plan(kv_cache, block_tables, seqs, params, query.shape[1], query.dtype)
+        plan = _decode_plan(kv_cache, block_tables, split, params, query.shape[1], query.dtype)
         if plan is None:
             return
         _, nb, bs, _, d = kv_cache.shape
@@ -236,7 +259,7 @@ class SdpaCpuBackend(SplitKVBackend):
         out.index_copy_(0, uniq, (num[uniq] / den[uniq, :, None].clamp_min(1e-30)).to(out.dtype))
 
 
-def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], params: AttentionParams,
+def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: tuple[_Seq, ...], params: AttentionParams,
                        num_heads: int, dtype: torch.dtype) -> Optional["_DecodePlan"]:
     """What a decode call gathers and how it groups it (see ``SdpaCpuBackend._decode``); None: no keys."""
     _, nb, bs, _, d = kv_cache.shape
@@ -269,13 +292,7 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq],
         rows.append(s.start)
     if not los:
         return None
-    bounds, start, longest = [], 0, 0  # groups: (first chunk, end, blocks gathered per chunk)
-    for i, n in enumerate(sizes):
-        if i > start and (i - start + 1) * max(longest, n) > budget:
-            bounds.append((start, i, longest))
-            start, longest = i, 0
-        longest = max(longest, n)
-    bounds.append((start, len(sizes), longest))
+    bounds = _groups(sizes, budget, max(1, _GROUP_OVERHEAD_BYTES // block_bytes))
     padded = [n for a, b, n in bounds for _ in range(a, b)]
     # a group needs no mask when every key it gathers is visible to its query
     masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
@@ -307,6 +324,42 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq],
     if not _tensor_fields(params):  # the bias depends on nothing a layer holds: one for the whole step
         plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
     return plan
+
+
+def _groups(sizes: list[int], budget: int, overhead: int) -> list[tuple[int, int, int]]:
+    """Chunks of ``sizes`` blocks (longest first) grouped as ``(first chunk, end, blocks per chunk)``: a
+    group gathers every chunk padded to its first (longest) one and holds at most ``budget`` blocks.
+
+    Grouping minimises the blocks gathered plus ``overhead`` blocks per group (what one more gather and
+    flash call cost, as bytes moved): one group for every chunk pads short sequences to the longest, a
+    group per length pays the calls. A group may start mid-run of equal sizes only where the budget
+    forces it, so the choice is over runs: ``O(runs^2)``, with at most ``_MAX_RUNS_BACK`` runs per group.
+    """
+    runs = [i for i in range(len(sizes)) if i == 0 or sizes[i] != sizes[i - 1]] + [len(sizes)]
+    m = len(runs) - 1
+
+    def cost(a: int, b: int) -> int:  # runs a..b-1 in one group, split where the budget forces it
+        count, longest = runs[b] - runs[a], sizes[runs[a]]
+        per = max(1, budget // longest)
+        return -(-count // per) * overhead + count * longest
+
+    best, back = [0] + [None] * m, [0] * (m + 1)
+    for b in range(1, m + 1):
+        for a in range(max(0, b - _MAX_RUNS_BACK), b):
+            c = best[a] + cost(a, b)
+            if best[b] is None or c < best[b]:
+                best[b], back[b] = c, a
+    cuts, b = [], m
+    while b:
+        cuts.append((runs[back[b]], runs[b]))
+        b = back[b]
+    bounds = []
+    for lo, hi in reversed(cuts):
+        while lo < hi:  # the budget's pieces, each padded to its own first chunk
+            end = min(hi, lo + max(1, budget // sizes[lo]))
+            bounds.append((lo, end, sizes[lo]))
+            lo = end
+    return bounds
 
 
 def _plan_bias(plan: "_DecodePlan", params: AttentionParams, num_heads: int, dtype: torch.dtype) -> Optional[Tensor]:
@@ -347,7 +400,7 @@ class _DecodePlan:
     present: Optional[Tensor] = None  # [chunks, keys]: the gathered keys that exist
 
 
-def _decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], params: AttentionParams,
+def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: AttentionParams,
                  num_heads: int, dtype: torch.dtype) -> Optional[_DecodePlan]:
     """``_build_decode_plan``, memoised for one step: every layer of a step passes the same block table
     tensor (unchanged) and sequences, and at decode sizes building the plan (Python and a dozen small
@@ -356,13 +409,13 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: list[_Seq], param
     :func:`_plan_bias`; the memo keys on which of them are set."""
     fields = tuple(v is None if isinstance(v, Tensor) or v is None else v
                    for v in (getattr(params, f.name) for f in dataclasses.fields(params)))
-    key = (tuple((s.index, s.start, s.q_len, s.kv_len) for s in seqs), fields, tuple(kv_cache.shape),
+    key = (split.single_key, fields, tuple(kv_cache.shape),
            kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
            block_tables._version)
     plans = _step_plans(block_tables)
     plan = plans.get(key)
     if plan is None and key not in plans:
-        plan = plans[key] = _build_decode_plan(kv_cache, block_tables, seqs, params, num_heads, dtype)
+        plan = plans[key] = _build_decode_plan(kv_cache, block_tables, split.single, params, num_heads, dtype)
     if plan is not None and plan.bias is None and plan.terms is not None:
         plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
     return plan
@@ -410,6 +463,10 @@ def _partial_attention(q, k, v, bias, scale, softcap) -> tuple[Tensor, Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
+# What one more decode group costs (an index_select, a flash call and their slicing, ~40 us), as the K+V
+# bytes whose gather and attention take as long (~6 GB/s through both on a 2-core EPYC).
+_GROUP_OVERHEAD_BYTES = 256 << 10
+_MAX_RUNS_BACK = 32
 # Gathered K+V per decode group (split evenly between the intra-op threads); sized to stay
 # resident in cache. Measured on a 2-core EPYC (benchmarks/RESULTS.md): 8 MiB beats 2, 4 and 16.
 _GATHER_BUDGET_BYTES = 8 << 20

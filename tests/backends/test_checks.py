@@ -107,3 +107,30 @@ def test_good_metadata_is_checked_once_per_step(monkeypatch):
             0.125, True, 0, 0.0, None, b.key.shape[1], b.value.shape[2])
     # one step: the write's two value checks and the attend's three, not one set per layer
     assert calls.count("write_kv_cache") == 2 and calls.count("paged_attention") == 3
+
+
+def test_alternating_metadata_is_checked_once_per_step(monkeypatch):
+    """An encoder-decoder step alternates its own metadata and the cross-attention metadata layer by
+    layer: each set is checked once, and a set whose tensor changed in place is checked again."""
+    from pagedattn.backends import metadata
+
+    b = make_batch([(0, 4), (9, 1)], head_size=16, block_size=4)
+    calls = []
+    inner = metadata._value_check
+    monkeypatch.setattr(metadata, "_value_check", lambda *a: (calls.append(a[0]), inner(*a))[1])
+    tables = [b.meta.block_tables[0].tolist(), b.meta.block_tables[1].tolist()]
+    own = build_metadata([(0, 4, tables[0]), (9, 1, tables[1])], 4)
+    cross = build_metadata([(0, 4, tables[0]), (9, 1, tables[1])], 4)
+
+    def layer(meta):
+        torch.ops.pagedattn.paged_attention(
+            b.query, b.key, b.value, b.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            0.125, True, 0, 0.0, None, b.key.shape[1], b.value.shape[2])
+
+    for _layer in range(3):
+        layer(own)
+        layer(cross)
+    assert calls.count("paged_attention") == 6  # three checks for each of the two sets
+    cross.seq_lens[1] = 100  # longer than its block table: found although these tensors passed before
+    with pytest.raises(ValueError, match="longer than its block table"):
+        layer(cross)

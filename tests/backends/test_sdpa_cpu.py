@@ -290,3 +290,44 @@ def test_decode_from_a_cache_view(monkeypatch, split):
     b.kv_cache = big[:, :nb]
     assert b.kv_cache.stride(0) != nb * b.kv_cache.stride(1)
     _check(b, torch.float32)
+
+
+def _greedy_groups(sizes, budget):
+    # one group while the budget allows: every chunk padded to the longest of its group
+    bounds, start = [], 0
+    for i in range(1, len(sizes) + 1):
+        if i == len(sizes) or (i - start + 1) * sizes[start] > budget:
+            bounds.append((start, i, sizes[start]))
+            start = i
+    return bounds
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=80), st.integers(1, 300), st.integers(1, 16))
+def test_decode_groups_cover_chunks_within_budget_at_least_as_cheaply_as_one_greedy_group(sizes, budget, overhead):
+    from pagedattn.backends.sdpa_cpu import _groups
+
+    sizes = sorted(sizes, reverse=True)
+    bounds = _groups(sizes, budget, overhead)
+    assert [a for a, _, _ in bounds] == [0] + [b for _, b, _ in bounds[:-1]] and bounds[-1][1] == len(sizes)
+    for a, b, n in bounds:
+        assert n == max(sizes[a:b]) and ((b - a) * n <= budget or b - a == 1)
+
+    def cost(groups):
+        return sum(overhead + (b - a) * n for a, b, n in groups)
+
+    assert cost(bounds) <= cost(_greedy_groups(sizes, budget))
+
+
+def test_ragged_decodes_gather_in_groups_of_similar_lengths(monkeypatch):
+    # lengths from 1 to 30 blocks: one group would pad every chunk to 30 blocks; groups of similar
+    # lengths gather far fewer, and the result is the reference's
+    from pagedattn.backends import sdpa_cpu
+
+    gathered = []
+    real = sdpa_cpu._kv_views
+    monkeypatch.setattr(sdpa_cpu, "_kv_views", lambda ws, g, span, *a: gathered.append(g * span) or real(ws, g, span, *a))
+    lens = [4 * n - 1 - (n % 3) for n in range(1, 31)]
+    b = make_batch([(n - 1, 1) for n in lens], num_heads=4, num_kv_heads=2, block_size=4)
+    _check(b, torch.float32)
+    assert 1 < len(gathered) and sum(gathered) < 0.7 * len(lens) * 4 * 30
