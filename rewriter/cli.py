@@ -714,17 +714,22 @@ def _check_serve_args(args) -> None:
 
 def _serve_model(args):
     """(model for the engine, tokenizer or None, name, target, block size) for OUT, a checkpoint or the demo."""
+    from pagedattn import checkpoint as ckpt_mod
+
     spec = args.model
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
         info, _ = _read_out(spec)
-        if info.get("kind") == "seq2seq":
-            raise CliError(f"{spec} is an encoder-decoder: serving one over HTTP is not supported yet; generate "
-                           f"with rewrite-model run {spec}")
         tok = _tokenizer(spec, info)
+        name = os.path.basename(os.path.abspath(spec))
+        if info.get("kind") == "seq2seq":  # the engine rewrites the checkpoint OUT keeps, as run does
+            _check_serves_text(spec, info.get("encoder_input", "input_ids"))
+            try:
+                ck = ckpt_mod.load_checkpoint(spec, None, None)
+            except ckpt_mod.CheckpointError as e:
+                raise CliError(str(e)) from e
+            return ck.model.to(info["target"]), tok, name, info["target"], info["block_size"]
         rm = _load_program(spec)
-        return rm, tok, os.path.basename(os.path.abspath(spec)), info["target"], rm.block_size
-    from pagedattn import checkpoint as ckpt_mod
-
+        return rm, tok, name, info["target"], rm.block_size
     try:
         ck = ckpt_mod.load_checkpoint(spec, None, "eager" if _is_demo(spec) else None)
     except ckpt_mod.CheckpointError as e:
@@ -732,8 +737,18 @@ def _serve_model(args):
     if ck.kind != "hf":
         raise CliError(f"{spec} is a torch.export program: rewrite it first (rewrite-model {spec} -o OUT) and "
                        "serve OUT")
+    if ck.seq2seq:
+        _check_serves_text(spec, getattr(ck.model, "main_input_name", "input_ids"))
     name = spec if _is_demo(spec) else os.path.basename(os.path.abspath(spec))
     return ck.model, ck.tokenizer, name, _check_target(args.target), args.block_size
+
+
+def _check_serves_text(spec: str, encoder_input: str) -> None:
+    """An encoder-decoder is served over HTTP when its encoder takes text (the prompt is the encoder's input)."""
+    if encoder_input != "input_ids":
+        raise CliError(f"{spec} is a speech encoder-decoder (its encoder takes {encoder_input!r}): the OpenAI "
+                       f"completions API carries text, so it is not served over HTTP; transcribe with rewrite-model "
+                       "run OUT --features FILE")
 
 
 def _serve_tokenizer(args):
@@ -743,8 +758,7 @@ def _serve_tokenizer(args):
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, REPORT_JSON)):  # a rewrite-model OUT
         info, _ = _read_out(spec)
         if info.get("kind") == "seq2seq":
-            raise CliError(f"{spec} is an encoder-decoder: serving one over HTTP is not supported yet; generate "
-                           f"with rewrite-model run {spec}")
+            _check_serves_text(spec, info.get("encoder_input", "input_ids"))
         return _tokenizer(spec, info), os.path.basename(os.path.abspath(spec))
     from pagedattn import checkpoint as ckpt_mod
 

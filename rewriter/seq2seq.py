@@ -64,6 +64,7 @@ class Seq2SeqSpec:
     eos_token_id: Optional[int | Sequence[int]] = None
     vocab_size: Optional[int] = None
     max_source_len: Optional[int] = None  # the longest encoder input the encoder takes
+    max_target_len: Optional[int] = None  # the decoder positions it has (learned or tabled position embeddings)
 
 
 class _HFEncoder(nn.Module):
@@ -148,6 +149,11 @@ def hf_seq2seq(model: nn.Module) -> Seq2SeqSpec:
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     hidden = getattr(text, "d_model", None) or text.hidden_size
     src = getattr(cfg, "max_source_positions", None) or getattr(cfg, "max_position_embeddings", None)
+    # a decoder with a position table (BART's learned one, Marian's sinusoidal one) has no position past it;
+    # relative position biases (T5) have no such limit
+    has_table = isinstance(getattr(model.get_decoder(), "embed_positions", None), nn.Embedding)
+    tgt = getattr(cfg, "max_target_positions", None) or (getattr(cfg, "max_position_embeddings", None)
+                                                         if has_table else None)
     positions = "decoder_position_ids" in inspect.signature(model.forward).parameters
     step = (_HFDecoderStepWithPositions if positions else _HFDecoderStep)(model).eval()
     return Seq2SeqSpec(
@@ -155,7 +161,7 @@ def hf_seq2seq(model: nn.Module) -> Seq2SeqSpec:
         decoder_prompt=(int(start),), encoder_input=main, pad_token_id=int(setting("pad_token_id") or 0),
         forced_bos=setting("forced_bos_token_id"), forced_eos=setting("forced_eos_token_id"),
         eos_token_id=ModelInfo.of(model).eos_token_id, vocab_size=getattr(text, "vocab_size", None),
-        max_source_len=src if main == "input_ids" else None)
+        max_source_len=src if main == "input_ids" else None, max_target_len=tgt)
 
 
 def encoder_key(inputs: Mapping[str, torch.Tensor]) -> int:
@@ -178,6 +184,12 @@ class Seq2SeqServing:
     spec: Seq2SeqSpec
     step: RewrittenModel
     takes_positions: bool
+
+    @property
+    def max_decoder_len(self) -> Optional[int]:
+        """Decoder tokens a request may reach, its start tokens and completion together (None: no limit): one
+        more than the decoder's positions, since the last token generated is never fed back."""
+        return None if self.spec.max_target_len is None else self.spec.max_target_len + 1
 
     # --- requests
 

@@ -665,7 +665,8 @@ class _Service:
         """The request's sampling parameters and stop strings; 400 for malformed ones. What only the engine knows
         (an empty prompt, token ids outside the vocabulary, more blocks than the cache has, more than ``room``
         tokens) it checks as it takes the request in, and refuses with a 400 before the first token."""
-        return sampling_params(req, max_tokens, len(prompt), self.room), _stops(req.stop, self.tokenizer)
+        return (sampling_params(req, max_tokens, self.loop.info.room_prompt_len(prompt), self.room),
+                _stops(req.stop, self.tokenizer))
 
     async def pieces(self, request: Request, prompt: list[int], params: SamplingParams, stops: tuple,
                      usage: _Usage) -> AsyncIterator[_Piece]:

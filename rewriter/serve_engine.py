@@ -28,7 +28,7 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 log = logging.getLogger("pagedattn.serve")
 
@@ -46,13 +46,21 @@ class EngineDead(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the server needs to know of an engine it cannot touch."""
+    """What the server needs to know of an engine it cannot touch. For an encoder-decoder the prompt is the
+    encoder's input and ``max_model_len`` counts decoder tokens (its ``decoder_prompt_len`` start tokens and
+    the completion)."""
 
     num_blocks: int
     block_size: int
     max_num_seqs: int
     max_model_len: Optional[int]
     pid: int
+    encoder_decoder: bool = False
+    decoder_prompt_len: int = 0
+
+    def room_prompt_len(self, prompt: Sequence[int]) -> int:
+        """The tokens of a request that count toward ``max_model_len`` before its completion."""
+        return self.decoder_prompt_len if self.encoder_decoder else len(prompt)
 
 
 class Gauges(NamedTuple):
@@ -68,15 +76,19 @@ class Gauges(NamedTuple):
 
 def max_model_len(engine) -> Optional[int]:
     """The longest sequence the engine's paged kernels accept: the shortest length a rewritten site's mask is
-    established for (None: every length)."""
+    established for, and for an encoder-decoder the decoder's positions (None: every length)."""
     limits = [r.get("mask_up_to") for r in getattr(engine.model, "report", None) or []
               if r.get("status") == "rewritten" and r.get("mask_up_to")]
+    s2s = engine.servable.seq2seq
+    if s2s is not None and s2s.max_decoder_len is not None:
+        limits.append(s2s.max_decoder_len)
     return min(limits) if limits else None
 
 
 def engine_info(engine) -> EngineInfo:
+    s2s = engine.servable.seq2seq
     return EngineInfo(engine.num_blocks, engine.block_size, engine.scheduler.max_num_seqs, max_model_len(engine),
-                      os.getpid())
+                      os.getpid(), s2s is not None, len(s2s.spec.decoder_prompt) if s2s is not None else 0)
 
 
 def _first_line(e: BaseException) -> str:
@@ -154,9 +166,14 @@ class EngineCore:
 
     def _add(self, cid, prompt: list[int], params, room: Optional[int]) -> None:
         """Validate and queue a request; a refusal becomes a 400 entry naming the problem."""
-        why = self.engine.validate(prompt, params)
+        s2s = self.engine.servable.seq2seq
+        # an encoder-decoder's prompt is its encoder's input: add_request checks it and the decoder's tokens
+        why = self.engine.validate(prompt, params) if s2s is None else None
         param = "prompt"
-        if why is None and room and len(prompt) + params.max_new_tokens > room:
+        if why is None and room and s2s is not None and len(s2s.spec.decoder_prompt) + params.max_new_tokens > room:
+            why, param = (f"max_tokens is {params.max_new_tokens} but this encoder-decoder's decoder generates at "
+                          f"most {room - len(s2s.spec.decoder_prompt)} tokens; lower max_tokens"), "max_tokens"
+        elif why is None and room and s2s is None and len(prompt) + params.max_new_tokens > room:
             why, param = (f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_new_tokens}: "
                           f"together more than the {room} tokens a request may reach; shorten the prompt or lower "
                           "max_tokens"), "max_tokens"

@@ -342,6 +342,7 @@ class _SlowEngine:
     every request gets token 65 once per 20 ms step."""
 
     num_blocks, block_size, model = 1000, 16, None
+    servable = SimpleNamespace(seq2seq=None)
 
     def __init__(self):
         self.scheduler = SimpleNamespace(running=[], max_num_seqs=4)
