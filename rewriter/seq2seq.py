@@ -20,6 +20,7 @@ decoder before anything is served.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import logging
@@ -36,7 +37,7 @@ from pagedattn.runtime.context import paged_context
 log = logging.getLogger("pagedattn")
 
 __all__ = ["Seq2SeqSpec", "Seq2SeqServing", "hf_seq2seq", "is_seq2seq", "prepare_seq2seq", "encoder_key",
-           "length_groups", "example_sources"]
+           "encoder_states_output", "length_groups", "example_sources"]
 
 ENCODER_STATES = "encoder_hidden_states"
 
@@ -88,8 +89,29 @@ class _HFDecoderStep(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=input_ids,
+        return self.model(encoder_outputs=encoder_states_output(encoder_hidden_states), decoder_input_ids=input_ids,
                           use_cache=False).logits
+
+
+def encoder_states_output(states: torch.Tensor):
+    """Encoder states as ``generate`` hands them to the model: a model output (models read
+    ``encoder_outputs.last_hidden_state``, which a plain tuple lacks) whose other fields are None, whatever
+    their names (an encoder's own output class may have more: NLLB-MoE's ``router_logits``, Canary's
+    ``attention_mask``; the decoder step sees one request's unpadded states, so it needs no encoder mask)."""
+    return _encoder_states_class()(last_hidden_state=states)
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder_states_class() -> type:
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class EncoderStates(BaseModelOutput):
+        def __getattr__(self, name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return EncoderStates
 
 
 class _HFDecoderStepWithPositions(_HFDecoderStep):
@@ -98,7 +120,7 @@ class _HFDecoderStepWithPositions(_HFDecoderStep):
 
     def forward(self, input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 position_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=input_ids,
+        return self.model(encoder_outputs=encoder_states_output(encoder_hidden_states), decoder_input_ids=input_ids,
                           decoder_position_ids=position_ids, use_cache=False).logits
 
 
@@ -415,8 +437,9 @@ def example_sources(serving: Seq2SeqServing, device) -> list[dict[str, torch.Ten
     mels = getattr(getattr(enc, "config", None), "num_mel_bins", None)
     frames = 2 * getattr(getattr(enc, "config", None), "max_source_positions", 0)
     if not mels or not frames:
-        raise ValueError(f"cannot make example {spec.encoder_input!r} for this encoder: pass a Seq2SeqSpec whose "
-                         "encoder is a Hugging Face speech encoder")
+        raise ValueError(f"cannot make example {spec.encoder_input!r} for this encoder: served are Whisper-style "
+                         "[mels, frames] windows (an encoder config with num_mel_bins and max_source_positions); "
+                         "pass a Seq2SeqSpec with an encoder of that kind")
     g = torch.Generator().manual_seed(0)
     return [{"input_features": torch.randn(mels, frames, generator=g)} for _ in range(2)]
 

@@ -52,3 +52,17 @@ def test_forced_bos_from_the_generation_config_equals_hf_generate():
     engine = PagedEngine(model, compile=False, block_size=4, progress=False)
     got = engine.generate(sources()[:3], max_new_tokens=NEW)
     assert got == hf_seq2seq_generate(model, sources()[:3], NEW) and all(t[0] == 7 for t in got)
+
+
+def test_encoder_states_reach_the_decoder_as_a_model_output():
+    """Decoders read ``encoder_outputs.last_hidden_state`` or ``encoder_outputs[0]`` (a tuple has only the
+    latter), and some read fields their own encoder's output class adds (NLLB-MoE's ``router_logits``,
+    Canary's ``attention_mask``): those are None, as for states of one unpadded request."""
+    from pagedattn.seq2seq import encoder_states_output
+
+    states = torch.randn(2, 5, 8)
+    out = encoder_states_output(states)
+    assert out.last_hidden_state is states and out[0] is states
+    assert out.router_logits is None and out.attention_mask is None
+    with pytest.raises(AttributeError):
+        getattr(out, "__deepcopy_hook__")  # noqa: B009 - dunder lookups still fail (copy, pickle probe them)
