@@ -1,0 +1,248 @@
+"""Decode steps as CUDA graphs: capture sizes, persistent step buffers, capture and replay (issue 17).
+
+A decode step of a small model on a GPU is bound by the host: a launch per op, Python around every attention
+call, metadata built per step. vLLM captures its decode-only steps as CUDA graphs at a small set of batch sizes
+and pads each step up to the next one; the same here:
+
+- **capture sizes** (:func:`capture_sizes`): 1, 2, 4, then multiples of 8, up to the first size that holds the
+  engine's ``max_num_seqs`` (at most 256); a decode step of ``n`` sequences runs in the graph of the smallest
+  size ``N >= n`` (:func:`bucket`), larger ones eagerly;
+- **persistent buffers** (:class:`DecodeBuffers`): token ids, positions, slots, block tables (a fixed number of
+  columns, the most a sequence can hold), sequence lengths, query starts and logits rows live in device tensors
+  allocated once; a size-``N`` graph reads their first ``N`` rows. A step writes its values in one host-to-device
+  copy (``load``), padded as ``runtime.shapes`` pads steps: padding tokens have slot -1 (written nowhere) and
+  belong to no sequence, padding sequences have no token and length 0;
+- **capture and replay** (:class:`DecodeGraphs`): the first step at a size runs eagerly (it compiles and warms
+  up), then the same call is captured into a graph sharing one memory pool; later steps load the buffers and
+  replay. What runs inside must read no tensor value on the host: the backends' write and attention switch to
+  :mod:`pagedattn.backends.static_paged` while a stream captures (``torch.cuda.is_current_stream_capturing``),
+  and the metadata's value checks are ``torch._assert_async`` on CUDA, captured with the step and replayed with
+  it. With full validation on (``PAGEDATTN_VALIDATE``, which reads metadata on the host) steps run eagerly.
+
+Off CUDA (tests), :class:`DecodeGraphs` runs the same buffers eagerly (``capture=False``), which checks
+everything but the capture itself; :func:`no_host_reads` makes a host read inside a step raise, as capture would.
+Prefill and mixed steps, encoder-decoders and models with recurrent state run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from pagedattn.backends import AttentionMetadata, validation_enabled
+from pagedattn.runtime.context import paged_context
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["capture_sizes", "bucket", "DecodeBuffers", "DecodeGraphs", "no_host_reads", "HostRead"]
+
+_LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
+
+
+def capture_sizes(max_num_seqs: int, largest: int = _LARGEST) -> tuple[int, ...]:
+    """1, 2, 4, then multiples of 8, up to the first one that holds ``max_num_seqs`` (or ``largest``)."""
+    top = min(max_num_seqs, largest)
+    sizes = []
+    for n in (1, 2, 4, *range(8, largest + 8, 8)):
+        sizes.append(n)
+        if n >= top:
+            break
+    return tuple(sizes)
+
+
+def bucket(n: int, sizes: Sequence[int]) -> Optional[int]:
+    """The smallest capture size that holds ``n`` sequences; None above the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class DecodeBuffers:
+    """The inputs of a captured decode step, allocated once for ``size`` sequences of up to ``width``
+    blocks each; a step of ``N <= size`` sequences uses the first ``N`` rows (:meth:`view`)."""
+
+    ids: Tensor  # [size] token ids
+    positions: Tensor  # [size]
+    slots: Tensor  # [size] cache slot of each token (-1: padding)
+    tables: Tensor  # [size, width] block tables (padding: block 0, never read past a length of 0)
+    seq_lens: Tensor  # [size] (padding: 0)
+    starts: Tensor  # [size + 1] query_start_loc: one token per real sequence, none per padding one
+    rows: Tensor  # [size] logits rows, constant
+    block_size: int
+    staging: Tensor  # [size * (4 + width) + size + 1] pinned host copy of a step's values: one transfer a step
+
+    @classmethod
+    def allocate(cls, size: int, width: int, block_size: int, device: torch.device | str) -> "DecodeBuffers":
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        pin = torch.device(device).type == "cuda"
+        staging = torch.zeros(size * (5 + width) + 1, dtype=torch.long, pin_memory=pin)
+        return cls(zeros(size), zeros(size), zeros(size), zeros(size, width, dtype=torch.int32),
+                   zeros(size, dtype=torch.int32), torch.arange(size + 1, dtype=torch.int32, device=device),
+                   torch.arange(size, device=device), block_size, staging)
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tables.shape[1]
+
+    def load(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+             tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int) -> None:
+        """Write a decode step of ``len(ids)`` sequences into the first ``n_rows`` rows, the rest padding.
+        A block table longer than ``width`` is a ValueError (the step must run eagerly)."""
+        n, W = len(ids), self.width
+        if not n <= n_rows <= self.size:
+            raise ValueError(f"a decode step of {n} sequences does not fit {n_rows} of {self.size} rows")
+        rows = []
+        for tok, pos, slot, table, length in zip(ids, positions, slots, tables, seq_lens):
+            if len(table) > W:
+                raise ValueError(f"a block table of {len(table)} blocks is wider than the captured {W}")
+            rows.append([tok, pos, slot, length, *table, *[0] * (W - len(table))])
+        # padding, as runtime.shapes pads a step: tokens with slot -1 that belong to no sequence, and sequences
+        # with no token and length 0
+        rows += [[0, 0, -1, 0] + [0] * W] * (n_rows - n)
+        flat = [v for row in rows for v in row] + [min(i, n) for i in range(n_rows + 1)]
+        host = self.staging[:len(flat)]
+        host.copy_(torch.tensor(flat, dtype=torch.long))
+        dev = self.ids.device
+        on_dev = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
+        table = on_dev[:n_rows * (4 + W)].view(n_rows, 4 + W)
+        self.ids[:n_rows].copy_(table[:, 0])
+        self.positions[:n_rows].copy_(table[:, 1])
+        self.slots[:n_rows].copy_(table[:, 2])
+        self.seq_lens[:n_rows].copy_(table[:, 3])
+        self.tables[:n_rows].copy_(table[:, 4:])
+        self.starts[:n_rows + 1].copy_(on_dev[n_rows * (4 + W):])
+
+    def metadata(self, n_rows: int) -> AttentionMetadata:
+        """The step's metadata over the first ``n_rows`` rows (views of the buffers: the same storage each
+        step, as a replayed graph reads it)."""
+        return AttentionMetadata(self.slots[:n_rows], self.tables[:n_rows], self.seq_lens[:n_rows],
+                                 self.starts[:n_rows + 1], self.block_size)
+
+
+class DecodeGraphs:
+    """A servable model's decode-only steps run at capture sizes over persistent buffers: captured as CUDA
+    graphs (``capture=True``, CUDA only) or run eagerly on the same buffers (``capture=False``)."""
+
+    def __init__(self, servable, kv_caches: Sequence[Tensor], max_num_seqs: int, width: int,
+                 capture: Optional[bool] = None):
+        if servable.state is not None or servable.seq2seq is not None:
+            raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder)")
+        self.servable, self.kv_caches = servable, list(kv_caches)
+        self.sizes = capture_sizes(max_num_seqs)
+        device = servable.device
+        self.capture = device.type == "cuda" if capture is None else capture
+        if self.capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.buffers = DecodeBuffers.allocate(self.sizes[-1], width, servable.block_size, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.stats = {"replays": 0, "captures": 0, "eager": 0}
+
+    def fits(self, num_seqs: int, widest: int) -> bool:
+        """Whether a decode step of ``num_seqs`` sequences, the longest holding ``widest`` blocks, runs here."""
+        return bucket(num_seqs, self.sizes) is not None and widest <= self.buffers.width
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+            tables: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> Tensor:
+        """One decode step (a token per sequence): ``[n, V]`` logits of its ``n`` sequences."""
+        n = len(ids)
+        size = bucket(n, self.sizes)
+        if size is None:
+            raise ValueError(f"a decode step of {n} sequences is above the largest capture size {self.sizes[-1]}")
+        self.buffers.load(ids, positions, slots, tables, seq_lens, size)
+        if not self.capture or validation_enabled():  # full validation reads metadata on the host: eager
+            self.stats["eager"] += 1
+            return self._step(size)[:n]
+        entry = self.graphs.get(size)
+        if entry is None:
+            out = self._step(size)  # compiles and warms up at this size; this step's result
+            self._capture(size)
+            return out[:n].clone()
+        graph, out = entry
+        graph.replay()
+        self.stats["replays"] += 1
+        return out[:n].clone()  # the next replay overwrites ``out``
+
+    def _step(self, size: int) -> Tensor:
+        """The model's packed step over the first ``size`` rows of the buffers: ``[size, V]`` logits."""
+        b, sv = self.buffers, self.servable
+        kwargs = {"input_ids": b.ids[:size][None]}
+        if "position_ids" in sv.input_names:
+            kwargs["position_ids"] = b.positions[:size][None]
+        if "use_cache" in sv.input_names:
+            kwargs["use_cache"] = False
+        if "logits_to_keep" in sv.input_names:
+            kwargs["logits_to_keep"] = b.rows[:size]
+        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size), sv.backend):
+            out = sv.step(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
+        return logits[0]  # [size, V]: every row completes its sequence
+
+    def _capture(self, size: int) -> None:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._step(size)
+        self.graphs[size] = (graph, out)
+        self.stats["captures"] += 1
+        log.info("captured the decode step at %d sequences as a CUDA graph", size)
+
+
+class HostRead(RuntimeError):
+    """A step read a tensor's value on the host where it must not (inside a captured step)."""
+
+
+_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Make reading a tensor's value on the host raise :class:`HostRead`: ``.item()``, ``.tolist()``,
+    ``.numpy()``, ``bool()``/``int()``/``float()``/``index`` of a tensor, and the aten ops whose output size
+    depends on values (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing). What a CUDA graph
+    cannot capture, checked on any device. Not thread-safe (it patches ``torch.Tensor`` while active)."""
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostRead(f"Tensor.{name} read a tensor's value on the host inside a step that must not")
+        return method
+
+    try:
+        for name in _READS:
+            setattr(torch.Tensor, name, refuse(name))
+        with _DataDependentOps():
+            yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+class _DataDependentOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Refuses aten ops whose output shape depends on tensor values (called at the top level: ops inside a
+    custom op's own kernel are not seen here, which the patched methods of :func:`no_host_reads` cover)."""
+
+    _REFUSED = ("nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+                "unique_dim", "repeat_interleave", "_local_scalar_dense")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        if name in self._REFUSED and not (name == "repeat_interleave" and kwargs.get("output_size") is not None):
+            raise HostRead(f"aten.{name} needs tensor values on the host (its output size depends on them)")
+        if name == "index" and any(isinstance(i, Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+                                   if i is not None):
+            raise HostRead("boolean-mask indexing needs tensor values on the host (its output size depends on them)")
+        return func(*args, **kwargs)

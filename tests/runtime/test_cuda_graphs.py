@@ -1,0 +1,160 @@
+"""The CUDA-graph decode path checked on the CPU: capture sizes, persistent buffers padded to them, and a decode
+step over those buffers that reads no tensor value on the host (what capture needs), equal to the model's own
+greedy tokens (Hugging Face generate). The capture and replay themselves need a GPU (``tests/runtime/test_engine_gpu.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedattn.adapter import prepare_model
+from pagedattn.backends import build_metadata, metadata, set_validation, static_paged
+from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+from pagedattn.runtime.cuda_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    HostRead,
+    bucket,
+    capture_sizes,
+    no_host_reads,
+)
+
+from ..support import VOCAB, _from_config, hf_generate, make_batch, prompts
+
+
+class StaticCpuBackend(SdpaCpuBackend):
+    """The CPU backend with the write and attention a captured step runs (``static_paged``)."""
+
+    name = "static_cpu"
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        static_paged.write(key, value, kv_cache, slot_mapping)
+
+    def attend(self, query, key, value, kv_cache, meta, params):
+        return static_paged.attend(query, kv_cache, meta, params)
+
+
+@pytest.fixture
+def checks_as_on_cuda(monkeypatch):
+    """Value checks as CUDA runs them (``torch._assert_async``: no host read), not ``bool()`` as on the CPU; no
+    full validation (it reads metadata on the host, so the graphs run eagerly under it)."""
+    monkeypatch.setattr(metadata, "_value_check", lambda op, cond, msg: torch._assert_async(cond, f"{op}: {msg}"))
+    set_validation(False)
+    yield
+    set_validation(True)  # as tests/conftest.py keeps it
+
+
+def test_capture_sizes_hold_every_batch_up_to_max_num_seqs():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(6) == (1, 2, 4, 8)
+    assert capture_sizes(24) == (1, 2, 4, 8, 16, 24)
+    assert capture_sizes(1000)[-1] == 256 and len(capture_sizes(1000)) == 35
+
+
+@given(st.integers(1, 300), st.integers(1, 300))
+def test_a_batch_runs_in_the_smallest_size_that_holds_it(n, max_num_seqs):
+    sizes = capture_sizes(max_num_seqs)
+    size = bucket(n, sizes)
+    if n > sizes[-1]:
+        assert size is None
+    else:
+        assert size >= n and all(s < n for s in sizes if s < size)
+    assert bucket(min(max_num_seqs, 256), sizes) is not None
+
+
+def test_buffers_hold_the_step_and_pad_with_empty_sequences():
+    b = DecodeBuffers.allocate(8, 3, 4, "cpu")
+    b.load([5, 6, 7], [9, 2, 0], [37, 10, 0], [[4, 7, 9], [2], [0]], [10, 3, 1], 4)
+    assert b.ids[:4].tolist() == [5, 6, 7, 0] and b.positions[:4].tolist() == [9, 2, 0, 0]
+    assert b.slots[:4].tolist() == [37, 10, 0, -1] and b.seq_lens[:4].tolist() == [10, 3, 1, 0]
+    assert b.tables[:4].tolist() == [[4, 7, 9], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
+    meta = b.metadata(4)
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3] and meta.block_tables.data_ptr() == b.tables.data_ptr()
+    b.load([1], [0], [3], [[5]], [1], 1)  # a later, smaller step writes the same storage
+    assert b.ids[0] == 1 and meta.block_tables[0, 0] == 5
+    with pytest.raises(ValueError, match="wider than the captured 3"):
+        b.load([1], [0], [3], [[5, 6, 7, 8]], [13], 1)
+
+
+def test_no_host_reads_refuses_what_capture_cannot_take():
+    t = torch.tensor([1, 0, 2])
+    for read in (lambda: t.tolist(), lambda: bool(t[0]), lambda: t[0].item(), lambda: int(t[1]),
+                 lambda: t[t > 0], lambda: torch.nonzero(t), lambda: range(t[0])):
+        with no_host_reads(), pytest.raises(HostRead):
+            read()
+    with no_host_reads():
+        assert (t * 2 + 1).shape == (3,)  # shape arithmetic and value-free ops pass
+    assert t.tolist() == [1, 0, 2]  # restored
+
+
+@pytest.mark.parametrize("feature", [{}, {"window": 5}, {"alibi": True}, {"softcap": 5.0}],
+                         ids=["plain", "window", "alibi", "softcap"])
+def test_static_write_and_attend_equal_the_reference_without_host_reads(feature, checks_as_on_cuda):
+    from ..support import reference_step
+
+    feature = dict(feature)
+    if feature.pop("alibi", False):
+        feature["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    b = make_batch([(13, 1), (0, 1), (30, 1), (7, 3)], num_heads=4, num_kv_heads=2, block_size=4, pad_tokens=3)
+    p = dataclasses.replace(_params(b, **feature))
+    with no_host_reads():
+        static_paged.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+        out = static_paged.attend(b.query, b.kv_cache, b.meta, p)
+    ref = reference_step(b, p.scale, **feature)
+    torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=2e-4, rtol=2e-4)
+    assert torch.all(out[ref.shape[0]:] == 0)
+
+
+def test_the_cpu_backend_itself_reads_the_host_a_capture_would_refuse(checks_as_on_cuda):
+    b = make_batch([(13, 1), (5, 1)], num_heads=4, num_kv_heads=2, block_size=4)
+    with no_host_reads(), pytest.raises(HostRead):
+        torch.ops.pagedattn.paged_attention(b.query, None, None, b.kv_cache, b.meta.block_tables, b.meta.seq_lens,
+                                            b.meta.query_start_loc, *_params(b).args())
+
+
+def _params(b, window=0, softcap=0.0, alibi=None):
+    from ..support import batch_params
+
+    return batch_params(b, 0.125, window=window, softcap=softcap, alibi=alibi)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_decode_steps_over_padded_buffers_equal_hf_generate(n, checks_as_on_cuda):
+    """Prompts prefilled as the engine does, then every decode step through the buffers of the next capture size
+    (3 -> 4, 5 -> 8 sequences) with the static write and attention, no host read inside a step."""
+    model = _from_config("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    sv = prepare_model(model, target="cpu", block_size=4)
+    sv = dataclasses.replace(sv, backend=StaticCpuBackend())
+    caches = sv.allocate_kv_caches(64)
+    ps = prompts(lengths=(5, 17, 9, 30, 2))[:n]
+    new = 6
+    tables, start = [], 0
+    for p in ps:
+        need = -(-(len(p) + new) // 4)
+        tables.append(list(range(start, start + need)))
+        start += need
+    # prefill: one packed step, eager (the graphs take decode steps only)
+    meta = build_metadata([(0, len(p), t) for p, t in zip(ps, tables)], 4)
+    ids = [t for p in ps for t in p]
+    pos = [i for p in ps for i in range(len(p))]
+    rows = list(torch.tensor([len(p) for p in ps]).cumsum(0).sub(1).tolist())
+    with torch.no_grad():
+        last = sv.run_packed(caches, meta, ids, pos, rows).argmax(-1).tolist()
+    graphs = DecodeGraphs(sv, caches, max_num_seqs=8, width=max(map(len, tables)), capture=False)
+    out = [[t] for t in last]
+    lens = [len(p) for p in ps]
+    for _ in range(new - 1):
+        slots = [t[L // 4] * 4 + L % 4 for t, L in zip(tables, lens)]
+        with no_host_reads():
+            logits = graphs.run([o[-1] for o in out], lens, slots, tables, [L + 1 for L in lens])
+        assert logits.shape == (n, VOCAB)
+        for o, tok in zip(out, logits.argmax(-1).tolist()):
+            o.append(tok)
+        lens = [L + 1 for L in lens]
+    assert out == hf_generate(model, ps, new)
+    assert graphs.stats["eager"] == new - 1 and graphs.buffers.size == 8
