@@ -17,10 +17,11 @@ import torch
 from torch import Tensor
 
 from pagedattn.backends import reference
+from pagedattn.backends.base import SplitKVBackend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["write", "attend", "padding_repeats_a_write"]
+__all__ = ["write", "attend", "padding_repeats_a_write", "StaticPagedBackend"]
 
 
 def padding_repeats_a_write(slots: Tensor, rows: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,3 +74,27 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
     o = reference.dense_attention(query[:, :, None], k, v, params, q_pos[:, None], k_pos, present)  # [T, Hq, 1, Dv]
     keep = real & (kv_len > 0) & (q_pos >= 0)
     return torch.where(keep[:, None, None], o[:, :, 0], torch.zeros((), dtype=o.dtype, device=dev))
+
+
+class StaticPagedBackend(SplitKVBackend):
+    """``base``'s cache layout, checks and block moves, with :func:`write` and :func:`attend` for the paged ops:
+    the backend a captured decode step binds (``runtime.cuda_graphs``). ``base`` keeps the split-KV layout
+    (``sdpa_cpu``, ``xformers_cuda``)."""
+
+    def __init__(self, base: SplitKVBackend):
+        if not isinstance(base, SplitKVBackend):
+            raise ValueError(f"{base.name} does not keep the split-KV cache layout the static paged ops read")
+        self.base = base
+        self.name, self.device_type, self.dtypes = f"{base.name}+static", base.device_type, base.dtypes
+
+    def cache_geometry(self, kv_cache):
+        return self.base.cache_geometry(kv_cache)
+
+    def supports(self, config):
+        return self.base.supports(config)
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        write(key, value, kv_cache, slot_mapping)
+
+    def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+        return attend(query, kv_cache, metadata, params)

@@ -14,10 +14,11 @@ and pads each step up to the next one; the same here:
   belong to no sequence, padding sequences have no token and length 0;
 - **capture and replay** (:class:`DecodeGraphs`): the first step at a size runs eagerly (it compiles and warms
   up), then the same call is captured into a graph sharing one memory pool; later steps load the buffers and
-  replay. What runs inside must read no tensor value on the host: the backends' write and attention switch to
-  :mod:`pagedattn.backends.static_paged` while a stream captures (``torch.cuda.is_current_stream_capturing``),
-  and the metadata's value checks are ``torch._assert_async`` on CUDA, captured with the step and replayed with
-  it. With full validation on (``PAGEDATTN_VALIDATE``, which reads metadata on the host) steps run eagerly.
+  replay. What runs inside must read no tensor value on the host: the step binds
+  :class:`~pagedattn.backends.static_paged.StaticPagedBackend` (the model's backend with the static write and
+  attention, for its warm-up run too, so that the graph replays what ran eagerly), and the metadata's value
+  checks are ``torch._assert_async`` on CUDA, captured with the step and replayed with it. With full validation
+  on (``PAGEDATTN_VALIDATE``, which reads metadata on the host) steps run eagerly.
 
 Off CUDA (tests), :class:`DecodeGraphs` runs the same buffers eagerly (``capture=False``), which checks
 everything but the capture itself; :func:`no_host_reads` makes a host read inside a step raise, as capture would.
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from pagedattn.backends import AttentionMetadata, validation_enabled
+from pagedattn.backends.static_paged import StaticPagedBackend
 from pagedattn.runtime.context import paged_context
 
 log = logging.getLogger("pagedattn")
@@ -76,6 +78,7 @@ class DecodeBuffers:
     rows: Tensor  # [size] logits rows, constant
     block_size: int
     staging: Tensor  # [size * (4 + width) + size + 1] pinned host copy of a step's values: one transfer a step
+    copied: Optional["torch.cuda.Event"] = None  # recorded after a step's transfer out of ``staging``
 
     @classmethod
     def allocate(cls, size: int, width: int, block_size: int, device: torch.device | str) -> "DecodeBuffers":
@@ -115,6 +118,8 @@ class DecodeBuffers:
         host = self.staging[:len(flat)]
         host.copy_(torch.tensor(flat, dtype=torch.long))
         dev = self.ids.device
+        if self.copied is not None:  # the previous step's copy out of the staging buffer is done (long since)
+            self.copied.synchronize()
         on_dev = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
         table = on_dev[:n_rows * (4 + W)].view(n_rows, 4 + W)
         self.ids[:n_rows].copy_(table[:, 0])
@@ -123,6 +128,9 @@ class DecodeBuffers:
         self.seq_lens[:n_rows].copy_(table[:, 3])
         self.tables[:n_rows].copy_(table[:, 4:])
         self.starts[:n_rows + 1].copy_(on_dev[n_rows * (4 + W):])
+        if dev.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def metadata(self, n_rows: int) -> AttentionMetadata:
         """The step's metadata over the first ``n_rows`` rows (views of the buffers: the same storage each
@@ -140,6 +148,7 @@ class DecodeGraphs:
         if servable.state is not None or servable.seq2seq is not None:
             raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder)")
         self.servable, self.kv_caches = servable, list(kv_caches)
+        self.backend = StaticPagedBackend(servable.backend)  # the write and attention a capture can take
         self.sizes = capture_sizes(max_num_seqs)
         device = servable.device
         self.capture = device.type == "cuda" if capture is None else capture
@@ -185,7 +194,7 @@ class DecodeGraphs:
             kwargs["use_cache"] = False
         if "logits_to_keep" in sv.input_names:
             kwargs["logits_to_keep"] = b.rows[:size]
-        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size), sv.backend):
+        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size), self.backend):
             out = sv.step(**kwargs)
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
         return logits[0]  # [size, V]: every row completes its sequence

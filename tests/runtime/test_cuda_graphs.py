@@ -4,7 +4,8 @@ greedy tokens (Hugging Face generate). The capture and replay themselves need a 
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import itertools
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ from hypothesis import strategies as st
 
 from pagedattn.adapter import prepare_model
 from pagedattn.backends import build_metadata, metadata, set_validation, static_paged
-from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 from pagedattn.runtime.cuda_graphs import (
     DecodeBuffers,
     DecodeGraphs,
@@ -24,18 +24,6 @@ from pagedattn.runtime.cuda_graphs import (
 )
 
 from ..support import VOCAB, _from_config, hf_generate, make_batch, prompts
-
-
-class StaticCpuBackend(SdpaCpuBackend):
-    """The CPU backend with the write and attention a captured step runs (``static_paged``)."""
-
-    name = "static_cpu"
-
-    def write(self, key, value, kv_cache, slot_mapping):
-        static_paged.write(key, value, kv_cache, slot_mapping)
-
-    def attend(self, query, key, value, kv_cache, meta, params):
-        return static_paged.attend(query, kv_cache, meta, params)
 
 
 @pytest.fixture
@@ -100,13 +88,26 @@ def test_static_write_and_attend_equal_the_reference_without_host_reads(feature,
     if feature.pop("alibi", False):
         feature["alibi"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     b = make_batch([(13, 1), (0, 1), (30, 1), (7, 3)], num_heads=4, num_kv_heads=2, block_size=4, pad_tokens=3)
-    p = dataclasses.replace(_params(b, **feature))
+    p = _params(b, **feature)
     with no_host_reads():
         static_paged.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
         out = static_paged.attend(b.query, b.kv_cache, b.meta, p)
     ref = reference_step(b, p.scale, **feature)
     torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=2e-4, rtol=2e-4)
     assert torch.all(out[ref.shape[0]:] == 0)
+
+
+def test_static_backend_keeps_its_bases_layout_and_refuses_another():
+    from pagedattn.backends import AttentionBackend, get_backend
+
+    static = static_paged.StaticPagedBackend(get_backend("cpu"))
+    assert static.device_type == "cpu" and static.kv_cache_shape(3, 4, 2, 8) == (2, 3, 4, 2, 8)
+
+    class Interleaved(AttentionBackend):  # another layout (as pallas_xla keeps K and V)
+        name, device_type = "interleaved", "cpu"
+
+    with pytest.raises(ValueError, match="split-KV"):
+        static_paged.StaticPagedBackend(Interleaved())
 
 
 def test_the_cpu_backend_itself_reads_the_host_a_capture_would_refuse(checks_as_on_cuda):
@@ -122,39 +123,76 @@ def _params(b, window=0, softcap=0.0, alibi=None):
     return batch_params(b, 0.125, window=window, softcap=softcap, alibi=alibi)
 
 
-@pytest.mark.parametrize("n", [3, 5])
-def test_decode_steps_over_padded_buffers_equal_hf_generate(n, checks_as_on_cuda):
-    """Prompts prefilled as the engine does, then every decode step through the buffers of the next capture size
-    (3 -> 4, 5 -> 8 sequences) with the static write and attention, no host read inside a step."""
+def _tiny_llama(device="cpu", dtype=torch.float32):
     model = _from_config("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    sv = prepare_model(model, target="cpu", block_size=4)
-    sv = dataclasses.replace(sv, backend=StaticCpuBackend())
-    caches = sv.allocate_kv_caches(64)
-    ps = prompts(lengths=(5, 17, 9, 30, 2))[:n]
-    new = 6
+    return model.to(device, dtype)
+
+
+def _greedy_through_graphs(sv, caches, ps, new: int, inside_step, capture: bool) -> tuple[list, DecodeGraphs]:
+    """Prompts prefilled in one eager packed step (the CPU or CUDA backend), then every decode step through
+    :class:`DecodeGraphs` (buffers of the next capture size), ``inside_step`` around each step's run."""
     tables, start = [], 0
     for p in ps:
         need = -(-(len(p) + new) // 4)
         tables.append(list(range(start, start + need)))
         start += need
-    # prefill: one packed step, eager (the graphs take decode steps only)
-    meta = build_metadata([(0, len(p), t) for p, t in zip(ps, tables)], 4)
+    meta = build_metadata([(0, len(p), t) for p, t in zip(ps, tables)], 4, device=sv.device)
     ids = [t for p in ps for t in p]
     pos = [i for p in ps for i in range(len(p))]
-    rows = list(torch.tensor([len(p) for p in ps]).cumsum(0).sub(1).tolist())
+    rows = list(itertools.accumulate(len(p) for p in ps))
     with torch.no_grad():
-        last = sv.run_packed(caches, meta, ids, pos, rows).argmax(-1).tolist()
-    graphs = DecodeGraphs(sv, caches, max_num_seqs=8, width=max(map(len, tables)), capture=False)
+        last = sv.run_packed(caches, meta, ids, pos, [r - 1 for r in rows]).argmax(-1).tolist()
+    graphs = DecodeGraphs(sv, caches, max_num_seqs=8, width=max(map(len, tables)), capture=capture)
     out = [[t] for t in last]
     lens = [len(p) for p in ps]
     for _ in range(new - 1):
         slots = [t[L // 4] * 4 + L % 4 for t, L in zip(tables, lens)]
-        with no_host_reads():
+        with inside_step():
             logits = graphs.run([o[-1] for o in out], lens, slots, tables, [L + 1 for L in lens])
-        assert logits.shape == (n, VOCAB)
+        assert logits.shape == (len(ps), VOCAB)
         for o, tok in zip(out, logits.argmax(-1).tolist()):
             o.append(tok)
         lens = [L + 1 for L in lens]
-    assert out == hf_generate(model, ps, new)
-    assert graphs.stats["eager"] == new - 1 and graphs.buffers.size == 8
+    return out, graphs
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_decode_steps_over_padded_buffers_equal_hf_generate(n, checks_as_on_cuda):
+    """Every decode step through the buffers of the next capture size (3 -> 4, 5 -> 8 sequences) with the static
+    write and attention: no host read inside a step, and the greedy tokens of Hugging Face generate."""
+    model = _tiny_llama()
+    sv = prepare_model(model, target="cpu", block_size=4)
+    ps = prompts(lengths=(5, 17, 9, 30, 2))[:n]
+    out, graphs = _greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 6, no_host_reads, capture=False)
+    assert out == hf_generate(model, ps, 6)
+    assert graphs.stats["eager"] == 5 and graphs.buffers.size == 8
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA is not available)")
+def test_captured_decode_steps_replay_without_host_syncs_and_equal_hf_generate():
+    """On a GPU: each size is captured once (its first step runs eagerly), later steps replay the graph with no
+    host synchronisation (``torch.cuda.set_sync_debug_mode("error")`` around them), same tokens as generate."""
+    pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
+    set_validation(False)
+    try:
+        model = _tiny_llama("cuda", torch.float16)
+        sv = prepare_model(model, target="cuda", block_size=4)
+        ps = prompts(lengths=(5, 17, 9))
+
+        steps = itertools.count()
+
+        @contextlib.contextmanager
+        def no_sync():  # the first step captures (it may synchronise); every later one only replays
+            torch.cuda.set_sync_debug_mode("error" if next(steps) else "default")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        out, graphs = _greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 8, no_sync, capture=True)
+    finally:
+        set_validation(True)
+    assert out == hf_generate(model, ps, 8)
+    assert graphs.stats["captures"] == 1 and graphs.stats["replays"] == 6
