@@ -6,7 +6,9 @@ and pads each step up to the next one; the same here:
 
 - **capture sizes** (:func:`capture_sizes`): 1, 2, 4, then multiples of 8, up to the first size that holds the
   engine's ``max_num_seqs`` (at most 256); a decode step of ``n`` sequences runs in the graph of the smallest
-  size ``N >= n`` (:func:`bucket`), larger ones eagerly;
+  size ``N >= n`` (:func:`bucket`), larger ones eagerly; block tables are cut to a power-of-two number of
+  columns that holds the step's longest sequence (:func:`width_buckets`), so a graph's attention reads about
+  the keys its sequences have, not the most any could (the static attention reads every column it is given);
 - **persistent buffers** (:class:`DecodeBuffers`): token ids, positions, slots, block tables (a fixed number of
   columns, the most a sequence can hold), sequence lengths, query starts and logits rows live in device tensors
   allocated once; a size-``N`` graph reads their first ``N`` rows. A step writes its values in one host-to-device
@@ -42,7 +44,7 @@ from pagedattn.runtime.context import paged_context
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "bucket", "DecodeBuffers", "DecodeGraphs", "no_host_reads", "HostRead"]
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "DecodeGraphs", "no_host_reads", "HostRead"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
 
@@ -56,6 +58,15 @@ def capture_sizes(max_num_seqs: int, largest: int = _LARGEST) -> tuple[int, ...]
         if n >= top:
             break
     return tuple(sizes)
+
+
+def width_buckets(max_width: int) -> tuple[int, ...]:
+    """Block-table widths a graph is captured at: powers of two below ``max_width``, then ``max_width``."""
+    widths, w = [], 1
+    while w < max_width:
+        widths.append(w)
+        w *= 2
+    return (*widths, max_width)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> Optional[int]:
@@ -132,10 +143,10 @@ class DecodeBuffers:
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def metadata(self, n_rows: int) -> AttentionMetadata:
-        """The step's metadata over the first ``n_rows`` rows (views of the buffers: the same storage each
-        step, as a replayed graph reads it)."""
-        return AttentionMetadata(self.slots[:n_rows], self.tables[:n_rows], self.seq_lens[:n_rows],
+    def metadata(self, n_rows: int, width: Optional[int] = None) -> AttentionMetadata:
+        """The step's metadata over the first ``n_rows`` rows and ``width`` block-table columns (views of the
+        buffers: the same storage each step, as a replayed graph reads it)."""
+        return AttentionMetadata(self.slots[:n_rows], self.tables[:n_rows, :width], self.seq_lens[:n_rows],
                                  self.starts[:n_rows + 1], self.block_size)
 
 
@@ -154,8 +165,9 @@ class DecodeGraphs:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        self.widths = width_buckets(width)
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], width, servable.block_size, device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # (size, width) ->
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
 
@@ -170,22 +182,27 @@ class DecodeGraphs:
         size = bucket(n, self.sizes)
         if size is None:
             raise ValueError(f"a decode step of {n} sequences is above the largest capture size {self.sizes[-1]}")
+        width = bucket(max(map(len, tables)), self.widths)
+        if width is None:
+            raise ValueError(f"a block table of {max(map(len, tables))} blocks is wider than the captured "
+                             f"{self.widths[-1]}")
         self.buffers.load(ids, positions, slots, tables, seq_lens, size)
         if not self.capture or validation_enabled():  # full validation reads metadata on the host: eager
             self.stats["eager"] += 1
-            return self._step(size)[:n]
-        entry = self.graphs.get(size)
+            return self._step(size, width)[:n]
+        entry = self.graphs.get((size, width))
         if entry is None:
-            out = self._step(size)  # compiles and warms up at this size; this step's result
-            self._capture(size)
+            out = self._step(size, width)  # compiles and warms up at this size; this step's result
+            self._capture(size, width)
             return out[:n].clone()
         graph, out = entry
         graph.replay()
         self.stats["replays"] += 1
         return out[:n].clone()  # the next replay overwrites ``out``
 
-    def _step(self, size: int) -> Tensor:
-        """The model's packed step over the first ``size`` rows of the buffers: ``[size, V]`` logits."""
+    def _step(self, size: int, width: int) -> Tensor:
+        """The model's packed step over the first ``size`` rows and ``width`` block-table columns of the
+        buffers: ``[size, V]`` logits."""
         b, sv = self.buffers, self.servable
         kwargs = {"input_ids": b.ids[:size][None]}
         if "position_ids" in sv.input_names:
@@ -194,19 +211,19 @@ class DecodeGraphs:
             kwargs["use_cache"] = False
         if "logits_to_keep" in sv.input_names:
             kwargs["logits_to_keep"] = b.rows[:size]
-        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size), self.backend):
+        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size, width), self.backend):
             out = sv.step(**kwargs)
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
         return logits[0]  # [size, V]: every row completes its sequence
 
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, width: int) -> None:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(size)
-        self.graphs[size] = (graph, out)
+            out = self._step(size, width)
+        self.graphs[(size, width)] = (graph, out)
         self.stats["captures"] += 1
-        log.info("captured the decode step at %d sequences as a CUDA graph", size)
+        log.info("captured the decode step at %d sequences of up to %d blocks as a CUDA graph", size, width)
 
 
 class HostRead(RuntimeError):

@@ -21,6 +21,7 @@ from pagedattn.runtime.cuda_graphs import (
     bucket,
     capture_sizes,
     no_host_reads,
+    width_buckets,
 )
 
 from ..support import VOCAB, _from_config, hf_generate, make_batch, prompts
@@ -41,6 +42,10 @@ def test_capture_sizes_hold_every_batch_up_to_max_num_seqs():
     assert capture_sizes(6) == (1, 2, 4, 8)
     assert capture_sizes(24) == (1, 2, 4, 8, 16, 24)
     assert capture_sizes(1000)[-1] == 256 and len(capture_sizes(1000)) == 35
+
+
+def test_width_buckets_are_powers_of_two_then_the_widest():
+    assert width_buckets(1) == (1,) and width_buckets(8) == (1, 2, 4, 8) and width_buckets(13) == (1, 2, 4, 8, 13)
 
 
 @given(st.integers(1, 300), st.integers(1, 300))
