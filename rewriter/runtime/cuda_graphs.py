@@ -111,11 +111,12 @@ class DecodeBuffers:
         return self.tables.shape[1]
 
     def load(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-             tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int) -> None:
-        """Write a decode step of ``len(ids)`` sequences into the first ``n_rows`` rows, the rest padding.
-        A block table longer than ``width`` is a ValueError (the step must run eagerly)."""
-        n, W = len(ids), self.width
-        if not n <= n_rows <= self.size:
+             tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int, width: Optional[int] = None) -> None:
+        """Write a decode step of ``len(ids)`` sequences into the first ``n_rows`` rows and ``width`` block-table
+        columns (default: all), the rest padding. A longer block table is a ValueError (the step must run
+        eagerly)."""
+        n, W = len(ids), self.width if width is None else width
+        if not n <= n_rows <= self.size or W > self.width:
             raise ValueError(f"a decode step of {n} sequences does not fit {n_rows} of {self.size} rows")
         rows = []
         for tok, pos, slot, table, length in zip(ids, positions, slots, tables, seq_lens):
@@ -137,7 +138,7 @@ class DecodeBuffers:
         self.positions[:n_rows].copy_(table[:, 1])
         self.slots[:n_rows].copy_(table[:, 2])
         self.seq_lens[:n_rows].copy_(table[:, 3])
-        self.tables[:n_rows].copy_(table[:, 4:])
+        self.tables[:n_rows, :W].copy_(table[:, 4:])
         self.starts[:n_rows + 1].copy_(on_dev[n_rows * (4 + W):])
         if dev.type == "cuda":
             self.copied = torch.cuda.Event()
@@ -186,7 +187,7 @@ class DecodeGraphs:
         if width is None:
             raise ValueError(f"a block table of {max(map(len, tables))} blocks is wider than the captured "
                              f"{self.widths[-1]}")
-        self.buffers.load(ids, positions, slots, tables, seq_lens, size)
+        self.buffers.load(ids, positions, slots, tables, seq_lens, size, width)
         if not self.capture or validation_enabled():  # full validation reads metadata on the host: eager
             self.stats["eager"] += 1
             return self._step(size, width)[:n]
