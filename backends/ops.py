@@ -21,12 +21,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pagedattn.backends import reference
+from pagedattn.backends import position_mod, reference
 from pagedattn.backends.base import active_backend
 from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_enabled
 from pagedattn.backends.params import AttentionParams, params_schema
 
-__all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET"]
+__all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET",
+           "dropin_values"]
 
 _PARAMS = params_schema()
 # positional index of the first AttentionParams field in each op's arguments
@@ -108,13 +109,30 @@ def attention(query: Tensor, key: Tensor, value: Tensor, key_padding: Optional[T
     p = AttentionParams.from_args(params)
     if 0 < p.max_seq_len < key.shape[2]:
         raise ValueError(f"pagedattn::attention: {key.shape[2]} keys: {too_long(p.max_seq_len)}")
+    values = dropin_values(p, key.shape[2])
     q_pos = k_pos = None
     if p.positions_from_first_key and present is not None and present.dim() == 2:
         L, Q = key.shape[2], query.shape[2]
         first = (present.cumsum(-1) == 0).sum(-1, keepdim=True)  # [B, 1] left-padding keys
         q_pos = reference.query_positions(L, Q, key.device)[None] - first  # [B, Q]
         k_pos = torch.arange(L, device=key.device)[None] - first  # [B, L]
-    return reference.dense_attention(query, key, value, p, q_pos=q_pos, k_pos=k_pos, key_present=present)
+    return reference.dense_attention(query, key, value, p, q_pos=q_pos, k_pos=k_pos, key_present=present,
+                                     values=values)
+
+
+def dropin_values(p: AttentionParams, num_keys: int) -> Optional[Tensor]:
+    """A drop-in call's per-row values for a program that reads some, from the model input it reads them
+    from (``position_data``): ``ValueError`` for an input of a shape its proof did not cover."""
+    spec = position_mod.value_spec(p.position_mod)
+    if spec is None:
+        return None
+    if p.position_data is None:
+        raise ValueError(f"pagedattn::attention: the site's mask reads input {spec.input!r}, which was not given")
+    data = p.position_data
+    if spec.kind == "runs" and data.dim() == 2 and data.shape[-1] != num_keys:
+        raise ValueError(f"pagedattn::attention: input {spec.input!r} has {data.shape[-1]} tokens per row but the "
+                         f"attention has {num_keys} keys")
+    return position_mod.values_from_input(spec, data)
 
 
 @attention.register_fake
@@ -142,7 +160,7 @@ def _attention_backward(ctx, grad):
     wrt = [t for t in (*leaves, sink_leaf) if t is not None and t.requires_grad]
     with torch.enable_grad():
         out = reference.dense_attention(*leaves, p, key_present=None if key_padding is None else key_padding != 0,
-                                        exact=True)
+                                        exact=True, values=dropin_values(p, key.shape[2]))
         grads = iter(torch.autograd.grad(out, wrt, grad, allow_unused=True)) if wrt else iter(())
     gq, gk, gv, gsinks = (next(grads) if t is not None and t.requires_grad else None for t in (*leaves, sink_leaf))
     # one gradient per input: (query, key, value, key_padding, *AttentionParams fields)

@@ -263,8 +263,10 @@ def _attend_static(query, kv_cache, metadata: AttentionMetadata, params: Attenti
     k, v = kv[..., 0, :].transpose(1, 2), kv[..., 1, :].transpose(1, 2)  # [T, Hkv, L, D]
     k_pos = torch.arange(P * bs, device=dev)[None]  # [1, L]
     present = k_pos < kv_len[:, None]  # [T, L]
+    # a program's per-request values: each token's sequence's (padding sequences hold any, never read)
+    values = None if params.position_data is None else params.position_data.to(dev).index_select(0, seq)
     o = reference.dense_attention(query[:, :, None], k, v, params, q_pos[:, None], k_pos, present,
-                                  exact=True)  # [T, Hq, 1, D]
+                                  exact=True, values=values)  # [T, Hq, 1, D]
     o = o.reshape(T, hq, d)
     return torch.where(real[:, None, None], o, torch.zeros_like(o))
 

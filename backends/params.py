@@ -43,6 +43,12 @@ class AttentionParams(Generic[T]):
     key position and head, for masks and biases that are none of the above but depend on positions
     only; ``position_tables`` holds the constant tables it reads (:mod:`pagedattn.backends.position_mod`).
     Its mask applies on top of the others; its bias is added with ALiBi's.
+    ``position_data`` is what a program that reads per-request values (a prefix-LM mask from
+    ``token_type_ids``: ``position_mod.value_spec``) reads them from. Unlike the other fields it is
+    the same for every site of a call, not a property of one: in drop-in mode the model's own input
+    (``[B, tokens]`` token types or ``[B]`` prefix lengths, turned into values by
+    ``position_mod.values_from_input``), in paged mode the step's values, ``[num_seqs, count]`` int64,
+    one row per sequence of the metadata.
     Which keys are visible is stated once, in :mod:`pagedattn.backends.reference`.
     """
 
@@ -59,6 +65,7 @@ class AttentionParams(Generic[T]):
     positions_from_first_key: bool = False
     position_mod: str = ""
     position_tables: Optional[T] = None
+    position_data: Optional[T] = None
 
     @property
     def window(self) -> int:

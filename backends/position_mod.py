@@ -14,7 +14,8 @@ The program is JSON, a list of nodes each referring to earlier ones by index::
 
 Leaves: ``["q"]`` (the query's position), ``["k"]`` (the key's), ``["h"]`` (the query head),
 ``["n"]`` (the sequence's length: the program was read at as many queries as keys), ``["int", v]``,
-``["real", v]``, ``["bool", v]``. Operations: ``add sub mul div`` (``div`` is true division),
+``["real", v]``, ``["bool", v]``, and ``["val", i]``: value ``i`` of the query's sequence among those the
+program's ``values`` describe (below). Operations: ``add sub mul div`` (``div`` is true division),
 ``idiv``/``mod`` (floor division and remainder by a positive divisor), ``neg``, ``lt le gt ge eq ne``,
 ``and or not xor``, ``ite`` (condition, then, else), ``to_real``, ``to_int`` (floor), ``call`` (a float
 function by name, on one argument: ``["call", "log", x]``), ``lut`` (``["lut", kind, x, offset, lo,
@@ -24,6 +25,17 @@ program) and
 ``table`` (``["table", offset, [sizes...], i0, i1, ...]``: an n-d table, indices clamped into it).
 Integers compute in int64, reals in the program's float dtype (the one the model computed them in,
 so a float rounded to an integer bucket rounds as the model's did).
+
+A program may also read values fixed per request (``"values"``, :class:`ValueSpec`): a prefix-LM mask
+built from ``token_type_ids`` (PaliGemma's bidirectional prefix, Gemma-3's bidirectional image blocks)
+or from a prefix length. The rewriter proved the mask a function of the positions and a few integers
+per sequence, each a boundary of a *span*: ``{"input": name, "kind": "runs", "inside": v, "outside": u,
+"runs": R}`` reads a ``[batch, tokens]`` input of ``u`` with at most ``R`` runs of ``v`` as their
+boundaries ``[s_0, e_0, s_1, e_1, ...]`` (runs a sequence does not have lie past every position,
+:data:`NO_RUN` on); ``{"input": name, "kind": "scalar"}`` reads a ``[batch]`` input (a prefix
+length ``P``: one span ``[0, P)``). A query sees later keys only inside its own span (proven too), so
+a span is computed in one step. :func:`values_from_input` turns the model's input into the values
+(refusing inputs of another shape), :func:`spans` gives a sequence's spans.
 """
 
 from __future__ import annotations
@@ -32,12 +44,16 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "has_bias"]
+__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "has_bias", "ValueSpec",
+           "value_spec", "values_from_input", "default_values", "spans", "NO_RUN"]
+
+# where the runs a sequence does not have begin (run r of those at NO_RUN + 2r): past every position
+NO_RUN = 1 << 40
 
 # float functions a program may call (what the rewriter keeps opaque in its proofs)
 FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -54,6 +70,43 @@ _BINARY = {
 }
 
 
+_LEAF_OPS = ("q", "k", "h", "n", "val", "int", "real", "bool")
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    """What per-request values a program reads, and from which model input (see the module doc)."""
+
+    input: str
+    kind: str  # "runs" | "scalar"
+    inside: int = 1  # runs: the value inside a span
+    outside: int = 0  # runs: the value everywhere else (generated tokens get it)
+    runs: int = 1  # runs: at most this many spans per sequence
+
+    @property
+    def count(self) -> int:
+        """Values per sequence."""
+        return 2 * self.runs if self.kind == "runs" else 1
+
+    def to_json(self) -> dict:
+        if self.kind == "scalar":
+            return {"input": self.input, "kind": "scalar"}
+        return {"input": self.input, "kind": "runs", "inside": self.inside, "outside": self.outside,
+                "runs": self.runs}
+
+    @classmethod
+    def from_json(cls, d) -> "ValueSpec":
+        if not isinstance(d, dict) or d.get("kind") not in ("runs", "scalar") or not isinstance(d.get("input"), str):
+            raise ValueError(f"position program: bad values description {d!r}")
+        if d["kind"] == "scalar":
+            return cls(d["input"], "scalar")
+        inside, outside, runs = d.get("inside"), d.get("outside"), d.get("runs")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (inside, outside, runs)) \
+                or inside == outside or runs < 1:
+            raise ValueError(f"position program: bad values description {d!r}")
+        return cls(d["input"], "runs", inside, outside, runs)
+
+
 @dataclass(frozen=True)
 class _Program:
     float_dtype: torch.dtype
@@ -65,6 +118,7 @@ class _Program:
     dead_after_tabled: tuple  # table-reading node -> the nodes no later node reads
     constants: dict  # node -> its value (CPU), for nodes that read no position
     on_device: dict  # device -> constants there (filled on first use)
+    values: Optional[ValueSpec] = None  # per-request values the program reads (["val", i] leaves)
 
 
 @functools.lru_cache(maxsize=128)
@@ -80,9 +134,12 @@ def _parse(text: str) -> _Program:
     if dtype is None:
         raise ValueError(f"position program: unknown float dtype {d.get('float')!r}")
     nodes = tuple(tuple(n) for n in d["nodes"])
+    values = ValueSpec.from_json(d["values"]) if d.get("values") is not None else None
     for i, n in enumerate(nodes):
         op = n[0]
-        if op in ("q", "k", "h", "n", "int", "real", "bool"):
+        if op == "val" and (values is None or not isinstance(n[1], int) or not 0 <= n[1] < values.count):
+            raise ValueError(f"position program: node {i} reads a per-request value the program does not describe")
+        if op in _LEAF_OPS:
             continue
         if op == "call" and n[1] not in FUNCTIONS:
             raise ValueError(f"position program: unknown function {n[1]!r}")
@@ -93,13 +150,13 @@ def _parse(text: str) -> _Program:
     keep = {d.get("allowed"), d.get("bias")}
     constants = _fold(nodes, dtype)
     dead, dead_tabled = _lifetimes(nodes, tabled, keep)
-    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tabled, dead, dead_tabled, constants, {})
+    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tabled, dead, dead_tabled, constants, {}, values)
 
 
 def _tabled(nodes: tuple) -> tuple:
     out: list = []
     for n in nodes:
-        leaf = n[0] in ("q", "k", "h", "n", "int", "real", "bool")
+        leaf = n[0] in _LEAF_OPS
         out.append(not leaf and (n[0] in ("lut", "table", "tval") or any(out[r] for r in _refs(n))))
     return tuple(out)
 
@@ -109,7 +166,7 @@ def _lifetimes(nodes: tuple, tabled: tuple, keep: set) -> tuple[tuple, tuple]:
     kept for :func:`finish`), and in the table pass."""
     last_plain, last_tabled = {}, {}
     for i, n in enumerate(nodes):
-        if n[0] in ("q", "k", "h", "n", "int", "real", "bool"):
+        if n[0] in _LEAF_OPS:
             continue
         for r in _refs(n):
             (last_tabled if tabled[i] else last_plain)[r] = i
@@ -124,7 +181,7 @@ def _lifetimes(nodes: tuple, tabled: tuple, keep: set) -> tuple[tuple, tuple]:
     return tuple(map(tuple, dead)), tuple(map(tuple, dead_tabled))
 
 
-_LEAVES = ("q", "k", "h", "n")
+_LEAVES = ("q", "k", "h", "n", "val")
 
 
 def _fold(nodes: tuple, fdt: torch.dtype) -> dict:
@@ -143,6 +200,8 @@ def _fold(nodes: tuple, fdt: torch.dtype) -> dict:
 
 def _refs(n: tuple) -> list:
     op = n[0]
+    if op in _LEAF_OPS:
+        return []
     if op == "call":
         return [n[2]]
     if op == "lut":
@@ -157,6 +216,67 @@ def _refs(n: tuple) -> list:
 def has_bias(text: str) -> bool:
     """Whether the program adds a bias (else it only masks)."""
     return _parse(text).bias is not None
+
+
+def value_spec(text: str) -> Optional[ValueSpec]:
+    """The per-request values a program reads (None: positions only)."""
+    return _parse(text).values if text else None
+
+
+def values_from_input(spec: ValueSpec, data: Tensor) -> Tensor:
+    """The program's per-sequence values ``[B, count]`` (int64) from the model input it was proven for:
+    ``[B, tokens]`` token types (``runs``) or ``[B]`` prefix lengths (``scalar``). Raises ``ValueError``,
+    naming the input, when it has a shape the proof did not cover (other values, more runs, a negative
+    length)."""
+    if spec.kind == "scalar":
+        x = data.reshape(-1) if data.dim() == 2 and data.shape[-1] == 1 else data
+        if x.dim() != 1 or x.dtype.is_floating_point:
+            raise ValueError(f"input {spec.input!r} must be one integer per row (shape [batch]), got "
+                             f"{x.dtype} of shape {tuple(data.shape)}")
+        if bool((x < 0).any()):
+            raise ValueError(f"input {spec.input!r} holds a negative length: the rewritten masks were established "
+                             "for lengths >= 0")
+        return x.long()[:, None]
+    if data.dim() != 2:
+        raise ValueError(f"input {spec.input!r} must be [batch, tokens], got shape {tuple(data.shape)}")
+    x = data.long()
+    inside = x == spec.inside
+    if not bool((inside | (x == spec.outside)).all()):
+        raise ValueError(f"input {spec.input!r} holds values other than {spec.outside} and {spec.inside}: the "
+                         "rewritten masks were established for those two only")
+    first = inside & ~torch.nn.functional.pad(inside, (1, 0))[:, :-1]  # a run begins
+    last = inside & ~torch.nn.functional.pad(inside, (0, 1))[:, 1:]  # a run ends (after this token)
+    count = first.sum(-1)
+    if bool((count > spec.runs).any()):
+        row = int(torch.argmax((count > spec.runs).to(torch.int8)))
+        raise ValueError(f"input {spec.input!r} has {int(count[row])} runs of {spec.inside}s in row {row}: the "
+                         f"rewritten masks were established for at most {spec.runs} (one run of {spec.outside}s "
+                         f"between them); pass at most {spec.runs} such spans per sequence")
+    out = default_values(spec, x.shape[0], x.device)
+    rows, cols = first.nonzero(as_tuple=True)
+    k = torch.cumsum(first.long(), -1)[rows, cols] - 1  # which run of its row
+    out[rows, 2 * k] = cols
+    rows, cols = last.nonzero(as_tuple=True)
+    k = torch.cumsum(last.long(), -1)[rows, cols] - 1
+    out[rows, 2 * k + 1] = cols + 1
+    return out
+
+
+def default_values(spec: ValueSpec, num_seqs: int, device=None) -> Tensor:
+    """Values of sequences without any span: every token ``outside`` (no prefix, no image)."""
+    if spec.kind == "scalar":
+        return torch.zeros((num_seqs, 1), dtype=torch.long, device=device)
+    row = [NO_RUN + i for i in range(2 * spec.runs)]  # runs past every position, in order
+    return torch.tensor(row, dtype=torch.long, device=device).repeat(num_seqs, 1)
+
+
+def spans(spec: ValueSpec, values: Sequence[int]) -> list[tuple[int, int]]:
+    """A sequence's spans ``[(start, end), ...]`` from its values: the positions whose queries may see
+    later keys (only inside their own span)."""
+    if spec.kind == "scalar":
+        return [(0, int(values[0]))] if int(values[0]) > 0 else []
+    pairs = [(int(values[2 * r]), int(values[2 * r + 1])) for r in range(spec.runs)]
+    return [(s, e) for s, e in pairs if s < NO_RUN]
 
 
 def describe(text: str) -> str:
@@ -182,7 +302,8 @@ class Prepared:
     shape: tuple  # (B, 1, Q, L)
 
 
-def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_heads: int) -> Prepared:
+def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_heads: int,
+            values: Optional[Tensor] = None) -> Prepared:
     """The position-only part of :func:`evaluate` (arguments as there)."""
     p = _parse(text)
     dev = q_pos.device
@@ -192,6 +313,15 @@ def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_
         "h": torch.arange(num_heads, device=dev)[None, :, None, None],  # [1, H, 1, 1]
         "n": _lengths(seq_len, dev),
     }
+    if p.values is not None:
+        if values is None:
+            raise ValueError(f"this position program reads per-sequence values (from input {p.values.input!r}) "
+                             "but none were given")
+        v = values.to(device=dev, dtype=torch.long)
+        if v.dim() != 2 or v.shape[-1] != p.values.count:
+            raise ValueError(f"position program: values must be [sequences, {p.values.count}], got "
+                             f"{tuple(v.shape)}")
+        leaves["val"] = [v[:, i].reshape(-1, 1, 1, 1) for i in range(v.shape[-1])]  # [B|1, 1, 1, 1] each
     if dev not in p.on_device:  # a memo of pure values, per device
         p.on_device[dev] = {i: v.to(dev) for i, v in p.constants.items()}
     consts = p.on_device[dev]
@@ -204,7 +334,8 @@ def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_
         env.append(c if c is not None else _node(n, env, leaves, None, p.float_dtype, dev))
         for r in p.dead_after[i]:  # [Q, L]-sized intermediates: keep only those still to be read
             env[r] = None
-    shape = (max(q_pos.shape[0], k_pos.shape[0]), 1, q_pos.shape[1], k_pos.shape[1])
+    rows = max(q_pos.shape[0], k_pos.shape[0], values.shape[0] if p.values is not None else 1)
+    shape = (rows, 1, q_pos.shape[1], k_pos.shape[1])
     return Prepared(p, tuple(env), leaves, shape)
 
 
@@ -234,15 +365,16 @@ def finish(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tenso
 
 
 def evaluate(text: str, tables: Optional[Tensor], q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int,
-             num_heads: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+             num_heads: int, values: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """The program at every (query, key) pair: ``(allowed [B|1, Q, L] bool or None, bias [B|1, Hq|1, Q, L]
     float32 or None)``.
 
     ``q_pos [B|1, Q]`` and ``k_pos [B|1, L]`` are positions in the sequence; ``seq_len`` (an int, or
     ``[B|1]`` / ``[B|1, Q]``) is the length of each query's sequence: every real key lies before it.
-    Keys at or past it get values nobody reads (the caller masks them), never an error.
+    Keys at or past it get values nobody reads (the caller masks them), never an error. ``values
+    [B|1, count]`` are the sequences' per-request values, for a program that reads some (``value_spec``).
     """
-    return finish(prepare(text, q_pos, k_pos, seq_len, num_heads), tables)
+    return finish(prepare(text, q_pos, k_pos, seq_len, num_heads, values), tables)
 
 
 def _lengths(seq_len, dev) -> Tensor:
@@ -254,6 +386,8 @@ def _lengths(seq_len, dev) -> Tensor:
 
 def _node(n: tuple, env: list, leaves: dict, tables: Optional[Tensor], fdt: torch.dtype, dev):
     op = n[0]
+    if op == "val":
+        return leaves["val"][n[1]]
     if op in leaves:
         return leaves[op]
     if op == "int":

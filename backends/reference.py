@@ -111,16 +111,19 @@ class PositionTerms:
 
 
 def position_terms(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int,
-                   seq_len: Optional[Tensor | int] = None) -> PositionTerms:
+                   seq_len: Optional[Tensor | int] = None, values: Optional[Tensor] = None) -> PositionTerms:
     """The part of :func:`score_terms` that reads no tensor parameter (ALiBi slopes, a program's
-    tables): the same for every layer whose parameters differ only in those, so a step computes it once."""
+    tables): the same for every layer whose parameters differ only in those, so a step computes it once.
+    ``values`` are the rows' per-request values (``[B|1, count]``; ``[count]`` for one row) for a program
+    that reads some (a prefix-LM mask: ``position_mod.value_spec``)."""
     one_row = q_pos.dim() == 1
     if one_row:
         q_pos, k_pos = q_pos[None], k_pos[None]
+        values = None if values is None else values.reshape(1, -1)
     program = None
     if params.position_mod:
         n = k_pos[..., -1:] + 1 if seq_len is None else seq_len
-        program = position_mod.prepare(params.position_mod, q_pos, k_pos, n, num_heads)
+        program = position_mod.prepare(params.position_mod, q_pos, k_pos, n, num_heads, values)
     return PositionTerms(q_pos, k_pos, visible(q_pos, k_pos, params), program, one_row)
 
 
@@ -142,12 +145,14 @@ def finish_terms(terms: PositionTerms, params: AttentionParams) -> tuple[Optiona
 
 
 def score_terms(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int,
-                seq_len: Optional[Tensor | int] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+                seq_len: Optional[Tensor | int] = None,
+                values: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Everything positions decide about a site's scores: ``(visible [B|1, Q, L] bool or None, bias
     [B|1, Hq, Q, L] float32 or None)`` for ``q_pos [B|1, Q]`` / ``k_pos [B|1, L]`` (1-D: one row, and
     results without the row dimension). ``seq_len`` (an int, ``[B|1]`` or ``[B|1, Q]``; default: the
-    keys run up to the last one given) is what a position program reads as the sequence's length."""
-    return finish_terms(position_terms(q_pos, k_pos, params, num_heads, seq_len), params)
+    keys run up to the last one given) is what a position program reads as the sequence's length;
+    ``values`` the rows' per-request values (see :func:`position_terms`)."""
+    return finish_terms(position_terms(q_pos, k_pos, params, num_heads, seq_len, values), params)
 
 
 def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
@@ -165,14 +170,16 @@ def _plain(params: AttentionParams) -> bool:
 
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: AttentionParams,
                     q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
-                    key_present: Optional[Tensor] = None, exact: bool = False) -> Tensor:
+                    key_present: Optional[Tensor] = None, exact: bool = False,
+                    values: Optional[Tensor] = None) -> Tensor:
     """Attention as the module doc defines it, over dense operands.
 
     ``query [B, Hq, Q, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]`` with ``Hq`` a multiple
     of ``Hkv`` (grouped-query attention: K/V are never repeated per query head). ``q_pos`` /
     ``k_pos`` (``[B or 1, Q]`` / ``[B or 1, L]``, default: the queries are the last ``Q`` of ``L``
     positions) place them in their sequence; ``key_present [B or 1, L]`` (or ``[B or 1, Q, L]``)
-    marks the keys that exist. Returns ``[B, Hq, Q, Dv]`` in the query's dtype, contiguous.
+    marks the keys that exist; ``values [B or 1, count]`` are the rows' per-request values, for a
+    position program that reads some. Returns ``[B, Hq, Q, Dv]`` in the query's dtype, contiguous.
 
     Without soft-cap, ALiBi or sinks this runs SDPA in the operands' dtype (unless ``exact``);
     otherwise float32 math (float64 for float64 operands), updated in place to bound memory unless
@@ -191,7 +198,7 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         # static paths hand in padded keys with the real ones marked: the sequence ends after its last real key
         seq_len = torch.where(key_present, k_pos, -1).amax(-1) + 1  # [B|1]
     allowed, bias = score_terms(q_pos if q_pos.dim() == 2 else q_pos[None], k_pos if k_pos.dim() == 2 else k_pos[None],
-                                params, hq, seq_len)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L] or None
+                                params, hq, seq_len, values)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L] or None
     if key_present is not None:
         present = key_present if key_present.dim() == 3 else key_present[:, None, :]
         allowed = present if allowed is None else allowed & present

@@ -161,11 +161,14 @@ class SdpaCpuBackend(SplitKVBackend):
         for a, b in reference.chunk_runs(s.context_len, s.kv_len, params):
             lo = reference.earliest_visible_key(a, params)  # >= k0: the gather started at or before it
             rows = slice(s.start + a - s.context_len, s.start + b - s.context_len)
-            self._run(out, query, rows, a, k[:, lo - k0:b - k0], v[:, lo - k0:b - k0], lo, params)
+            self._run(out, query, rows, a, k[:, lo - k0:b - k0], v[:, lo - k0:b - k0], lo, params,
+                      _seq_values(params, [s.index]))
 
     @staticmethod
-    def _run(out, query, rows: slice, q0: int, k, v, k_first: int, params: AttentionParams):
-        """Queries ``rows`` (positions ``q0`` on) over keys ``[Hkv, L, D]`` (positions ``k_first`` on)."""
+    def _run(out, query, rows: slice, q0: int, k, v, k_first: int, params: AttentionParams,
+             values: Optional[Tensor] = None):
+        """Queries ``rows`` (positions ``q0`` on) over keys ``[Hkv, L, D]`` (positions ``k_first`` on);
+        ``values [1, count]``: the sequence's per-request values, for a program that reads some."""
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]  # [1, Hkv, L, D]
         num_heads = q.shape[1]
@@ -181,7 +184,7 @@ class SdpaCpuBackend(SplitKVBackend):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=params.causal, scale=params.scale,
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
         elif params.softcap > 0 or params.position_mod:  # no SDPA kernel caps scores: the reference's exact math
-            o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None])
+            o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None], values=values)
         else:
             mask = _folded_mask(q_pos, k_pos, params, group)
             qf = _fold_gqa(q, params.num_kv_heads)
@@ -317,7 +320,8 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: tuple[_Seq,
         q_pos = torch.tensor(ends, device=dev)[:, None]  # [I, 1]
         present = k_pos < torch.tensor(his, device=dev)[:, None]  # gathered keys of this chunk that exist
         # the query's sequence holds ``ends + 1`` keys (what a position program reads as its length)
-        terms = reference.position_terms(q_pos, k_pos, params, num_heads, q_pos[:, 0] + 1)  # [I, 1, Lp]
+        terms = reference.position_terms(q_pos, k_pos, params, num_heads, q_pos[:, 0] + 1,
+                                         _seq_values(params, seq_rows))  # [I, 1, Lp]
     plan = _DecodePlan(tuple(bounds), tuple(masked), index, flat_cache, tuple(rows), rows_t, None,
                        torch.tensor(sorted(set(rows)), device=dev),
                        alibi_slopes is not None or bool(params.position_mod), terms, present)
@@ -379,8 +383,19 @@ def _plan_bias(plan: "_DecodePlan", params: AttentionParams, num_heads: int, dty
 
 
 def _tensor_fields(params: AttentionParams) -> tuple:
-    """The site's tensor parameters (ALiBi slopes, sinks, a program's tables): they differ per layer."""
-    return tuple(f.name for f in dataclasses.fields(params) if isinstance(getattr(params, f.name), Tensor))
+    """The site's tensor parameters (ALiBi slopes, sinks, a program's tables): they differ per layer. A
+    program's per-request values (``position_data``) are the step's, the same for every layer."""
+    return tuple(f.name for f in dataclasses.fields(params)
+                 if f.name != "position_data" and isinstance(getattr(params, f.name), Tensor))
+
+
+def _seq_values(params: AttentionParams, seqs) -> Optional[Tensor]:
+    """The per-request values ``[len(seqs), count]`` of some of the step's sequences (None: the program
+    reads none)."""
+    data = params.position_data
+    if data is None:
+        return None
+    return data[list(seqs)] if len(seqs) != 1 else data[seqs[0]:seqs[0] + 1]
 
 
 @dataclass(frozen=True)
@@ -409,6 +424,8 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: 
     :func:`_plan_bias`; the memo keys on which of them are set."""
     fields = tuple(v is None if isinstance(v, Tensor) or v is None else v
                    for v in (getattr(params, f.name) for f in dataclasses.fields(params)))
+    if params.position_data is not None:  # the step's per-request values decide the mask: part of the plan
+        fields += (tuple(params.position_data.reshape(-1).tolist()),)
     key = (split.single_key, fields, tuple(kv_cache.shape),
            kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
            block_tables._version)

@@ -572,8 +572,11 @@ class XFormersCudaBackend(SplitKVBackend):
         for part in _math_batches(c, g):
             plan = _cached_pad_plan(c, part)
             q, k, v = _gather_padded(c, plan)
+            values = None if p.position_data is None else \
+                p.position_data.index_select(0, torch.tensor(part.seqs, device=p.position_data.device))
             o = reference.dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p,
-                                          plan["q_pos"], plan["k_pos"], plan["present"])  # [S, Hq, Qmax, D]
+                                          plan["q_pos"], plan["k_pos"], plan["present"],
+                                          values=values)  # [S, Hq, Qmax, D]
             o = o.transpose(1, 2).reshape(plan["S"] * plan["qmax"], -1, c.d)
             _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
 

@@ -71,7 +71,8 @@ def translations() -> dict:
     def paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, scale: float,
                         causal: bool, sliding_window: int, softcap: float, alibi_slopes=None, num_kv_heads: int = 1,
                         head_size_v: int = 0, sinks=None, chunk_size: int = 0, max_seq_len: int = 0,
-                        positions_from_first_key: bool = False, position_mod: str = "", position_tables=None):
+                        positions_from_first_key: bool = False, position_mod: str = "", position_tables=None,
+                        position_data=None):
         # max_seq_len: an ONNX graph cannot refuse a longer sequence; callers cap requests at the model's
         # length (the limit is each site's mask_up_to in the report)
         i64 = 7  # onnx TensorProto.INT64

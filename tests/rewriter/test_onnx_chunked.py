@@ -43,8 +43,8 @@ def test_translation_signature_follows_the_op_schema():
     # torch.onnx binds the op's arguments to the translation by name and position
     names = list(inspect.signature(translations()[torch.ops.pagedattn.paged_attention.default]).parameters)
     schema = [a.name for a in torch.ops.pagedattn.paged_attention.default._schema.arguments]
-    assert names == schema and names[-6:] == ["sinks", "chunk_size", "max_seq_len", "positions_from_first_key",
-                                             "position_mod", "position_tables"]
+    assert names == schema and names[-7:] == ["sinks", "chunk_size", "max_seq_len", "positions_from_first_key",
+                                             "position_mod", "position_tables", "position_data"]
 
 
 @pytest.mark.parametrize("case", [
