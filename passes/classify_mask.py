@@ -15,6 +15,12 @@ What each input the mask reads by value stands for:
 - integer inputs that counted up by one in the example: positions, proven for positions that count
   up by one from any offset per row (drop-in calls with other positions are checked at call time);
 - model state (parameters, buffers): read as constants;
+- per-request values: where no reading above establishes the mask, a ``[batch, keys]`` 0/1 input (not
+  named as a mask: ``attention_mask`` and ``key_padding_mask`` stay key padding) is tried as token types
+  (up to ``_MAX_SPANS`` runs of 1s among 0s, then of 0s among 1s, then one run of either: Gemma-3's image
+  blocks, PaliGemma's prefix) and a ``[batch]`` integer input as a prefix length;
+  the mask must then be a position program over them (``position_program``) that lets a query see later
+  keys only inside its own span (``prove_spans``: a span is computed in one step);
 - anything else — token ids (top-k indexers, pad-token masks), float masks handed in by the caller —
   makes the mask depend on data: the site is left.
 """
@@ -29,6 +35,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from pagedattn.backends.params import AttentionParams
+from pagedattn.backends.position_mod import ValueSpec, value_spec, values_from_input
 from pagedattn.passes.context import PassContext, PassReport
 from pagedattn.passes.mask_program import (
     MaskKind,
@@ -39,10 +46,12 @@ from pagedattn.passes.mask_program import (
     reads_by_value,
     value_nodes,
 )
-from pagedattn.passes.position_program import position_program, program_padding
+from pagedattn.passes.position_program import position_program, program_padding, prove_spans
 from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
+
+_MAX_SPANS = 4  # token types are tried with up to this many runs (image blocks) per sequence
 
 __all__ = ["classify_mask", "input_roles"]
 
@@ -79,8 +88,25 @@ def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
         site.mask_up_to, site.mask_how = result.up_to, result.how
         site.position_mod, site.position_tables = result.position_mod, result.position_tables
         site.position_inputs = result.positions
+        site.position_data = placeholders[result.values_input] if result.values_input else None
+    _one_value_reading(ctx.sites)
     n = sum(s.mask_kind is not None for s in ctx.sites)
     return PassReport("classify_mask", False, f"{n} masks established from {len(memo)} distinct mask programs")
+
+
+def _one_value_reading(sites: list[AttentionSite]) -> None:
+    """A paged step carries one row of per-request values per sequence: every site that reads such values
+    must read them from the same input in the same way (the first site's); the others are left."""
+    first = None
+    for site in sites:
+        if site.status != "matched" or site.position_data is None:
+            continue
+        spec = value_spec(site.position_mod)
+        if first is None:
+            first = spec
+        elif spec != first:
+            site.skip(f"its mask reads input {spec.input!r} as per-request values ({spec}) but another site reads "
+                      f"them as {first}; a step carries one reading")
 
 
 def _plain(site: AttentionSite) -> None:
@@ -126,17 +152,14 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
 def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
     """The site's ``MaskKind``, or the reason it cannot be established."""
     try:
-        roles, constants = input_roles(gm, site, ctx)
-        padding = [name for name, role in roles.items() if role == "padding"]
-
-        def read(keys_present: bool, prefix: str):
-            return read_mask(gm, site, roles, constants, ctx.max_length, keys_present, prefix)
-
+        roles, constants, candidates, refusal = _roles(gm, site, ctx)
         with torch.no_grad():
             try:
-                kind = establish(read, padding)
+                if refusal:  # an input only per-request values could explain
+                    raise NotEstablished(refusal)
+                kind = _by_roles(gm, site, ctx, roles, constants)
             except NotEstablished as first:
-                kind = _positional(read, first, padding)
+                kind = _with_values(gm, site, ctx, roles, constants, candidates, first)
     except NotEstablished as e:
         return str(e)
     if kind.chunk and "chunk_size" not in {f.name for f in dataclasses.fields(AttentionParams)}:
@@ -145,14 +168,63 @@ def _classify(gm: GraphModule, site: AttentionSite, ctx: PassContext):
     return kind
 
 
-def _positional(read, why: NotEstablished, padding: list[str]) -> MaskKind:
+def _reader(gm: GraphModule, site: AttentionSite, ctx: PassContext, roles: dict, constants: dict):
+    def read(keys_present, prefix: str):
+        return read_mask(gm, site, roles, constants, ctx.max_length, keys_present, prefix)
+    return read
+
+
+def _by_roles(gm: GraphModule, site: AttentionSite, ctx: PassContext, roles: dict, constants: dict) -> MaskKind:
+    """A kind with its own kernel, else a position program (beside key padding, where there is some)."""
+    padding = [name for name, role in roles.items() if role == "padding"]
+    read = _reader(gm, site, ctx, roles, constants)
+    try:
+        return establish(read, padding)
+    except NotEstablished as first:
+        return _positional(read, first, padding)
+
+
+def _with_values(gm: GraphModule, site: AttentionSite, ctx: PassContext, roles: dict, constants: dict,
+                 candidates: dict, why: NotEstablished) -> MaskKind:
+    """The mask as a position program over an input read as per-request values (token types, a prefix
+    length), each of its readings in turn (``candidates``); the first reason stands when none holds."""
+    errors = []
+    for name, specs in candidates.items():
+        example = ctx.example_inputs.get(name)
+        for spec in specs:
+            if not _covers(spec, example):  # the example itself must be an input the proof covers
+                errors.append((spec, "its example is not of that shape"))
+                continue
+            tried = {**{k: r for k, r in roles.items() if k != name}, name: spec}
+            padding = [k for k, r in tried.items() if r == "padding"]
+            read = _reader(gm, site, ctx, tried, constants)
+            try:
+                kind = _positional(read, why, padding, spans=True)
+            except NotEstablished as e:
+                errors.append((spec, str(e).removeprefix(f"{why}; nor is it a mask or bias over positions only: ")))
+                continue
+            return dataclasses.replace(kind, values_input=name)
+    if not errors:
+        raise why
+    tried = [e for e in errors if e[1] != "its example is not of that shape"]
+    spec, last = (tried or errors)[-1]
+    what = "a length per row" if spec.kind == "scalar" else "token types"
+    raise NotEstablished(f"{why}; nor with input {spec.input!r} as {what}: {last}")
+
+
+def _positional(read, why: NotEstablished, padding: list[str], spans: bool = False) -> MaskKind:
     """No kind with its own kernel: the generic path, when the mask and bias depend on positions only
-    (beside key padding, where the site has a padding input)."""
+    (beside key padding, where the site has a padding input); with ``spans``, on positions and an input's
+    per-request values, letting a query see later keys only inside its span."""
     errors = []
     # a boolean padding input whose True means "ignore" reads as every key hidden when all True
     for present in (True, "false") if padding else (True,):
         try:
             mod, tables, f, terms = position_program(read, present)
+            if spans:
+                if not f.values:
+                    raise NotEstablished("the mask does not read the input's values")
+                prove_spans(f)
             pad = program_padding(read, f, terms, padding) if padding else (None, True, False, False)
         except NotEstablished as e:
             errors.append(str(e))
@@ -169,12 +241,23 @@ def input_roles(gm: GraphModule, site: AttentionSite,
                 ctx: PassContext) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """What each placeholder the mask terms read by value stands for (``read_mask``'s roles, and the values
     of constant inputs); raises NotEstablished for data-dependent masks."""
+    roles, constants, _, refusal = _roles(gm, site, ctx)  # per-request values are classify_mask's alone
+    if refusal:
+        raise NotEstablished(refusal)
+    return roles, constants
+
+
+def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict, dict, dict, str]:
+    """``input_roles``' roles and constants, the inputs that may also be read as per-request values (name ->
+    the ``ValueSpec`` readings to try, in order), and why the mask depends on data (empty when it need not:
+    an input no role explains is refused unless read as values)."""
     terms = [n for n, _ in site.biases] + [n for n, _ in site.conds] + [n for n, _, _ in site.factors]
     module, inputs = extract_program(gm, terms)
     values = value_nodes(module)
     inner = {n.name: n for n in module.graph.nodes if n.op == "placeholder"}
     key_len = shape(site.key)[2]
-    roles, constants = {}, {}
+    batch = shape(site.query)[0]
+    roles, constants, candidates, refusals = {}, {}, {}, {}
     for p in inputs:
         if not reads_by_value(inner[p.name], values) or not isinstance(p.meta.get("val"), torch.Tensor):
             continue
@@ -182,20 +265,51 @@ def input_roles(gm: GraphModule, site: AttentionSite,
         if isinstance(example, torch.Tensor) and example.is_meta:
             raise NotEstablished(f"the mask reads input '{p.name}', whose example has no values (a meta tensor): "
                                  "trace with real inputs")
+        v = p.meta["val"]
+        per_row = _one_per_row(v, batch, key_len)
         if p.name in ctx.constant_inputs:
             roles[p.name], constants[p.name] = "constant", example
         elif _looks_like_padding(p, example, key_len):
             roles[p.name] = "padding"
-        elif _looks_like_positions(example):
+            if not v.dtype.is_floating_point and "mask" not in p.name.lower():
+                # a mask by name (attention_mask, key_padding_mask) is key padding, never token types: paged
+                # steps hold no padding, and a mask read otherwise stays refused
+                candidates[p.name] = _token_type_readings(p.name)
+        elif _looks_like_positions(example) and not per_row:
             roles[p.name] = "positions"
+        elif not v.dtype.is_floating_point and v.dtype != torch.bool:
+            if per_row:
+                candidates[p.name] = [ValueSpec(p.name, "scalar")]
+            refusals[p.name] = (f"the mask depends on the token values of input '{p.name}' (data-dependent "
+                                "sparsity, e.g. a top-k key indexer, or a mask computed from token ids)")
         else:
-            v = p.meta["val"]
-            if not v.dtype.is_floating_point and v.dtype != torch.bool:
-                raise NotEstablished(f"the mask depends on the token values of input '{p.name}' (data-dependent "
-                                     "sparsity, e.g. a top-k key indexer, or a mask computed from token ids)")
-            raise NotEstablished(f"the mask depends on the values of input '{p.name}' (a caller-provided mask or "
-                                 "bias)")
-    return roles, constants
+            refusals[p.name] = f"the mask depends on the values of input '{p.name}' (a caller-provided mask or bias)"
+    unexplained = [msg for name, msg in refusals.items() if name not in candidates]
+    if unexplained:
+        raise NotEstablished(unexplained[0])
+    return roles, constants, candidates, next(iter(refusals.values()), "")
+
+
+def _covers(spec: ValueSpec, example) -> bool:
+    """Whether a reading of an input as per-request values covers the input's example."""
+    if not isinstance(example, torch.Tensor):
+        return False
+    try:
+        values_from_input(spec, example)
+    except ValueError:
+        return False
+    return True
+
+
+def _token_type_readings(name: str) -> list[ValueSpec]:
+    """How a 0/1 input is tried as token types: many spans of 1s (Gemma-3's image blocks) or of 0s, then one."""
+    return [ValueSpec(name, "runs", 1, 0, _MAX_SPANS), ValueSpec(name, "runs", 0, 1, _MAX_SPANS),
+            ValueSpec(name, "runs", 1, 0, 1), ValueSpec(name, "runs", 0, 1, 1)]
+
+
+def _one_per_row(v: torch.Tensor, batch, key_len) -> bool:
+    """A ``[batch]`` tensor: one value per row (a prefix length), not one per token."""
+    return v.dim() == 1 and same_size(v.shape[0], batch) and not same_size(v.shape[0], key_len)
 
 
 def _looks_like_padding(p: Node, example, key_len) -> bool:

@@ -9,6 +9,10 @@ In an encoder-decoder's decoder step (``ctx.encoder_inputs`` set), cross-attenti
 ``kv_cache_<i>``), filled once per request, through their own metadata inputs
 (``CROSS_METADATA_FIELDS``, after ``METADATA_FIELDS``) and the step's ``query_start_loc``: a
 non-causal paged attend with no write (``key=None``). They are recorded in ``ctx.cross_sites``.
+
+Sites whose position program reads per-request values (a prefix-LM mask from ``token_type_ids``) read
+them, in paged mode, from one more input after all of those: ``position_values`` (``[num_seqs, count]``,
+a row per sequence of the step; ``position_mod.values_from_input`` gives a request's row).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pagedattn.passes.context import PagedSite, PassContext, PassReport
 from pagedattn.passes.cross_attention import cross_attention_sites, tokens_view
 from pagedattn.passes.site import aten, same_size
 
-__all__ = ["insert_paged", "is_self_attention", "metadata_inputs"]
+__all__ = ["insert_paged", "is_self_attention", "metadata_inputs", "POSITION_VALUES"]
+
+POSITION_VALUES = "position_values"  # the paged graph's input of per-sequence values
 
 
 def is_self_attention(node: Node) -> bool:
@@ -51,6 +57,8 @@ def insert_paged(gm: GraphModule, ctx: PassContext) -> PassReport:
     last_ph = [n for n in g.nodes if n.op == "placeholder"][-1]
     caches, cross_caches, meta = [], [], {}
     with g.inserting_after(last_ph):
+        if any(read_attention(n).params.position_data is not None for n in sites):
+            meta[POSITION_VALUES] = g.placeholder(POSITION_VALUES)  # inserted first: it ends up last
         # inserted in reverse so they end up in order after the model's own inputs
         for name in reversed(CROSS_METADATA_FIELDS if cross else ()):
             meta[name] = g.placeholder(name)
@@ -81,6 +89,8 @@ def _page(g, node: Node, cache: Node, meta: dict[str, Node], cross: bool) -> Non
     q, v = site.query.meta["val"], site.value.meta["val"]
     hq, d, dv, hkv = q.shape[1], q.shape[3], v.shape[3], site.params.num_kv_heads
     params = dataclasses.replace(site.params, head_size_v=int(dv))
+    if params.position_data is not None:  # the model's input in drop-in mode; the step's values here
+        params = dataclasses.replace(params, position_data=meta[POSITION_VALUES])
     with g.inserting_before(node):
         qt = tokens_view(g, site.query, hq, d)  # [B*S, Hq, D]
         if cross:

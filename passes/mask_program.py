@@ -21,6 +21,11 @@ What the program reads decides what a proof covers:
   other positions (restarting, packed documents) must be refused or split (``RewrittenModel``);
 - constants (buffers, parameters) are read: small ones element by element, large 2-D ones when they
   are exactly a lower-triangular (causal) matrix;
+- an input read as per-request values (a role that is a ``ValueSpec``: token types, a prefix length)
+  stands for every input of that shape: ``[batch, tokens]`` token types of ``outside`` with up to
+  ``runs`` runs of ``inside`` anywhere (each run's boundaries are unknowns of its row), or a ``[batch]``
+  length ``>= 0``; running sums over such runs (Gemma-3's image-block ids) are read in closed form,
+  checked against the sum's recurrence;
 - anything else (token values, float masks handed in, ops this interpreter does not know) makes
   the program unreadable: :class:`NotEstablished` says why.
 """
@@ -34,8 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch._functorch.predispatch as _predispatch
 from torch.fx import Graph, GraphModule, Node
 
+from pagedattn.backends.position_mod import ValueSpec
 from pagedattn.passes.site import MASK_LIMIT, AttentionSite, aten
 
 try:
@@ -160,6 +167,12 @@ class _Interpreter:
         self.padding: dict[str, Callable] = {}  # placeholder -> (b, k) -> z3 Bool "key k of row b present"
         self.runs: dict[str, tuple] = {}  # placeholder -> (start, end): present keys as one run per row
         self.positions: list[str] = []
+        # placeholder -> (its ValueSpec, row -> the z3 values of that row, the row functions behind them)
+        self.values: dict[str, tuple] = {}
+        # vmap (Hugging Face's mask functions over or/and overlays): level -> (index, size) of the dimension
+        # it maps over, hidden from the batched values' dims while the level is open
+        self.levels: dict[int, tuple] = {}
+        self.objects: dict[Node, Any] = {}  # non-tensor attributes (flat_apply's input specs)
         self.env: dict[Node, Any] = {}
         self.concrete: dict[Node, Any] = {}  # nodes computed outright: constants and what only they feed
         self.tables: dict[str, torch.Tensor] = {}  # z3 function name -> the constant table it stands for
@@ -343,6 +356,8 @@ class _Interpreter:
             one = {"bool": present, "int": z3.If(present, z3.IntVal(1), z3.IntVal(0)),
                    "float": z3.If(present, z3.RealVal(1), z3.RealVal(0))}[kind]
             return _Val(dims, one, kind)
+        if isinstance(role, ValueSpec):
+            return self.value_input(n, v, role)
         if role == "positions":
             # positions that count up by one along the last dimension, from any offset per row
             self.positions.append(n.name)
@@ -351,6 +366,42 @@ class _Interpreter:
             off = _nonneg(offset(*lead))  # non-negative by construction: a fact would not follow renamed rows
             return _Val(dims, dims[-1].index + off if dims[-1].index is not None else off, "int")
         raise _Unreadable(f"input {n.name} ({role})")
+
+    def value_input(self, n: Node, v: torch.Tensor, spec: ValueSpec) -> _Val:
+        """An input read as per-request values (see the module doc). Every row's values are built from
+        unknowns of that row so that they are valid by construction (a fact about one row index would not
+        follow a renamed one): spans start at ``|x_0|``, are ``1 + |y_r|`` long and ``1 + |x_r|`` apart."""
+        if v.dtype.is_floating_point:
+            raise _Unreadable(f"input {n.name} as per-request values: a float tensor")
+        dims = self.dims_of(v.shape)
+        if spec.kind == "scalar":
+            if len(dims) != 1:
+                raise _Unreadable(f"input {n.name} as a length per row: not [batch]")
+            fns = [z3.Function(f"val_{n.name}_z", z3.IntSort(), z3.IntSort())]
+            self.values[n.name] = (spec, lambda r, fn=fns[0]: [_nonneg(fn(r))], fns)
+            row = dims[0].index if dims[0].index is not None else z3.IntVal(0)
+            return _Val(dims, _nonneg(fns[0](row)), "int")
+        if len(dims) != 2:
+            raise _Unreadable(f"input {n.name} as token types: not [batch, tokens]")
+        fns = [z3.Function(f"val_{n.name}_{g}{r}", z3.IntSort(), z3.IntSort())
+               for r in range(spec.runs) for g in "xy"]
+
+        def bounds(r, fns=fns):
+            out, end = [], None
+            for k in range(spec.runs):
+                start = _nonneg(fns[2 * k](r)) if end is None else end + 1 + _nonneg(fns[2 * k](r))
+                end = start + 1 + _nonneg(fns[2 * k + 1](r))
+                out += [start, end]
+            return out
+
+        self.values[n.name] = (spec, bounds, fns)
+        row = dims[0].index if dims[0].index is not None else z3.IntVal(0)
+        col = dims[1].index if dims[1].index is not None else z3.IntVal(0)
+        b = bounds(row)
+        inside = z3.Or([z3.And(b[2 * k] <= col, col < b[2 * k + 1]) for k in range(spec.runs)])
+        if v.dtype == torch.bool:
+            return _Val(dims, z3.If(inside, z3.BoolVal(spec.inside != 0), z3.BoolVal(spec.outside != 0)), "bool")
+        return _Val(dims, z3.If(inside, z3.IntVal(spec.inside), z3.IntVal(spec.outside)), "int")
 
     def constant(self, t: torch.Tensor, name: str) -> _Val:
         """A buffer or parameter: a band around the diagonal (causal, windowed) as such, else element by
@@ -434,6 +485,9 @@ class _Interpreter:
                 obj = self.module
                 for part in n.target.split("."):
                     obj = getattr(obj, part)
+                if isinstance(obj, torch.utils._pytree.TreeSpec):  # how a flat_apply call unflattens its inputs
+                    self.objects[n] = obj
+                    continue
                 if not isinstance(obj, torch.Tensor):
                     raise _Unreadable(f"attribute {n.target}")
                 self.concrete[n] = obj
@@ -452,6 +506,8 @@ class _Interpreter:
         args = n.all_input_nodes
         if not all(a in self.concrete for a in args) or any(
                 isinstance(x, torch.SymInt) for x in torch.utils._pytree.tree_leaves((n.args, n.kwargs))):
+            return False
+        if n.target in _VMAP_OPS:  # vmap's levels are read symbolically (batched tensors are no constants)
             return False
         if not args and n.target not in _FOLDABLE_SOURCES:
             return False
@@ -650,9 +706,13 @@ def _slice(it, n):
     if step != 1:
         raise _Unreadable("a strided slice")
     d = src.dims[dim]
-    off = it.get(start).expr if isinstance(start, (Node, torch.SymInt)) else z3.IntVal(start)
+    # an int bound from the end (``x[:, :-1]``) counts back from the dimension's size, as Python's does
+    if isinstance(start, int) and start < 0:
+        start = None if -start >= 2 ** 62 else start
+    off = it.get(start).expr if isinstance(start, (Node, torch.SymInt)) else \
+        z3.IntVal(0) if start is None else _from_end(d.size, start)
     stop = d.size if end is None or (isinstance(end, int) and end >= 2 ** 62) else \
-        (it.get(end).expr if isinstance(end, (Node, torch.SymInt)) else z3.IntVal(end))
+        (it.get(end).expr if isinstance(end, (Node, torch.SymInt)) else _from_end(d.size, end))
     if not it.always(off >= 0) or not it.always(stop >= 0):
         raise _Unreadable("a slice from the end (negative bounds)")
     stop = z3.If(stop > d.size, d.size, stop)
@@ -674,6 +734,13 @@ def _slice(it, n):
     dims[dim] = _Dim(nv, size)
     return _Val(tuple(dims), z3.substitute(src.expr, (d.index, nv + off)) if z3.is_const(d.index) else
                 _bound(it, src.expr, d.index, nv + off), src.kind)
+
+
+def _from_end(size, bound: int) -> Any:
+    """An int slice bound: from the start, or (negative) counted back from ``size``, clamped at 0."""
+    if bound >= 0:
+        return z3.IntVal(bound)
+    return z3.If(size + bound > 0, size + bound, z3.IntVal(0))
 
 
 def _bound(it, expr, index, value):
@@ -832,21 +899,23 @@ def _filled(it, n):
 
 def _index(it, n):
     """``base[i0, i1, ...]`` with index tensors for the leading dims: the base at those indices."""
-    base = it.get(n.args[0])
     idx = list(n.args[1])
     if any(i is None for i in idx):
         raise _Unreadable("indexing that skips a dimension")
-    vals = [it.get(i) for i in idx]
+    return _index_values(it, it.get(n.args[0]), [it.get(i) for i in idx])
+
+
+def _index_values(it, base: _Val, vals: list) -> _Val:
     if any(v.kind == "bool" for v in vals):
         raise _Unreadable("boolean indexing")
-    if any(d.index is not None and not z3.is_const(d.index) for d in base.dims[:len(idx)]):
+    if any(d.index is not None and not z3.is_const(d.index) for d in base.dims[:len(vals)]):
         raise _Unreadable("indexing a merged dimension")
     dims, vals = it.unify(vals)
     sub = [(d.index, v.expr) for d, v in zip(base.dims, vals) if d.index is not None]
     for d, v in zip(base.dims, vals):  # an index past the base's dimension is an error at run time
         it.obligations.append(z3.And(v.expr >= 0, v.expr < d.size))
     e = z3.substitute(base.expr, *sub) if sub else base.expr
-    return _Val(dims + tuple(base.dims[len(idx):]), e, base.kind)
+    return _Val(dims + tuple(base.dims[len(vals):]), e, base.kind)
 
 
 def _opaque(name: str):
@@ -951,6 +1020,8 @@ def _cumsum(it, n):
     if not it.always(z3.substitute(e, (d.index, other)) == e):
         ranks = _run_ranks(it, x, e, d.index)
         if ranks is None:
+            ranks = _value_run_sum(it, x, e, d)
+        if ranks is None:
             raise _Unreadable("a running sum of values that vary (token- or input-dependent)")
         return _Val(x.dims, ranks, "int" if x.kind == "bool" else x.kind)
     return _Val(x.dims, e * (d.index + 1), "int" if x.kind == "bool" else x.kind)
@@ -987,6 +1058,140 @@ def _run_ranks(it, x: _Val, e, k) -> Any:
                     if it.always(e == counted):
                         return count if one.is_int() else z3.ToReal(count)
     return None
+
+
+def _value_run_sum(it, x: _Val, e, d: _Dim) -> Any:
+    """The running sum along ``d`` of a term that token types read as runs (``_Interpreter.value_input``)
+    decide. Tried in turn: how many runs began (Gemma-3's image-block ids count "a block starts here"),
+    ended, how many positions so far are inside runs or outside them, and in general each piece between
+    the runs' boundaries summed (its first value, which may read the position before it, and its other
+    values times how many of its positions are counted). A form is accepted only where the solver shows
+    that it is the running sum: it starts with the term's first value and grows by the term's value at
+    each later position."""
+    k = d.index
+    rows = [o.index for o in x.dims if o.index is not None and not o.index.eq(k)] + [z3.IntVal(0)]
+    real = not e.is_int()
+    for spec, bounds, _ in it.values.values():
+        if spec.kind != "runs":
+            continue
+        for r in rows:
+            b = bounds(r)
+            for total in _run_sum_forms(b, k, e):
+                if real:
+                    total = z3.ToReal(total) if total.is_int() else total
+                at = lambda p, t=total: z3.substitute(t, (k, p))  # noqa: E731
+                if it.always(at(z3.IntVal(0)) == z3.substitute(e, (k, z3.IntVal(0)))) and \
+                        it.always(z3.Implies(k >= 1, total - at(k - 1) == e)):
+                    return total
+    return None
+
+
+def _run_sum_forms(b: list, k, e):
+    """Closed forms of a running sum over runs with boundaries ``b = [s_0, e_0, s_1, ...]`` (see
+    ``_value_run_sum``), simplest first."""
+    starts, ends = b[0::2], b[1::2]
+    one, zero = z3.IntVal(1), z3.IntVal(0)
+    yield z3.Sum([z3.If(s <= k, one, zero) for s in starts])
+    yield z3.Sum([z3.If(t <= k, one, zero) for t in ends])
+    inside = z3.Sum([z3.If(k + 1 <= s, zero, z3.If(k + 1 >= t, t - s, k + 1 - s)) for s, t in zip(starts, ends)])
+    yield inside
+    yield k + 1 - inside
+    cuts = [zero, *b]  # non-decreasing; a piece [cuts[i], cuts[i + 1]) may be empty
+    total = None
+    for i, lo in enumerate(cuts):
+        hi = cuts[i + 1] if i + 1 < len(cuts) else None
+        first = z3.substitute(e, (k, lo))
+        rest = z3.substitute(e, (k, lo + 1))
+        has = lo <= k if hi is None else z3.And(lo <= k, lo < hi)
+        end = k + 1 if hi is None else z3.If(hi < k + 1, hi, k + 1)
+        counted = end - lo - 1  # the piece's positions after its first, up to k
+        many = z3.If(counted > 0, counted, 0)
+        term = z3.If(has, first, 0 * first) + rest * (many if first.is_int() else z3.ToReal(many))
+        total = term if total is None else total + term
+    yield total
+
+
+def _pad(it, n):
+    """``pad(x, [lo, hi, ...], "constant", value)``: the padded dims read the value outside the source
+    (Gemma-3's "the token before" as a padded, sliced copy)."""
+    x = it.get(n.args[0])
+    widths = list(n.args[1])
+    mode = n.args[2] if len(n.args) > 2 else n.kwargs.get("mode", "constant")
+    fill = n.args[3] if len(n.args) > 3 else n.kwargs.get("value", None)
+    if n.target is aten.constant_pad_nd.default:
+        mode, fill = "constant", (n.args[2] if len(n.args) > 2 else n.kwargs.get("value", 0))
+    if mode != "constant" or any(not isinstance(w, int) or w < 0 for w in widths) or len(widths) % 2:
+        raise _Unreadable("a padding that is not a constant one of non-negative widths")
+    c = it.cast(it.const(0 if fill is None else fill), x.kind)
+    dims, e = list(x.dims), x.expr
+    out_shape = n.meta["val"].shape
+    for a in range(len(widths) // 2):
+        dim = len(dims) - 1 - a
+        lo, hi = widths[2 * a], widths[2 * a + 1]
+        if lo == hi == 0:
+            continue
+        src = dims[dim]
+        size = it.size(out_shape[dim])
+        v = it.fresh(size)
+        inside = z3.And(v >= lo, v < lo + src.size)
+        if src.index is None:
+            e = z3.If(inside, e, c)
+        elif z3.is_const(src.index):
+            e = z3.If(inside, z3.substitute(e, (src.index, v - lo)), c)
+        else:
+            raise _Unreadable("padding a merged dimension")
+        dims[dim] = _Dim(v, size)
+    return _Val(tuple(dims), e, x.kind)
+
+
+def _add_batch_dim(it, n):
+    """vmap's ``_add_batch_dim(x, dim, level)``: ``x`` with ``dim`` mapped over at ``level`` (hidden from its
+    dims; its index stays in the expression, one index per level)."""
+    x, dim, level = it.get(n.args[0]), n.args[1], n.args[2]
+    dim %= len(x.dims)
+    d = x.dims[dim]
+    e = x.expr
+    if level in it.levels:
+        index, size = it.levels[level]
+        if d.index is not None:
+            if not z3.is_const(d.index):
+                raise _Unreadable("vmap over a merged dimension")
+            e = z3.substitute(e, (d.index, index))
+        it.facts.append(d.size == size)
+    else:
+        index = d.index if d.index is not None and z3.is_const(d.index) else it.fresh(d.size)
+        if d.index is not None and not z3.is_const(d.index):
+            raise _Unreadable("vmap over a merged dimension")
+        it.levels[level] = (index, d.size)
+    return _Val(tuple(o for k, o in enumerate(x.dims) if k != dim), e, x.kind)
+
+
+def _remove_batch_dim(it, n):
+    """vmap's ``_remove_batch_dim(x, level, size, out_dim)``: the level's dimension back at ``out_dim``."""
+    x, level, size, out_dim = it.get(n.args[0]), n.args[1], n.args[2], n.args[3]
+    if level in it.levels:
+        index, dsize = it.levels.pop(level)
+        dim = _Dim(index, dsize)
+    else:  # a level nothing was mapped over at: the values do not vary along it
+        dim = _Dim(None, it.size(size))
+    dims = list(x.dims)
+    dims.insert(out_dim % (len(dims) + 1), dim)
+    return _Val(tuple(dims), x.expr, x.kind)
+
+
+def _flat_apply(it, n):
+    """``flat_apply`` of the one custom function mask functions call under vmap: Dynamo's ``ModIndex``
+    (``x[indices]`` with batched scalar indices), read as an index."""
+    func, spec = it.objects.get(n.args[0]), it.objects.get(n.args[1])
+    if func is None or spec is None:
+        raise _Unreadable("flat_apply of an unknown function")
+    fn = torch.utils._pytree.tree_unflatten([], func) if func.num_leaves == 0 else None
+    target = getattr(fn, "func", None)
+    args, kwargs = torch.utils._pytree.tree_unflatten(list(n.args[2:]), spec)
+    if getattr(target, "__name__", "") != "_call_custom_autograd_function_in_pre_dispatch" or kwargs or \
+            len(args) != 3 or "ModIndex" not in str(args[0]) or not isinstance(args[2], (list, tuple)):
+        raise _Unreadable(f"flat_apply of {getattr(target, '__name__', target)}")
+    return _index_values(it, it.get(args[1]), [it.get(a) for a in args[2]])
 
 
 def _sum(it, n):
@@ -1042,6 +1247,8 @@ _IDENTITY = (aten.clone.default, aten.contiguous.default, aten.alias.default, at
 _CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.type_as.default)
 
 # ops that make a constant from nothing but their static arguments
+_VMAP_OPS = frozenset({_predispatch._add_batch_dim, _predispatch._remove_batch_dim, torch.ops.higher_order.flat_apply})
+
 _FOLDABLE_SOURCES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
                      aten.zeros.default, aten.full.default, aten.scalar_tensor.default}
 
@@ -1104,6 +1311,9 @@ _HANDLERS: dict[Any, Callable] = {
                                                       "sigmoid", "tanh", "sin", "cos", "erf")},
     aten.tril.default: _tri, aten.triu.default: _tri,
     aten.diff.default: _diff, aten.cumsum.default: _cumsum,
+    aten.pad.default: _pad, aten.constant_pad_nd.default: _pad,
+    _predispatch._add_batch_dim: _add_batch_dim, _predispatch._remove_batch_dim: _remove_batch_dim,
+    torch.ops.higher_order.flat_apply: _flat_apply,
     aten.sum.dim_IntList: _sum, aten.sum.default: _sum,
     aten.any.dim: _any_all(z3.Or), aten.any.dims: _any_all(z3.Or), aten.all.dim: _any_all(z3.And),
 }
@@ -1132,6 +1342,8 @@ class MaskFormula:
     padding: dict  # input name -> z3 Bool "key j of row b is present" (keep-when-true reading)
     positions: list  # position inputs the program reads
     run_starts: dict = field(default_factory=dict)  # padding input -> its run's first key in row b
+    # input read as per-request values -> (its ValueSpec, row -> that row's values, the row functions)
+    values: dict = field(default_factory=dict)
     tables: dict = field(default_factory=dict)  # z3 function name -> the constant table it stands for
     float_dtype: torch.dtype = torch.float32  # what the program computes floats in
 
@@ -1236,6 +1448,7 @@ def read_mask(gm: GraphModule, site: AttentionSite, roles: dict[str, str], const
         formula.padding[name] = present(b, j)
     for name, (start, _) in it.runs.items():
         formula.run_starts[name] = start(b)
+    formula.values = dict(it.values)
     return formula
 
 
@@ -1356,6 +1569,7 @@ class MaskKind:
     positions_from_first_key: bool = False  # with padding, positions count from the run's first key
     position_mod: str = ""  # kind "positional": the program kernels evaluate (pagedattn.backends.position_mod)
     position_tables: Optional[torch.Tensor] = None
+    values_input: Optional[str] = None  # the input the program reads per-request values from (token types)
 
 
 def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:

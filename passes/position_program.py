@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - mask_program refuses first
     z3 = None
 
-__all__ = ["position_program", "program_padding"]
+__all__ = ["position_program", "program_padding", "prove_spans"]
 
 _MAX_TABLE = 1 << 22  # elements of constant tables a program may carry
 _MIN_CHAIN = 3  # if-then-else chains over one index at least this long become table lookups
@@ -96,7 +96,9 @@ def _padding_beside(d: MaskFormula, allowed, bias, f: MaskFormula, name: str) ->
         return None, None
     start = d.run_starts.get(name)
     gave_up = None
-    for relative, origin in [(False, z3.IntVal(0))] + ([(True, start)] if start is not None else []):
+    # per-request values are read by column: positions counted from a run's first key would not index them
+    relative_ok = start is not None and not d.values
+    for relative, origin in [(False, z3.IntVal(0))] + ([(True, start)] if relative_ok else []):
         sub = [(f.i, d.q_pos - origin), (f.j, d.j - origin), (f.h, d.h), (f.b, d.b)]
         p_allowed, p_bias = z3.substitute(allowed, *sub), z3.substitute(bias, *sub)
         for keeps_true, term in ((True, present), (False, z3.Not(present))):
@@ -139,6 +141,8 @@ def _prove_positions_only(f: MaskFormula, g: MaskFormula) -> None:
     facts, t = _renamed(g, "gb")
     g_qpos = t["i"] + (t["L"] - t["S"])
     same_place = [f.q_pos == g_qpos, f.j == t["j"]]
+    # per-request values (token types, a prefix length): the same request's, whichever row it is in
+    same_place += [fn(f.b) == fn(t["b"]) for _, _, fns in f.values.values() for fn in fns]
     claim = z3.And(f.allowed == t["allowed"], z3.Implies(z3.And(f.h == t["h"], f.allowed), f.bias == t["bias"]))
     ok, model = f.holds(claim, *facts, *same_place)
     if ok:
@@ -146,10 +150,33 @@ def _prove_positions_only(f: MaskFormula, g: MaskFormula) -> None:
     if ok is None:
         raise NotEstablished(f"the solver could not establish that the mask depends on positions only ({model})")
     ev = lambda x: model.eval(x, model_completion=True)  # noqa: E731
+    what = "the head and its request's values" if f.values else "the head"
     raise NotEstablished(
-        f"the mask or bias depends on more than the query and key positions and the head: at query position "
+        f"the mask or bias depends on more than the query and key positions and {what}: at query position "
         f"{ev(f.q_pos)} and key position {ev(f.j)} it differs between {ev(f.L)} and {ev(t['L'])} keys (or between "
         "rows, or with the positions' offset)")
+
+
+def prove_spans(f: MaskFormula) -> None:
+    """A mask over per-request values lets a query see later keys only inside its own span (a prefix, an
+    image block), so that a span computed in one step holds every key its queries see, and tokens appended
+    after the spans (generated ones) are seen by no earlier query. NotEstablished otherwise."""
+    ((name, (spec, bounds, _)),) = f.values.items()
+    b = bounds(f.b)
+    q, k = f.q_pos, f.j
+    pairs = [(z3.IntVal(0), b[0])] if spec.kind == "scalar" else \
+        [(b[2 * r], b[2 * r + 1]) for r in range(spec.runs)]
+    inside = z3.Or([z3.And(lo <= q, q < hi, lo <= k, k < hi) for lo, hi in pairs])
+    ok, model = f.holds(z3.Implies(z3.And(f.allowed, k > q), inside))
+    if ok:
+        return
+    if ok is None:
+        raise NotEstablished(f"the solver could not establish which later keys a query sees ({model})")
+    ev = lambda x: model.eval(x, model_completion=True)  # noqa: E731
+    where = ", ".join(f"[{ev(lo)}, {ev(hi)})" for lo, hi in pairs)
+    raise NotEstablished(
+        f"a query sees a later key outside its own span of {name!r} (query position {ev(q)}, key position {ev(k)}; "
+        f"spans {where}): no step could hold every key it sees")
 
 
 # ----------------------------------------------------------------------------- binding the indices
@@ -227,15 +254,18 @@ class _Compiler:
         self.tables: list[torch.Tensor] = []
         self.table_size = 0
         self.table_at: dict[str, int] = {}
+        self.values = None  # the ValueSpec of per-request values the program reads
 
     def build(self, allowed, bias) -> tuple[str, Optional[torch.Tensor]]:
-        a = None if z3.is_true(z3.simplify(allowed)) else self.emit(allowed)
+        a = None if z3.is_true(z3.simplify(allowed)) else self.emit(z3.simplify(allowed) if self.f.values else allowed)
         b = None if _is_zero(bias) else self.emit(bias)
         if a is None and b is None:
             raise NotEstablished("the mask program neither masks nor biases")
         dtype = "float64" if self.f.float_dtype == torch.float64 else "float32"
-        text = json.dumps({"version": 1, "float": dtype, "nodes": self.nodes, "allowed": a, "bias": b},
-                          separators=(",", ":"))
+        program = {"version": 1, "float": dtype, "nodes": self.nodes, "allowed": a, "bias": b}
+        if self.values is not None:
+            program["values"] = self.values.to_json()
+        text = json.dumps(program, separators=(",", ":"))
         tables = torch.cat(self.tables).to(torch.float64) if self.tables else None
         if tables is not None and bool((tables == tables.to(torch.float32).to(torch.float64)).all()):
             tables = tables.to(torch.float32)  # every value exact in float32: half the bytes
@@ -304,12 +334,33 @@ class _Compiler:
             return self.add(["int", 0])
         if name.startswith("op_") and name[3:].split("__")[0] in FUNCTIONS:  # op_log, op_log__below: log
             return self.add(["call", name[3:].split("__")[0], self.emit(args[0])])
+        if name.startswith("val_"):
+            return self._value(name, args)
         if name.startswith("table_") and name in self.f.tables:
             t = self.f.tables[name]
             if name not in self.table_at:
                 self.table_at[name] = self.table(t)
             return self.add(["table", self.table_at[name], list(t.shape), *(self.emit(a) for a in args)])
         raise NotEstablished(f"the mask program reads {name}, which is no position (an input's values)")
+
+    def _value(self, name: str, args) -> int:
+        """A row function behind per-request values (``mask_program``'s ``value_input``) as the program's
+        ``["val", i]`` leaves: a span's start ``x_0`` or the gaps ``x_r`` / lengths ``y_r`` between boundaries."""
+        found = [(n, spec, fns) for n, (spec, _, fns) in self.f.values.items()
+                 if any(fn.name() == name for fn in fns)]
+        if not found or len(args) != 1 or not (z3.simplify(args[0]).eq(self.f.b) or self.f.holds(args[0] == self.f.b)[0]):
+            raise NotEstablished(f"the mask program reads {name} other than as the query's request's values")
+        (_, spec, fns), = found
+        if self.values is not None and self.values != spec:
+            raise NotEstablished("the mask program reads per-request values of two inputs")
+        self.values = spec
+        at = next(k for k, fn in enumerate(fns) if fn.name() == name)
+        if at == 0:  # the prefix length, or the first span's start
+            return self.add(["val", 0])
+        one = self.add(["int", 1])
+        # x_r = s_r - e_(r-1) - 1, y_r = e_r - s_r - 1: boundaries at values at and at - 1
+        diff = self.add(["sub", self.add(["val", at]), self.add(["val", at - 1])])
+        return self.add(["sub", diff, one])
 
     def _lut(self, e) -> Optional[int]:
         """``If(x == c0, v0, If(x == c1, v1, ... default))`` over one index and constant values: a table."""

@@ -74,7 +74,7 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
             tables = g.get_attr(name)
             tables.meta["val"] = site.position_tables
         params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size),
-                                     position_tables=tables)
+                                     position_tables=tables, position_data=site.position_data)
         key_padding = site.key_padding
         if key_padding is not None and not site.key_padding_keeps_true:  # True marked keys to ignore
             key_padding = g.call_function(aten.logical_not.default, (key_padding,))

@@ -77,6 +77,8 @@ class AttentionSite:
     position_mod: str = ""  # mask kind "positional": its program (pagedattn.backends.position_mod)
     position_tables: Optional[torch.Tensor] = None
     position_inputs: tuple = ()  # inputs the mask reads as positions (proven for positions counting up by one)
+    # the input a position program reads per-request values from (token types, a prefix length): a placeholder
+    position_data: Optional[Node] = None
     # False for a softmax that is no attention at all (a router, a classifier): leaving it does not mix sequences
     attention: bool = True
     # set when paged: "self" (a KV cache written by the step's tokens) or "cross" (an encoder's K/V,
@@ -131,6 +133,7 @@ class AttentionSite:
             "mask_up_to": self.mask_up_to,
             "position_program": position_mod.describe(self.position_mod) if self.position_mod else None,
             "position_inputs": list(self.position_inputs),
+            "position_values": self.position_data.name if self.position_data is not None else None,
             "attention": self.attention,
             "attention_type": self.attention_type,
         }

@@ -23,7 +23,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from pagedattn.backends import AttentionBackend, CacheSpec, build_cross_metadata, build_metadata, get_backend
+from pagedattn.backends import (
+    AttentionBackend,
+    CacheSpec,
+    build_cross_metadata,
+    build_metadata,
+    get_backend,
+    position_mod,
+)
 from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.program import ModelInfo, RewrittenModel
@@ -53,7 +60,11 @@ class ServableModel:
     ``min_step`` pads packed steps so that their sizes are at least that (``runtime.shapes``: a
     compiled step then stays one graph); 0 runs every step at its own size. An encoder-decoder has
     ``seq2seq`` (its encoder, the cross-attention writer, its decoder start and forced tokens): its packed
-    steps are decoder steps and also take each sequence's cross-attention blocks.
+    steps are decoder steps and also take each sequence's cross-attention blocks. ``values`` says how
+    the masks read per-request values (a prefix-LM mask from token types: ``position_mod.ValueSpec``):
+    packed steps then take each sequence's values and their tokens' types. ``unserved_inputs`` names
+    request inputs the model takes but is served without (token types whose masks were not established),
+    with the reason.
     """
 
     step: nn.Module
@@ -70,6 +81,8 @@ class ServableModel:
     one_row: bool = False
     min_step: int = 0
     seq2seq: Optional[Seq2SeqServing] = None
+    values: Optional[position_mod.ValueSpec] = None
+    unserved_inputs: dict = dataclasses.field(default_factory=dict)  # input -> why requests may not carry it
 
     @property
     def device(self) -> torch.device:
@@ -84,8 +97,10 @@ class ServableModel:
 
     # --- packed steps
 
-    def packed_inputs(self, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int]) -> dict:
-        """Keyword inputs of a packed ``[1, T]`` step; ``rows`` are the token rows whose logits are needed."""
+    def packed_inputs(self, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int],
+                      token_types: Optional[Sequence[int]] = None) -> dict:
+        """Keyword inputs of a packed ``[1, T]`` step; ``rows`` are the token rows whose logits are needed,
+        ``token_types`` the tokens' types for a model that takes them (``values``; default: none inside a span)."""
         dev = self.device
         kwargs = {"input_ids": torch.tensor([list(ids)], device=dev)}
         if "position_ids" in self.input_names:
@@ -94,12 +109,23 @@ class ServableModel:
             kwargs["use_cache"] = False
         if "logits_to_keep" in self.input_names:
             kwargs["logits_to_keep"] = torch.tensor(list(rows), dtype=torch.long, device=dev)
+        # last, as example_inputs orders them: the traced program takes keyword inputs in that order
+        spec = self.values
+        if spec is not None and spec.kind == "runs" and spec.input in self.input_names:
+            types = list(token_types or ())
+            types += [spec.outside] * (len(ids) - len(types))
+            kwargs[spec.input] = torch.tensor([types], device=dev)
+        elif spec is not None and spec.kind == "scalar" and spec.input in self.input_names:
+            kwargs[spec.input] = torch.zeros(1, dtype=torch.long, device=dev)  # unused: the masks read the values
         return kwargs
 
     def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
-                   rows: Sequence[int], cross=None) -> torch.Tensor:
+                   rows: Sequence[int], cross=None, values: Optional[torch.Tensor] = None,
+                   token_types: Optional[Sequence[int]] = None) -> torch.Tensor:
         """One packed step; ``[len(rows), V]`` logits of the given token rows (``cross``: an encoder-decoder's
-        ``CrossMetadata``, one row per sequence of ``meta``)."""
+        ``CrossMetadata``, one row per sequence of ``meta``). A model whose masks read per-request values
+        (``self.values``) takes each sequence's, ``values [S, count]`` (default: no span), and the tokens'
+        types (``token_types``, default: none inside a span)."""
         num_rows = len(rows)
         if self.min_step > 1:
             meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step)
@@ -108,8 +134,10 @@ class ServableModel:
         if self.seq2seq is not None:
             kwargs = self.seq2seq.step_inputs(ids, pos, self.device)
         else:
-            kwargs = self.packed_inputs(ids, pos, rows)
-        with torch.no_grad(), paged_context(caches, meta, self.backend, cross=cross):
+            kwargs = self.packed_inputs(ids, pos, rows, token_types)
+        if self.values is not None:
+            values = step_values(self.values, values, meta.num_seqs, self.device)
+        with torch.no_grad(), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
             out = self.step(**kwargs)
         return _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
 
@@ -140,6 +168,16 @@ class ServableModel:
             for i, row in zip(group, logits):
                 out[i] = row
         return out
+
+
+def step_values(spec: position_mod.ValueSpec, values: Optional[torch.Tensor], num_seqs: int,
+                device) -> torch.Tensor:
+    """A step's per-sequence values ``[num_seqs, count]``: those given, then sequences without a span (padding
+    sequences of a padded step, or all of them when none are given)."""
+    have = 0 if values is None else int(values.shape[0])
+    rest = position_mod.default_values(spec, num_seqs - have)
+    out = rest if values is None else torch.cat((values.to("cpu", torch.long), rest))
+    return out.to(device)
 
 
 def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
@@ -195,8 +233,11 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
             names = accepted_inputs(model)
             layout = find_recurrent_state(model)
             if layout is None:
-                servable = _servable(_rewrite_plain(model, names, backend, block_size), names, dtype, **common)
+                unserved: dict[str, str] = {}
+                step = _rewrite_plain(model, names, backend, block_size, unserved)
+                servable = _servable(step, names, dtype, unserved=unserved, **common)
             else:
+                names.discard("token_type_ids")  # rows carrying state take tokens and positions only
                 servable = _stateful(model, layout, names, dtype, common)
     if servable.state is not None and backend.step_padder(512, 256, 1) is not None:
         raise ValueError(f"PagedEngine cannot serve a model with recurrent state on target {backend.device_type!r}: "
@@ -233,12 +274,30 @@ def _seq2seq_servable(model, backend: AttentionBackend, block_size: int, dtype,
                          seq2seq=serving)
 
 
-def _servable(step: nn.Module, names, dtype, specs=None, **common) -> ServableModel:
+def _servable(step: nn.Module, names, dtype, specs=None, unserved: Optional[dict] = None,
+              **common) -> ServableModel:
+    values = None
     if isinstance(step, RewrittenModel):
         _eager_writes_for(step, common["backend"])
+        values = step.value_spec
+        if values is not None:
+            _check_value_input(step, values, names)
     specs = tuple(step.cache_specs if specs is None else specs)
     return ServableModel(step=step, cache_specs=specs, cache_dtype=dtype or _cache_dtype(specs, None),
-                         input_names=frozenset(names), **common)
+                         input_names=frozenset(names), values=values, unserved_inputs=dict(unserved or {}),
+                         **common)
+
+
+def _check_value_input(step: RewrittenModel, spec: position_mod.ValueSpec, names) -> None:
+    """A prefix length read by the masks (one value per request) must not feed anything else: a packed step
+    has one row for all its sequences, and a per-request value cannot be one input there."""
+    if spec.kind != "scalar" or spec.input not in names or not isinstance(step.graph_module, GraphModule):
+        return
+    used = [n for n in step.graph_module.graph.nodes if n.op == "placeholder" and n.name == spec.input and n.users]
+    if used:
+        raise ValueError(f"PagedEngine cannot serve this model: its input {spec.input!r} (one value per request, "
+                         "read by its masks as a prefix length) also feeds computation outside attention, which a "
+                         "packed step of several requests cannot give one value")
 
 
 def _eager_writes_for(step: RewrittenModel, backend: AttentionBackend) -> None:
@@ -317,14 +376,41 @@ def is_compiled(model) -> bool:
 
 def accepted_inputs(model: nn.Module) -> set[str]:
     """The step inputs the model's forward takes: ``input_ids`` and which of ``position_ids``,
-    ``use_cache``, ``logits_to_keep`` (``position_ids`` also when ``**kwargs`` honours them)."""
+    ``use_cache``, ``logits_to_keep`` (``position_ids`` also when ``**kwargs`` honours them), and
+    ``token_type_ids`` where they act as a prefix-LM's token types (``_token_types_mask``)."""
     model = _original(model)
     params = inspect.signature(model.forward).parameters
     names = {n for n in ("input_ids", "position_ids", "use_cache", "logits_to_keep") if n in params}
     if "position_ids" not in names and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) \
             and _honours_positions(model, names):
         names.add("position_ids")  # taken through **kwargs (e.g. Hugging Face's decoder-only wrappers)
+    if "token_type_ids" in params and _token_types_mask(model, names):
+        names.add("token_type_ids")
     return names
+
+
+def _token_types_mask(model: nn.Module, names: set[str]) -> bool:
+    """Whether ``token_type_ids`` act as a prefix-LM's token types (PaliGemma's prefix, Gemma-3's image
+    blocks): all of one type computes what the model computes without them, and a mix of types changes
+    that. Token types that always change the output (segment embeddings) are left out: a request without
+    them could not be served as the model serves it."""
+    vocab = ModelInfo.of(model).vocab_size or 2
+    device = _module_device(model) or "cpu"
+    ids = (torch.arange(6, device=device)[None] * 5 + 3) % vocab
+    kw = {"use_cache": False} if "use_cache" in names else {}
+
+    def run(tt):
+        out = model(input_ids=ids, **kw) if tt is None else model(input_ids=ids, token_type_ids=tt, **kw)
+        return getattr(out, "logits", out[0] if isinstance(out, (tuple, list)) else out)
+
+    try:
+        with torch.no_grad():
+            plain = run(None)
+            same = any(torch.equal(run(torch.full_like(ids, t)), plain) for t in (0, 1))
+            mixed = torch.tensor([[0, 1, 1, 1, 0, 0]], device=device)
+            return same and not (torch.equal(run(mixed), plain) and torch.equal(run(1 - mixed), plain))
+    except Exception:  # a forward that refuses them alone (pixels required, say) is served without them
+        return False
 
 
 def _honours_positions(model: nn.Module, names: set[str]) -> bool:
@@ -354,6 +440,8 @@ def example_inputs(names: set[str], vocab: Optional[int], device: torch.device |
         kw["use_cache"] = False
     if "logits_to_keep" in names:
         kw["logits_to_keep"] = torch.tensor([T - 1, 3], device=device)
+    if "token_type_ids" in names:  # one type throughout: a shape every reading of token types covers
+        kw["token_type_ids"] = torch.zeros((1, T), dtype=torch.long, device=device)
     return kw
 
 
@@ -370,11 +458,27 @@ def _cache_dtype(specs: Sequence[CacheSpec], layout: Optional[StateLayout]) -> t
     return sorted(dtypes, key=str)[0]
 
 
-def _rewrite_plain(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int) -> RewrittenModel:
+def _rewrite_plain(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int,
+                   unserved: Optional[dict] = None) -> RewrittenModel:
+    """The model rewritten on an example of its inputs. With token types (a prefix-LM), every attention site
+    must be rewritten with its mask over them established; otherwise the model is rewritten and served
+    without token types (``names`` loses them, ``unserved`` says why: requests carrying them are refused)."""
     from pagedattn.api import rewrite
 
     example = example_inputs(names, ModelInfo.of(model).vocab_size, _module_device(model) or "cpu")
-    return rewrite(model, (), example, target=backend, block_size=block_size)
+    rm = rewrite(model, (), example, target=backend, block_size=block_size)
+    if "token_type_ids" not in names:
+        return rm
+    left = [f"{r['name']}: {r['reason']}" for r in rm.report if r["status"] != "rewritten" and r.get("attention", True)]
+    if rm.value_spec is not None and not left:
+        return rm
+    why = "; ".join(left) or "no mask reads them as token types"
+    log.warning("serving %s without token types (requests carrying them are refused): %s", type(model).__name__, why)
+    names.discard("token_type_ids")
+    if unserved is not None:
+        unserved["token_type_ids"] = why
+    return rewrite(model, (), {k: v for k, v in example.items() if k != "token_type_ids"}, target=backend,
+                   block_size=block_size)
 
 
 def _compiled_cache_specs(model, names: set[str], info: ModelInfo) -> list[CacheSpec]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pagedattn.backends import AttentionBackend, get_backend
+from pagedattn.backends import AttentionBackend, get_backend, position_mod
 from pagedattn.driver import rewrite_graph
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.serialization import load
@@ -89,10 +89,21 @@ def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: Atten
     rm.graph_views = graph_views(before, res.paged, res.sites, res.paged_sites)
     rm.position_inputs = res.position_inputs
     rm.padding_inputs = res.padding_inputs
+    rm.value_inputs = value_inputs(res.dropin, res.sites)
     rm.static_sizes = static_sizes(ep, flat)
     rm.cross_writer, rm.num_cross_sites = res.cross_writer, len(res.cross_sites)
     check_runs_on_example(res.dropin, flat)
     return rm
+
+
+def value_inputs(dropin: torch.fx.GraphModule, sites) -> dict:
+    """Flat input index -> ``ValueSpec`` of the input rewritten sites read per-request values from."""
+    names = [n.name for n in dropin.graph.nodes if n.op == "placeholder"]
+    out = {}
+    for s in sites:
+        if s.status == "rewritten" and s.position_data is not None and s.position_data.name in names:
+            out[names.index(s.position_data.name)] = position_mod.value_spec(s.position_mod)
+    return out
 
 
 def check_runs_on_example(dropin: torch.fx.GraphModule, flat: list) -> None:

@@ -10,14 +10,14 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from pagedattn.backends import AttentionBackend, CacheSpec, get_backend, use_backend
+from pagedattn.backends import AttentionBackend, CacheSpec, get_backend, position_mod, use_backend
 from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["RewrittenModel", "ModelInfo", "check_positions", "check_padding"]
+__all__ = ["RewrittenModel", "ModelInfo", "check_positions", "check_padding", "check_values"]
 
 
 class ModelInfo:
@@ -108,6 +108,17 @@ def check_padding(flat: list, padding_inputs: dict[int, tuple[str, bool]]) -> No
                 "row, or serve the sequences through paged mode (PagedEngine)")
 
 
+def check_values(flat: list, value_inputs: dict[int, position_mod.ValueSpec]) -> None:
+    """Refuse a dense (drop-in) call whose token types (or prefix lengths) have a shape the masks that read
+    them were not established for (other values, more spans than proven), in one line naming the input."""
+    for i, spec in value_inputs.items():
+        t = flat[i]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"input {spec.input!r} is read by the rewritten masks as per-request values: pass a "
+                             f"tensor, got {type(t).__name__}")
+        position_mod.values_from_input(spec, t)
+
+
 class RewrittenModel(nn.Module):
     """A model whose attention runs through pagedattn.
 
@@ -139,6 +150,9 @@ class RewrittenModel(nn.Module):
         self.position_inputs: dict[int, str] = {}
         # padding inputs the rewritten masks read: 0/1 masks, some established for one run of keys per row
         self.padding_inputs: dict[int, tuple[str, bool]] = {}
+        # flat input index -> how rewritten masks read it as per-request values (token types, a prefix length):
+        # at most one input; in paged mode the graph takes the step's values (paged_context's position_values)
+        self.value_inputs: dict[int, position_mod.ValueSpec] = {}
         self._exported: Optional[torch.export.ExportedProgram] = None
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
@@ -155,6 +169,11 @@ class RewrittenModel(nn.Module):
     @property
     def num_sites(self) -> int:
         return len(self.cache_specs)
+
+    @property
+    def value_spec(self) -> Optional[position_mod.ValueSpec]:
+        """How the rewritten masks read per-request values (a prefix-LM mask's token types), or None."""
+        return next(iter(self.value_inputs.values()), None)
 
     @property
     def input_names(self) -> set[str]:
@@ -191,13 +210,14 @@ class RewrittenModel(nn.Module):
                                    "call it inside pagedattn.runtime.paged_context(...) or through PagedEngine")
             check_positions(flat, self.position_inputs)
             check_padding(flat, self.padding_inputs)
+            check_values(flat, self.value_inputs)
             return self._unflatten(self.dropin_module(*flat))
         refuse_if_unpaged(self._skipped)
         with use_backend(ctx.backend or self.backend):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self._unflatten(self.graph_module(*flat))
-            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(self.num_sites,
-                                                                               cross=self.num_cross_sites > 0)))
+            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(
+                self.num_sites, cross=self.num_cross_sites > 0, values=bool(self.value_inputs))))
 
     def write_cross_kv(self, encoder_inputs: dict, kv_caches, slot_mapping: torch.Tensor) -> None:
         """Write the cross-attention K/V of a padded encoder batch into the cross-attention caches.
@@ -270,6 +290,10 @@ class RewrittenModel(nn.Module):
         """Write the paged program to ``path`` (``pagedattn.load`` reads it in any process)."""
         from pagedattn.serialization import save
 
+        if self.value_inputs:
+            raise ValueError(f"cannot save a program whose masks read per-request values (input "
+                             f"{self.value_spec.input!r}, a prefix-LM mask): the archive does not carry how; serve "
+                             "it from the model with PagedEngine")
         save(self, path)
 
     def print_report(self) -> str:

@@ -24,28 +24,43 @@ class PagedContext:
     """The caches and step metadata bound to rewritten graphs; ``backend`` runs their paged ops
     (``None``: the backend each program was rewritten for). An encoder-decoder's decoder step also
     takes ``cross``: where each sequence's cross-attention blocks are (its caches follow the
-    self-attention ones in ``kv_caches``)."""
+    self-attention ones in ``kv_caches``). A program whose masks read per-request values (a prefix-LM
+    mask from token types) takes ``position_values``: ``[num_seqs, count]``, a row per sequence of the
+    metadata (``position_mod.values_from_input`` of each request's token types)."""
 
     kv_caches: tuple[torch.Tensor, ...]
     metadata: AttentionMetadata
     backend: Optional[AttentionBackend] = None
     cross: Optional[CrossMetadata] = None
+    position_values: Optional[torch.Tensor] = None
 
-    def graph_inputs(self, num_caches: int, cross: bool = False) -> list[torch.Tensor]:
+    def graph_inputs(self, num_caches: int, cross: bool = False, values: bool = False) -> list[torch.Tensor]:
         if len(self.kv_caches) != num_caches:
             raise ValueError(
                 f"the rewritten model has {num_caches} attention sites but the context holds "
                 f"{len(self.kv_caches)} KV caches; allocate one cache per site (RewrittenModel.allocate_kv_caches)"
             )
+        extra = [self._values()] if values else []
         if not cross:
-            return [*self.kv_caches, *self.metadata.tensors()]
+            return [*self.kv_caches, *self.metadata.tensors(), *extra]
         if self.cross is None:
             raise ValueError("the rewritten model has cross-attention sites but the paged context holds no cross "
                              "metadata: pass cross=build_cross_metadata(...) to paged_context")
         if self.cross.seq_lens.shape[0] != self.metadata.num_seqs:
             raise ValueError(f"the cross metadata has {self.cross.seq_lens.shape[0]} sequences but the step has "
                              f"{self.metadata.num_seqs}")
-        return [*self.kv_caches, *self.metadata.tensors(), *self.cross.tensors()]
+        return [*self.kv_caches, *self.metadata.tensors(), *self.cross.tensors(), *extra]
+
+    def _values(self) -> torch.Tensor:
+        v = self.position_values
+        if v is None:
+            raise ValueError("the rewritten model's masks read per-request values (token types): pass "
+                             "position_values=[num_seqs, count] to paged_context (position_mod.values_from_input "
+                             "of each sequence's token types; position_mod.default_values for sequences without)")
+        if v.dim() != 2 or v.shape[0] != self.metadata.num_seqs:
+            raise ValueError(f"position_values must have one row per sequence ({self.metadata.num_seqs}), got shape "
+                             f"{tuple(v.shape)}")
+        return v
 
 
 def refuse_if_unpaged(skipped: Sequence[str]) -> None:
@@ -62,11 +77,13 @@ def current_context() -> Optional[PagedContext]:
 @contextlib.contextmanager
 def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
                   backend: Optional[AttentionBackend] = None,
-                  cross: Optional[CrossMetadata] = None) -> Iterator[PagedContext]:
+                  cross: Optional[CrossMetadata] = None,
+                  position_values: Optional[torch.Tensor] = None) -> Iterator[PagedContext]:
     """Run rewritten models in paged mode with these caches and this step's metadata (and ``backend``;
-    ``cross``: the cross-attention blocks of an encoder-decoder's sequences)."""
+    ``cross``: the cross-attention blocks of an encoder-decoder's sequences; ``position_values``: the
+    sequences' per-request values, for masks that read some, see ``PagedContext``)."""
     _check_block_size(kv_caches, metadata, backend)
-    ctx = PagedContext(tuple(kv_caches), metadata, backend, cross)
+    ctx = PagedContext(tuple(kv_caches), metadata, backend, cross, position_values)
     token = _CURRENT.set(ctx)
     try:
         yield ctx

@@ -12,7 +12,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata
+from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata, position_mod
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.state import StatePool
@@ -92,6 +92,14 @@ class PagedEngine:
     token, with the generation config's forced first and last tokens; outputs are the generated
     decoder tokens (without the start token), as Hugging Face ``generate`` returns them after it.
     Prefix caching shares decoder blocks between requests with the same encoder input only.
+
+    Prefix-LMs (PaliGemma's bidirectional prefix, Gemma-3's bidirectional image blocks: masks that read
+    ``token_type_ids``, proven over them, see ``pagedattn.backends.position_mod``) take a request as
+    ``{"input_ids": ids, "token_type_ids": types}`` (one type per prompt token; a plain prompt has none of
+    the bidirectional type). Each bidirectional span is computed in one step (a step never ends inside
+    one, and a span longer than ``max_num_tokens`` is refused), generated tokens get the type outside the
+    spans, and prefix caching shares blocks only between requests with the same spans and the same
+    tokens up to the last span's end.
     """
 
     def __init__(self, model: nn.Module, *, target="auto", block_size: int = 16,
@@ -189,11 +197,17 @@ class PagedEngine:
     def _request(self, rid: int, prompt, params: SamplingParams) -> Request:
         """A validated request (ValueError says what is wrong)."""
         if self._seq2seq is None:
+            extra = {}
+            if isinstance(prompt, dict):
+                prompt, extra = self._split_inputs(prompt)
             ids = token_ids(prompt)
             why = self.validate(ids, params)
             if why:
                 raise ValueError(why)
-            return Request(rid, ids, params)
+            req = Request(rid, ids, params)
+            if self.servable.values is not None:
+                self._prefix_lm(req, extra.get(self.servable.values.input))
+            return req
         s2s = self._seq2seq
         inputs = s2s.request_inputs(prompt)
         enc_len, dec = s2s.encoder_len(inputs), list(s2s.spec.decoder_prompt)
@@ -222,6 +236,54 @@ class PagedEngine:
         req = Request(rid, dec, params, encoder_inputs=inputs, encoder_len=enc_len, forced=forced)
         req.table.salt = encoder_key(inputs)
         return req
+
+    def _split_inputs(self, prompt: dict) -> tuple:
+        """A prompt given as a dict of inputs: its token ids and the request's other inputs (a prefix-LM's
+        token types); ValueError for inputs the model does not take per request."""
+        if "input_ids" not in prompt:
+            raise ValueError(f"a prompt given as a dict needs 'input_ids' (got {sorted(prompt)})")
+        spec = self.servable.values
+        allowed = {spec.input} if spec is not None else set()
+        extra = {k: v for k, v in prompt.items() if k != "input_ids"}
+        for name in extra:
+            if name in self.servable.unserved_inputs:
+                raise ValueError(f"this model is served without {name!r}: {self.servable.unserved_inputs[name]}")
+            if name not in allowed:
+                takes = f"; it takes {sorted(allowed)}" if allowed else ""
+                raise ValueError(f"input {name!r} is not one this model takes per request{takes}")
+        return prompt["input_ids"], extra
+
+    def _prefix_lm(self, req: Request, given) -> None:
+        """A prefix-LM request's values, spans and token types (``given``: its prompt's token types, or for a
+        prefix-length input one int; None: no span), checked as the model's masks were proven."""
+        spec = self.servable.values
+        n = len(req.prompt)
+        if given is None:
+            data = torch.full((1, n), spec.outside) if spec.kind == "runs" else torch.zeros(1, dtype=torch.long)
+        elif spec.kind == "runs":
+            data = torch.as_tensor(token_ids(given) if not isinstance(given, torch.Tensor) else given.reshape(-1))
+            if data.dim() != 1 or data.shape[0] != n or data.dtype.is_floating_point:
+                raise ValueError(f"{spec.input!r} must give one integer type per prompt token ({n}), got shape "
+                                 f"{tuple(data.shape)}")
+            data = data[None]
+        else:
+            if isinstance(given, bool) or not isinstance(given, int):
+                raise ValueError(f"{spec.input!r} must be one integer, got {given!r}")
+            data = torch.tensor([given])
+        values = position_mod.values_from_input(spec, data)[0].tolist()
+        spans = position_mod.spans(spec, values)
+        if spans and spans[-1][1] > n:
+            raise ValueError(f"{spec.input!r} makes a span end at {spans[-1][1]}, past the prompt's {n} tokens: "
+                             "generated tokens cannot belong to a span")
+        longest = max((e - s for s, e in spans), default=0)
+        if longest > self.scheduler.max_num_tokens:
+            raise ValueError(f"a bidirectional span of {longest} tokens is computed in one step, but a step holds "
+                             f"at most max_num_tokens={self.scheduler.max_num_tokens}; raise it")
+        req.values, req.spans = tuple(values), tuple(spans)
+        if spec.kind == "runs":
+            req.token_types = data[0].tolist()
+        if spans:  # K/V of a span's tokens depend on its later tokens: share blocks only with the same spans
+            req.table.salt = hash(("spans", req.spans, tuple(req.prompt[:spans[-1][1]])))
 
     def abort(self, request_id: int) -> None:
         """Stop a request and free its KV blocks (and state slot) at once; ``collect()`` reports it with
@@ -347,12 +409,21 @@ class PagedEngine:
     def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
         """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks."""
         ids, pos, rows = [], [], []
+        spec = self.servable.values
+        types: list[int] = []
         for chunk in plan:
             toks = chunk.request.tokens[chunk.start:chunk.start + chunk.num_tokens]
             ids.extend(toks)
             pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             if chunk.completes:
                 rows.append(len(ids) - 1)
+            if spec is not None and spec.kind == "runs":
+                known = chunk.request.token_types or []
+                types += [known[p] if p < len(known) else spec.outside
+                          for p in range(chunk.start, chunk.start + chunk.num_tokens)]
+        values = None
+        if spec is not None:
+            values = torch.tensor([list(c.request.values) for c in plan], dtype=torch.long)
         num_tokens, num_rows = len(ids), len(rows)
         meta = build_metadata([(c.start, c.num_tokens, c.request.table.blocks) for c in plan], self.block_size,
                               device="cpu" if self._pad else self.device)
@@ -364,7 +435,8 @@ class PagedEngine:
             meta = meta.to(self.device)
         cross = self._cross_metadata(plan) if self._seq2seq is not None else None
         t1 = time.perf_counter()
-        logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross)
+        logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
+                                          token_types=types or None)
         return logits[:num_rows], num_tokens, t1  # [R, V]
 
     def _cross_metadata(self, plan: list[ScheduledChunk]) -> CrossMetadata:

@@ -80,6 +80,12 @@ class Request:
     cross_table: BlockTable = field(default_factory=BlockTable)
     encoded: bool = False
     forced: dict[int, int] = field(default_factory=dict)
+    # a prefix-LM request: its per-request values (what its masks read: position_mod.values_from_input of its
+    # token types), its spans [start, end) (a query there sees later keys of its span only, so a step never
+    # ends inside one), and its prompt's token types (generated tokens get the model's "outside" type)
+    values: tuple[int, ...] | None = None
+    spans: tuple[tuple[int, int], ...] = ()
+    token_types: list[int] | None = None
 
     @property
     def swapped(self) -> bool:
@@ -97,6 +103,21 @@ class Request:
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def chunk(self, budget: int) -> int:
+        """How many of its pending tokens to compute in a step of at most ``budget``: never a step that ends
+        inside a span (its queries would miss the span's later keys) — cut before the span, else (a chunk that
+        starts inside one, after a prefix-cache hit) all of it, else nothing this step."""
+        start = self.num_computed
+        n = min(self.num_pending, budget)
+        for lo, hi in self.spans:
+            end = start + n
+            if lo < end < hi:
+                if lo > start:
+                    n = lo - start
+                else:
+                    n = hi - start if hi - start <= budget else 0
+        return n
 
 
 @dataclass(frozen=True)
@@ -195,8 +216,8 @@ class Scheduler:
         """Bring swapped-out requests back (oldest first) while they fit; returns the budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            n = min(req.num_pending, budget, self.max_chunk)
-            if not self._can_swap_in(req, n):
+            n = req.chunk(min(budget, self.max_chunk))
+            if n == 0 or not self._can_swap_in(req, n):
                 break  # the oldest goes first: later ones wait rather than overtake it
             self.blocks.swap_in(req.table)
             if req.cross_table.on_host:
@@ -219,7 +240,9 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted while making room for an older request
                 continue
-            n = min(req.num_pending, budget, self.max_chunk)
+            n = req.chunk(min(budget, self.max_chunk))
+            if n == 0:  # a span that does not fit what is left of the step: the next step
+                continue
             while True:
                 try:
                     self.blocks.reserve(req.table, n)
@@ -240,7 +263,11 @@ class Scheduler:
             req = self.waiting[0]
             if not req.table.blocks:
                 req.num_computed = self.blocks.allocate_prompt(req.table, req.tokens)
-            n = min(req.num_pending, budget, self.max_chunk)
+            n = req.chunk(min(budget, self.max_chunk))
+            if n == 0:  # its span waits for a step with room for all of it
+                self._free(req)
+                req.num_computed = 0
+                break
             try:
                 cross = self._cross_blocks_needed(req)
                 if cross + self.blocks.blocks_needed(req.table, n) > self.blocks.num_free:
