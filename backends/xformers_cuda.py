@@ -395,9 +395,10 @@ class XFormersCudaBackend(SplitKVBackend):
             out.append("ALiBi: no xFormers operator takes slopes with paged keys; an additive tensor bias over "
                        "the gathered K/V runs it (cutlass or triton_splitk), else PyTorch SDPA")
         if config.params.position_mod:
-            out.append("position program (a mask or bias over positions that no fast kind expresses): the "
-                       "reference's fp32 math over the gathered K/V runs it, with the program evaluated for "
-                       "the step's positions")
+            out.append("position program (a mask or bias over positions, and per-request values such as a "
+                       "prefix-LM's token types, that no fast kind expresses): evaluated for the step's positions "
+                       "into an additive tensor bias over the gathered K/V (cutlass or triton_splitk); with "
+                       "soft-cap, sinks or float32, or where no operator takes it, the reference's fp32 math")
         if config.head_size % 8 or config.head_size > 256:
             out.append(f"head size {config.head_size}: xFormers' flash kernels need a multiple of 8 up to 256; "
                        "PyTorch SDPA runs it")
@@ -452,7 +453,7 @@ class XFormersCudaBackend(SplitKVBackend):
                            "takes sink logits")
                 elif params.position_mod:
                     why = ("a position program runs as fp32 math over gathered K/V: no xFormers operator "
-                           "evaluates it")
+                           "evaluates it with soft-cap or sinks")
                 elif softcap > 0:
                     why = ("soft-capped attention runs as fp32 math over gathered K/V: no xFormers operator "
                            "applies a soft-cap")
@@ -567,18 +568,60 @@ class XFormersCudaBackend(SplitKVBackend):
             if o is not None:
                 _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
                 return
-        _note(why)
-        self.paths[(g.kind, "softcap_math" if p.softcap > 0 else "sinks_math" if p.sinks is not None else "sdpa")] += 1
+        program = p.position_mod and p.softcap <= 0 and p.sinks is None and c.query.dtype in _KERNEL_DTYPES
         for part in _math_batches(c, g):
             plan = _cached_pad_plan(c, part)
             q, k, v = _gather_padded(c, plan)
             values = None if p.position_data is None else \
                 p.position_data.index_select(0, torch.tensor(part.seqs, device=p.position_data.device))
+            if program:
+                o, why = self._program_tensor_bias(c, part, plan, q, k, v, values)
+                if o is not None:
+                    _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
+                    continue
+                program = False  # no operator takes it: the exact path for this part and the rest
+            _note(why)
+            self.paths[(g.kind, "softcap_math" if p.softcap > 0 else "sinks_math" if p.sinks is not None
+                        else "sdpa")] += 1
             o = reference.dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), p,
                                           plan["q_pos"], plan["k_pos"], plan["present"],
                                           values=values)  # [S, Hq, Qmax, D]
             o = o.transpose(1, 2).reshape(plan["S"] * plan["qmax"], -1, c.d)
             _put(out, plan["rows"], o.index_select(0, plan["q_dst"]).to(out.dtype))
+
+    def _program_tensor_bias(self, c, g, plan, q, k, v, values) -> tuple[Optional[Tensor], str]:
+        """A position program's mask and bias (ALiBi's too) evaluated for the padded step's positions, as one
+        additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator. A query the program lets see no key
+        at all sees the first in the bias and gets zeros after, as the reference defines."""
+        S, qmax, lp, hq = plan["S"], plan["qmax"], plan["lp"], c.query.shape[1]
+        present = plan["present"]
+        seq_len = torch.where(present, plan["k_pos"], -1).amax(-1) + 1  # what the program reads as the length
+        vis, bias = reference.score_terms(plan["q_pos"], plan["k_pos"], c.params, hq, seq_len, values)
+        allowed = present[:, None, :] if vis is None else present[:, None, :] & vis  # [S, Qmax, Lp]
+        empty = ~allowed.any(-1, keepdim=True)  # [S, Qmax, 1]: padded rows, and rows the program hides all from
+        allowed = allowed | (empty & (torch.arange(lp, device=allowed.device) == 0))
+        full = torch.zeros((S, hq, qmax, lp), dtype=torch.float32, device=q.device)
+        if bias is not None:
+            full += bias
+        full = full.masked_fill_(~allowed[:, None], float("-inf")).view(S, c.hkv, c.group, qmax, lp)
+        qg = q.view(S, qmax, c.hkv, c.group, c.d)
+        kg = k[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
+        vg = v[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
+        ck = ("program_op", c.shape_key)
+        if g.cache.get(ck) == "none":
+            return None, g.cache[("program_why", c.shape_key)]
+        try:
+            o, op = _xformers_attention(qg, kg, vg, full.to(c.query.dtype), c.scale, _xformers().tensor_bias_ops,
+                                        g.cache.get(ck))
+        except _NoOperator as e:
+            why = ("a position program runs as fp32 math over gathered K/V: no xFormers operator takes its tensor "
+                   f"bias ({' | '.join(e.args[0])})")
+            g.cache[ck], g.cache[("program_why", c.shape_key)] = "none", why
+            return None, why
+        g.cache[ck] = op
+        self.paths[("program", op.NAME)] += 1
+        o = o.reshape(S, qmax, hq, c.d).masked_fill(empty[..., None], 0.0)
+        return o.reshape(S * qmax, hq, c.d), ""
 
     def _alibi_tensor_bias(self, c, g, plan, q, k, v) -> tuple[Optional[Tensor], str]:
         """ALiBi plus the masks as one additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator."""

@@ -124,11 +124,51 @@ BUCKET_BIAS_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
 BUCKET_TABLE = torch.linspace(-3.0, 2.0, 24)
 
 
+def prefix_lm_mod(runs: int) -> str:
+    """A prefix-LM program over per-request values written by hand: causal, and bidirectional inside each of
+    up to ``runs`` spans of token type 1 (Gemma-3's image blocks; ``["val", 2r]``/``["val", 2r + 1]`` a span's
+    start and end)."""
+    nodes = [["q"], ["k"], ["le", 1, 0]]
+    out = 2
+    for r in range(runs):
+        at = len(nodes)
+        nodes += [["val", 2 * r], ["val", 2 * r + 1], ["ge", 0, at], ["lt", 0, at + 1], ["ge", 1, at],
+                  ["lt", 1, at + 1], ["and", at + 2, at + 3], ["and", at + 4, at + 5], ["and", at + 6, at + 7]]
+        nodes.append(["or", out, len(nodes) - 1])
+        out = len(nodes) - 1
+    return json.dumps({"version": 1, "float": "float32", "nodes": nodes, "allowed": out, "bias": None,
+                       "values": {"input": "token_type_ids", "kind": "runs", "inside": 1, "outside": 0,
+                                  "runs": runs}})
+
+
+# a prefix length P per request: every key before P is seen, and adds 0.5 to its score; causal after
+PREFIX_LEN_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["le", 1, 0], ["val", 0], ["lt", 1, 3], ["or", 2, 4], ["real", 0.5], ["real", 0.0],
+    ["ite", 4, 6, 7]], "allowed": 5, "bias": 8, "values": {"input": "prefix_len", "kind": "scalar"}})
+
+
+def span_values(spec_runs: int, spans: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    """``[S, 2 * runs]`` values of sequences with the given spans (``prefix_lm_mod``'s)."""
+    from pagedattn.backends import position_mod
+
+    spec = position_mod.ValueSpec("token_type_ids", "runs", 1, 0, spec_runs)
+    rows = []
+    for seq in spans:
+        n = max((e for _, e in seq), default=0) + 1
+        tt = torch.zeros(1, n, dtype=torch.long)
+        for a, e in seq:
+            tt[0, a:e] = 1
+        rows.append(position_mod.values_from_input(spec, tt))
+    return torch.cat(rows)
+
+
 def batch_params(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, alibi=None, sinks=None,
                  mod: Optional[tuple] = None) -> AttentionParams:
     """The step's ``AttentionParams`` (kv heads and value head size from the batch); ``mod`` is a position
-    program and its tables."""
+    program and its tables (and the sequences' per-request values, for a program that reads some)."""
     extra = {} if mod is None else {"position_mod": mod[0], "position_tables": mod[1]}
+    if mod is not None and len(mod) > 2:
+        extra["position_data"] = mod[2]
     return AttentionParams(scale, causal, window, softcap, alibi, b.key.shape[1], b.value.shape[2], sinks, **extra)
 
 
@@ -153,9 +193,10 @@ def reference_step(b: PagedBatch, scale, causal=True, window=0, softcap=0.0, ali
     p = batch_params(b, scale, causal, window, softcap, None if alibi is None else alibi.double(),
                      None if sinks is None else sinks.double(), mod)
     outs, row = [], 0
-    for n, k, v in zip(b.q_lens, b.full_k, b.full_v):
+    for i, (n, k, v) in enumerate(zip(b.q_lens, b.full_k, b.full_v)):
         q = _heads_first(b.query[row:row + n])  # the last n of the sequence's positions
-        out = dense_attention(q, _heads_first(k), _heads_first(v), p, exact=True)  # [1, Hq, n, Dv]
+        values = None if p.position_data is None else p.position_data[i:i + 1]
+        out = dense_attention(q, _heads_first(k), _heads_first(v), p, exact=True, values=values)  # [1, Hq, n, Dv]
         outs.append(out[0].transpose(0, 1))
         row += n
     return torch.cat(outs)

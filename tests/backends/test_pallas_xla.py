@@ -236,6 +236,24 @@ def test_position_programs_static(mod):
     assert any("position program" in r for r in PallasXlaBackend("reference").supports(AttentionConfig(params, 4, 64)))
 
 
+@pytest.mark.parametrize("kind", ["runs", "scalar"])
+def test_position_programs_over_per_request_values_static(kind):
+    # a prefix-LM's spans (token types) and a prefix length with a bias, per sequence of the step
+    from ..support import PREFIX_LEN_MOD, prefix_lm_mod, span_values
+
+    seqs = SHAPES["mixed"]
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, pad_tokens=2)
+    if kind == "runs":
+        program = (prefix_lm_mod(2), None, span_values(2, [[(1, max(2, (c + n) // 2))] for c, n in seqs]))
+    else:
+        program = (PREFIX_LEN_MOD, None, torch.tensor([[(c + n) // 2] for c, n in seqs]))
+    params = params_for(b, causal=False, mod=program)
+    out, _ = _xla_step(PallasXlaBackend("static"), b, params)
+    n = int(b.meta.query_start_loc[-1])
+    torch.testing.assert_close(out[:n], reference_step(b, params), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(out, cpu_step(b, params), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 def test_bfloat16_with_padded_heads():
     b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, head_size=48, dtype=torch.bfloat16)
     _check(b, PallasXlaBackend("static", head_align=128), dtype=torch.bfloat16, head_align=128, window=9, softcap=4.0)

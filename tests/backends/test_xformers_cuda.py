@@ -176,14 +176,29 @@ def test_alibi_goes_through_a_tensor_bias(monkeypatch, backend):
 
 
 @pytest.mark.parametrize("mod", ["sinks_window", "bucket_bias"])
-def test_position_programs_run_exactly_outside_the_fused_kernels(monkeypatch, backend, mod):
+def test_position_programs_run_as_a_tensor_bias_outside_the_fused_kernels(monkeypatch, backend, mod):
     op = install(monkeypatch)
     program = (SINKS_WINDOW_MOD, None) if mod == "sinks_window" else (BUCKET_BIAS_MOD, BUCKET_TABLE)
     b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=torch.float16)
     _check(backend, b, torch.float16, causal=False, mod=program)
-    assert not op.calls and backend.paths[("all", "sdpa")] == 1
+    assert op.calls and all(isinstance(c["bias"], torch.Tensor) for c in op.calls)
+    assert backend.paths[("program", "emulated")] == 1 and not backend.paths[("all", "sdpa")]
     params = batch_params(b, 0.125, causal=False, mod=program)
     assert any("position program" in r for r in backend.fallback_reasons(AttentionConfig(params, 4, 64)))
+
+
+def test_position_programs_with_a_softcap_run_exactly(monkeypatch, backend):
+    op = install(monkeypatch)
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    _check(backend, b, torch.float16, causal=False, softcap=5.0, mod=(BUCKET_BIAS_MOD, BUCKET_TABLE))
+    assert not op.calls and backend.paths[("all", "softcap_math")] == 1
+
+
+def test_position_programs_fall_back_exactly_when_no_operator_takes_the_bias(monkeypatch, backend):
+    install(monkeypatch, refuse=("Tensor",))
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    _check(backend, b, torch.float16, causal=False, mod=(SINKS_WINDOW_MOD, None))
+    assert backend.paths[("all", "sdpa")] == 1
 
 
 

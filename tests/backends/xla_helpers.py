@@ -28,9 +28,11 @@ Batch = PagedBatch
 def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=None, sinks=None,
                mod=None) -> AttentionParams:
     """The site parameters of a test call on ``b`` (scale ``1/sqrt(D)`` unless given; ``mod``: a position
-    program and its tables)."""
+    program and its tables, and the sequences' per-request values for a program that reads some)."""
     d = b.query.shape[-1]
     extra = {} if mod is None else {"position_mod": mod[0], "position_tables": mod[1]}
+    if mod is not None and len(mod) > 2:
+        extra["position_data"] = mod[2]
     return AttentionParams(scale=1 / math.sqrt(d) if scale is None else scale, causal=causal, sliding_window=window,
                            softcap=softcap, alibi_slopes=alibi, num_kv_heads=b.key.shape[1], head_size_v=d,
                            sinks=sinks, **extra)
@@ -38,7 +40,7 @@ def params_for(b: Batch, scale=None, causal=True, window=0, softcap=0.0, alibi=N
 
 def on(params: AttentionParams, device) -> AttentionParams:
     """``params`` with its tensors (ALiBi slopes, sinks) on ``device``."""
-    move = {f: getattr(params, f).to(device) for f in ("alibi_slopes", "sinks", "position_tables")
+    move = {f: getattr(params, f).to(device) for f in ("alibi_slopes", "sinks", "position_tables", "position_data")
             if getattr(params, f) is not None}
     return dataclasses.replace(params, **move)
 
@@ -56,9 +58,11 @@ def reference_step(b: Batch, params: AttentionParams) -> torch.Tensor:
     """The real tokens' rows by ``pagedattn.backends.reference.dense_attention`` (exact math), one
     sequence at a time over its full K/V; ``[sum(q_lens), Hq, D]``."""
     outs, row = [], 0
-    for n, k, v in zip(b.q_lens, b.full_k, b.full_v):
+    for i, (n, k, v) in enumerate(zip(b.q_lens, b.full_k, b.full_v)):
         q = b.query[row:row + n].transpose(0, 1)[None]  # [1, Hq, n, D]: the last n of L positions
-        o = reference.dense_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], params, exact=True)
+        values = None if params.position_data is None else params.position_data[i:i + 1]
+        o = reference.dense_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], params, exact=True,
+                                      values=values)
         outs.append(o[0].transpose(0, 1))
         row += n
     return torch.cat(outs)
