@@ -336,34 +336,37 @@ def _groups(sizes: list[int], budget: int, overhead: int) -> list[tuple[int, int
 
     Grouping minimises the blocks gathered plus ``overhead`` blocks per group (what one more gather and
     flash call cost, as bytes moved): one group for every chunk pads short sequences to the longest, a
-    group per length pays the calls. A group may start mid-run of equal sizes only where the budget
-    forces it, so the choice is over runs: ``O(runs^2)``, with at most ``_MAX_RUNS_BACK`` runs per group.
+    group per length pays the calls. Candidate groups start where the sizes change (a run of equal sizes is
+    split only where the budget forces it, greedily); the choice over runs is ``O(runs^2)``, with at most
+    ``_MAX_RUNS_BACK`` runs per candidate, and never costs more than the greedy grouping of all chunks.
     """
     runs = [i for i in range(len(sizes)) if i == 0 or sizes[i] != sizes[i - 1]] + [len(sizes)]
     m = len(runs) - 1
 
-    def cost(a: int, b: int) -> int:  # runs a..b-1 in one group, split where the budget forces it
-        count, longest = runs[b] - runs[a], sizes[runs[a]]
-        per = max(1, budget // longest)
-        return -(-count // per) * overhead + count * longest
+    def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:  # chunks lo..hi-1, split where the budget forces
+        out = []
+        while lo < hi:
+            end = min(hi, lo + max(1, budget // sizes[lo]))
+            out.append((lo, end, sizes[lo]))
+            lo = end
+        return out
+
+    def cost(groups) -> int:
+        return sum(overhead + (b - a) * n for a, b, n in groups)
 
     best, back = [0] + [None] * m, [0] * (m + 1)
     for b in range(1, m + 1):
         for a in range(max(0, b - _MAX_RUNS_BACK), b):
-            c = best[a] + cost(a, b)
+            c = best[a] + cost(pieces(runs[a], runs[b]))
             if best[b] is None or c < best[b]:
                 best[b], back[b] = c, a
     cuts, b = [], m
     while b:
         cuts.append((runs[back[b]], runs[b]))
         b = back[b]
-    bounds = []
-    for lo, hi in reversed(cuts):
-        while lo < hi:  # the budget's pieces, each padded to its own first chunk
-            end = min(hi, lo + max(1, budget // sizes[lo]))
-            bounds.append((lo, end, sizes[lo]))
-            lo = end
-    return bounds
+    bounds = [g for lo, hi in reversed(cuts) for g in pieces(lo, hi)]
+    greedy = pieces(0, len(sizes))
+    return bounds if cost(bounds) <= cost(greedy) else greedy
 
 
 def _plan_bias(plan: "_DecodePlan", params: AttentionParams, num_heads: int, dtype: torch.dtype) -> Optional[Tensor]:
