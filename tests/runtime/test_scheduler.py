@@ -196,3 +196,36 @@ def test_host_blocks_from_swap_space():
     assert PreemptionConfig("swap", 1000).num_host_blocks(bytes_per_block=300, num_device_blocks=9) == 3
     assert PreemptionConfig("swap").num_host_blocks(300, 9) == 9  # None: like the device cache
     assert PreemptionConfig().num_host_blocks(300, 9) == 0
+
+
+# ------------------------------------------------------------------ prefix-LM spans
+
+
+@pytest.mark.parametrize("computed, budget, spans, want", [
+    (0, 8, [(4, 10)], 4),  # cut before the span: its queries need all of its keys
+    (0, 12, [(4, 12)], 12),  # the span ends within the budget: taken whole
+    (4, 3, [(4, 10)], 0),  # a span longer than what is left of the step waits
+    (6, 3, [(4, 10)], 0),  # begun in a cached block: all of the rest or nothing
+    (6, 4, [(4, 10)], 4),  # the rest fits
+    (0, 16, [(2, 4), (6, 30)], 6),
+    (12, 16, [(2, 4), (6, 10)], 8),  # after the spans: plain chunks
+], ids=["cut", "whole", "waits", "rest_waits", "rest", "second_cut", "after"])
+def test_a_step_never_ends_inside_a_span(computed, budget, spans, want):
+    req = Request(0, list(range(20)), SamplingParams(), spans=tuple(spans))
+    req.num_computed = computed
+    assert req.chunk(budget) == want
+
+
+def test_a_span_that_does_not_fit_the_step_waits_for_room():
+    bm = BlockManager(64, BS)
+    sched = Scheduler(bm, max_num_tokens=12)
+    decode = _request(0, range(3))
+    sched.add(decode)
+    _run(sched, sched.schedule())  # decode is now running, one token a step
+    span = Request(1, list(range(20)), SamplingParams(), spans=((0, 12),))
+    sched.add(span)
+    plan = sched.schedule()
+    assert [c.request.id for c in plan] == [0] and sched.waiting[0] is span and not span.table.blocks
+    sched.finish(decode, "stop")
+    plan = sched.schedule()
+    assert [(c.request.id, c.start, c.num_tokens) for c in plan] == [(1, 0, 12)]
