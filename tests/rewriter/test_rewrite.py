@@ -209,3 +209,16 @@ def test_a_multimodal_gemma3_runs_its_own_example():
     rm = pagedattn.rewrite(m, (), kw)
     with torch.no_grad():
         torch.testing.assert_close(rm(**kw).logits, m(**kw).logits, atol=2e-5, rtol=1e-4)
+    # the language model's sliding and global masks over its image blocks are proven and served, the
+    # sliding one read through vmap's levels (Hugging Face's or/and mask overlays)
+    text = [r for r in rm.report if r["num_kv_heads"] == cfg.text_config.num_key_value_heads]
+    assert [(r["status"], r["mask"], r["position_values"]) for r in text] == \
+        [("rewritten", "positional", "token_type_ids")] * 2, text
+    assert (rm.value_spec.inside, rm.value_spec.outside, rm.value_spec.runs) == (1, 0, 4)
+    # the image elsewhere in a longer prompt (the trace fixed one image): still the model's logits
+    ids2 = torch.randint(6, 50, (1, 16))
+    ids2[0, 10:14] = 5
+    kw2 = {"input_ids": ids2, "pixel_values": torch.randn(1, 3, 32, 32), "token_type_ids": (ids2 == 5).long(),
+           "use_cache": False}
+    with torch.no_grad():
+        torch.testing.assert_close(rm(**kw2).logits, m(**kw2).logits, atol=2e-5, rtol=1e-4)
