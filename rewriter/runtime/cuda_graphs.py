@@ -15,8 +15,9 @@ and pads each step up to the next one; the same here:
   copy (``load``), padded as ``runtime.shapes`` pads steps: padding tokens have slot -1 (written nowhere) and
   belong to no sequence, padding sequences have no token and length 0;
 - **capture and replay** (:class:`DecodeGraphs`): the first step at a size runs eagerly (it compiles and warms
-  up), then the same call is captured into a graph sharing one memory pool; later steps load the buffers and
-  replay. What runs inside must read no tensor value on the host: the step binds
+  up), then the same call is captured into a graph sharing one memory pool and replayed once against that
+  step's own logits (a graph that does not reproduce them is dropped: :class:`CaptureFailed`, and the engine
+  goes on without graphs); later steps load the buffers and replay. What runs inside must read no tensor value on the host: the step binds
   :class:`~pagedattn.backends.static_paged.StaticPagedBackend` (the model's backend with the static write and
   attention, for its warm-up run too, so that the graph replays what ran eagerly), and the metadata's value
   checks are ``torch._assert_async`` on CUDA, captured with the step and replayed with it. With full validation
@@ -44,7 +45,8 @@ from pagedattn.runtime.context import paged_context
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "DecodeGraphs", "no_host_reads", "HostRead"]
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "DecodeGraphs", "CaptureFailed", "no_host_reads",
+           "HostRead"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
 
@@ -157,8 +159,9 @@ class DecodeGraphs:
 
     def __init__(self, servable, kv_caches: Sequence[Tensor], max_num_seqs: int, width: int,
                  capture: Optional[bool] = None):
-        if servable.state is not None or servable.seq2seq is not None:
-            raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder)")
+        if servable.state is not None or servable.seq2seq is not None or getattr(servable, "values", None) is not None:
+            raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder, no "
+                             "per-request mask values)")
         self.servable, self.kv_caches = servable, list(kv_caches)
         self.backend = StaticPagedBackend(servable.backend)  # the write and attention a capture can take
         self.sizes = capture_sizes(max_num_seqs)
@@ -194,7 +197,7 @@ class DecodeGraphs:
         entry = self.graphs.get((size, width))
         if entry is None:
             out = self._step(size, width)  # compiles and warms up at this size; this step's result
-            self._capture(size, width)
+            self._capture(size, width, out)
             return out[:n].clone()
         graph, out = entry
         graph.replay()
@@ -217,14 +220,31 @@ class DecodeGraphs:
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
         return logits[0]  # [size, V]: every row completes its sequence
 
-    def _capture(self, size: int, width: int) -> None:
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(size, width)
+    def _capture(self, size: int, width: int, eager: Tensor) -> None:
+        """Capture the step at this shape, then replay it once on the same buffers (its cache writes repeat the
+        same K/V into the same slots) and compare with ``eager``, the step's own logits: a graph that does not
+        reproduce them is never used (:class:`CaptureFailed`)."""
+        try:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._step(size, width)
+            graph.replay()
+            ok = torch.allclose(out.float(), eager.float(), rtol=1e-3, atol=1e-3)
+        except Exception as e:  # noqa: BLE001 -- whatever capture trips on, the engine goes on without graphs
+            raise CaptureFailed(f"capturing the decode step at {size} sequences failed: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        if not ok:
+            raise CaptureFailed(f"the decode step captured at {size} sequences gave other logits than the step "
+                                "itself (max difference "
+                                f"{(out.float() - eager.float()).abs().max().item():.3g})")
         self.graphs[(size, width)] = (graph, out)
         self.stats["captures"] += 1
         log.info("captured the decode step at %d sequences of up to %d blocks as a CUDA graph", size, width)
+
+
+class CaptureFailed(RuntimeError):
+    """A decode step could not be captured, or its graph did not reproduce the step: run steps eagerly."""
 
 
 class HostRead(RuntimeError):

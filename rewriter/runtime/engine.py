@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata, position_mod
+from pagedattn.backends.base import SplitKVBackend
 from pagedattn.runtime.blocks import BlockManager
+from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import encoder_key
@@ -100,6 +102,14 @@ class PagedEngine:
     one, and a span longer than ``max_num_tokens`` is refused), generated tokens get the type outside the
     spans, and prefix caching shares blocks only between requests with the same spans and the same
     tokens up to the last span's end.
+
+    On CUDA, decode-only steps (a token per sequence) run as CUDA graphs by default (``cuda_graphs=None``;
+    :mod:`pagedattn.runtime.cuda_graphs`): padded to the next capture size (1, 2, 4, then multiples of 8 up to
+    ``max_num_seqs``, at most 256) and a power-of-two number of block-table columns, their inputs loaded into
+    persistent buffers in one transfer, each shape captured on its first step and replayed after. Prefill and
+    mixed steps, encoder-decoders and models with recurrent state run eagerly; ``cuda_graphs=False`` turns
+    the graphs off, ``True`` where they cannot run is an error naming why. ``decode_graphs`` holds them (None:
+    every step eager).
     """
 
     def __init__(self, model: nn.Module, *, target="auto", block_size: int = 16,
@@ -107,7 +117,7 @@ class PagedEngine:
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, cuda_graphs: Optional[bool] = None):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
         self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress)
         sv = self.servable
@@ -137,6 +147,7 @@ class PagedEngine:
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode,
                                    max_chunk=1 if sv.token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
+        self.decode_graphs = self._decode_graphs(cuda_graphs, max_num_seqs)
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
@@ -149,6 +160,22 @@ class PagedEngine:
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0}
+
+    def _decode_graphs(self, wanted: Optional[bool], max_num_seqs: int) -> Optional[DecodeGraphs]:
+        """The decode steps' CUDA graphs (``runtime.cuda_graphs``): by default on CUDA for packed decoder-only
+        steps; ``True`` where they cannot run is a ValueError naming why."""
+        sv = self.servable
+        why = ("the device is not CUDA" if self.device.type != "cuda" else
+               "the model has recurrent state (its steps run as rows)" if sv.state is not None else
+               "encoder-decoders run their decoder steps eagerly" if sv.seq2seq is not None else
+               "its masks read per-request values (prefix-LM spans)" if sv.values is not None else
+               f"the {self.backend.name} backend's cache layout is not split K/V"
+               if not isinstance(self.backend, SplitKVBackend) else None)
+        if wanted is False or (wanted is None and why is not None):
+            return None
+        if why is not None:
+            raise ValueError(f"cuda_graphs=True: {why}")
+        return DecodeGraphs(sv, self.kv_caches, max_num_seqs, width=self.num_blocks)
 
     @property
     def model(self) -> nn.Module:
@@ -407,7 +434,23 @@ class PagedEngine:
         self.stats["encoder_s"] += time.perf_counter() - t0
 
     def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
-        """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks."""
+        """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks. A decode-only
+        step (one token per sequence, each completing it) runs in its CUDA graph where there is one."""
+        graphs = self.decode_graphs
+        if graphs is not None and all(c.num_tokens == 1 and c.completes for c in plan) and \
+                graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan)):
+            bs = self.block_size
+            tables = [c.request.table.blocks for c in plan]
+            slots = [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)]
+            t1 = time.perf_counter()
+            try:
+                logits = graphs.run([c.request.tokens[c.start] for c in plan], [c.start for c in plan], slots,
+                                    tables, [c.start + 1 for c in plan])
+            except CaptureFailed as e:  # the step runs below, as every step from now on
+                log.warning("decode steps run without CUDA graphs: %s", e)
+                self.decode_graphs = None
+            else:
+                return logits, len(plan), t1
         ids, pos, rows = [], [], []
         spec = self.servable.values
         types: list[int] = []

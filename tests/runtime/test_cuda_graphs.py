@@ -201,3 +201,42 @@ def test_captured_decode_steps_replay_without_host_syncs_and_equal_hf_generate()
         set_validation(True)
     assert out == hf_generate(model, ps, 8)
     assert graphs.stats["captures"] == 1 and graphs.stats["replays"] == 6
+
+
+def test_the_engine_runs_its_decode_steps_through_the_graphs_buffers():
+    """PagedEngine's decode-only steps go through ``decode_graphs`` (here the capture path's buffers run eagerly,
+    as off CUDA): greedy tokens equal generate's, prefills and mixed steps still run the packed step."""
+    from pagedattn import PagedEngine
+
+    model = _tiny_llama()
+    engine = PagedEngine(model, block_size=4, num_blocks=96, max_num_seqs=8, compile=False, progress=False)
+    assert engine.decode_graphs is None  # the CPU has no CUDA graphs
+    with pytest.raises(ValueError, match="cuda_graphs=True: the device is not CUDA"):
+        PagedEngine(model, block_size=4, num_blocks=96, compile=False, progress=False, cuda_graphs=True)
+    engine.decode_graphs = DecodeGraphs(engine.servable, engine.kv_caches, 8, engine.num_blocks, capture=False)
+    ps = prompts(lengths=(5, 17, 9, 30, 2))
+    assert engine.generate(ps, max_new_tokens=8) == hf_generate(model, ps, 8)
+    assert engine.decode_graphs.stats["eager"] >= 6
+    assert engine.blocks.num_free == engine.num_blocks
+
+
+def test_a_failed_capture_leaves_the_engine_on_its_eager_steps(caplog):
+    """A capture that fails (or a graph that does not reproduce its step) is reported once, and that step and
+    every later one run the eager packed step: same tokens."""
+    from pagedattn import PagedEngine
+    from pagedattn.runtime.cuda_graphs import CaptureFailed
+
+    class Failing(DecodeGraphs):
+        def run(self, *args):
+            raise CaptureFailed("capturing the decode step at 8 sequences failed: RuntimeError: for the test")
+
+    model = _tiny_llama()
+    engine = PagedEngine(model, block_size=4, num_blocks=96, max_num_seqs=8, compile=False, progress=False)
+    engine.decode_graphs = Failing(engine.servable, engine.kv_caches, 8, engine.num_blocks, capture=False)
+    ps = prompts(lengths=(5, 17, 9))
+    with caplog.at_level("WARNING", logger="pagedattn.runtime"):
+        assert engine.generate(ps, max_new_tokens=6) == hf_generate(model, ps, 6)
+    assert engine.decode_graphs is None
+    assert [r.message for r in caplog.records].count(
+        "decode steps run without CUDA graphs: capturing the decode step at 8 sequences failed: RuntimeError: "
+        "for the test") == 1
