@@ -496,6 +496,11 @@ def check_eager(model) -> tuple[dict, dict]:
             kw["use_cache"] = False
         if "logits_to_keep" in names:
             kw["logits_to_keep"] = torch.arange(13)
+        spec = rm.value_spec
+        if "token_type_ids" in names and spec is not None:  # a prefix-LM: one span of the bidirectional type
+            tt = torch.full((1, 13), spec.outside)
+            tt[0, 3:7] = spec.inside
+            kw["token_type_ids"] = tt
         with torch.no_grad(), without_hf_cache(model):  # also where use_cache comes from the config
             res["max_err"] = float((_logits(rm(**kw)).float() - _logits(model(**kw)).float()).abs().max())
     except Exception as e:
