@@ -248,6 +248,10 @@ class PagedEngine:
         limit = s2s.spec.max_source_len
         if limit is not None and enc_len > limit:
             raise ValueError(f"the encoder input has {enc_len} tokens but the encoder takes at most {limit}")
+        room = s2s.max_decoder_len  # the decoder's position table ends there (BART's learned positions)
+        if room is not None and len(dec) + params.max_new_tokens > room:
+            raise ValueError(f"max_new_tokens is {params.max_new_tokens} but this model's decoder generates at most "
+                             f"{room - len(dec)} tokens (its positions end at {s2s.spec.max_target_len})")
         need = -(-enc_len // self.block_size) + -(-(len(dec) + params.max_new_tokens) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(f"an encoder input of {enc_len} tokens and {params.max_new_tokens} new tokens need {need} "

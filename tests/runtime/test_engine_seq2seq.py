@@ -147,6 +147,16 @@ def test_a_request_the_cache_cannot_hold_is_refused(servable):
         engine.add_request(sources()[3], max_new_tokens=NEW)
 
 
+def test_generation_past_the_decoders_positions_is_refused_up_front(servable, bart):
+    """BART's decoder has a table of 128 positions: Hugging Face's generate fails with an IndexError deep in a
+    forward pass past it; the engine refuses such a request when it is added, and serves one that fits."""
+    engine = PagedEngine(servable, num_blocks=100)
+    assert bart.config.max_position_embeddings == 128
+    with pytest.raises(ValueError, match="max_new_tokens is 129 but this model's decoder generates at most 128"):
+        engine.add_request(sources()[0], max_new_tokens=129)
+    engine.add_request(sources()[0], max_new_tokens=128)
+
+
 # -------------------------------------------------------------------- a hand-written nn.Transformer
 
 
