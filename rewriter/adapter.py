@@ -391,9 +391,9 @@ def accepted_inputs(model: nn.Module) -> set[str]:
 
 def _token_types_mask(model: nn.Module, names: set[str]) -> bool:
     """Whether ``token_type_ids`` act as a prefix-LM's token types (PaliGemma's prefix, Gemma-3's image
-    blocks): all of one type computes what the model computes without them, and a mix of types changes
-    that. Token types that always change the output (segment embeddings) are left out: a request without
-    them could not be served as the model serves it."""
+    blocks): all of one type computes what the model computes without them, a span of one token (plain causal
+    attention) changes nothing, and a mix of types changes the output. Token types that change a token's
+    output by its own type (segment embeddings: BERT-style causal LMs) are left out, untraced."""
     vocab = ModelInfo.of(model).vocab_size or 2
     device = _module_device(model) or "cpu"
     ids = (torch.arange(6, device=device)[None] * 5 + 3) % vocab
@@ -407,8 +407,14 @@ def _token_types_mask(model: nn.Module, names: set[str]) -> bool:
         with torch.no_grad():
             plain = run(None)
             same = any(torch.equal(run(torch.full_like(ids, t)), plain) for t in (0, 1))
+            # a span of one token is plain causal attention: types that only shape masks leave the output as it
+            # was; segment embeddings (BERT's token types) change that token's own output whichever type it is
+            last = torch.zeros_like(ids)
+            last[0, -1] = 1
+            mask_only = torch.equal(run(last), run(1 - torch.ones_like(ids))) or \
+                torch.equal(run(1 - last), run(torch.ones_like(ids)))
             mixed = torch.tensor([[0, 1, 1, 1, 0, 0]], device=device)
-            return same and not (torch.equal(run(mixed), plain) and torch.equal(run(1 - mixed), plain))
+            return same and mask_only and not (torch.equal(run(mixed), plain) and torch.equal(run(1 - mixed), plain))
     except Exception:  # a forward that refuses them alone (pixels required, say) is served without them
         return False
 

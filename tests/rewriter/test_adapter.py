@@ -186,3 +186,24 @@ def test_kwargs_that_ignore_positions_are_not_passed():
     assert "position_ids" not in accepted_inputs(m)
     engine = PagedEngine(m, compile=False, block_size=4)
     assert "position_ids" not in engine.servable.input_names
+
+
+def test_segment_embeddings_are_not_taken_for_a_prefix_lms_token_types(caplog):
+    """BERT-style causal LMs take ``token_type_ids`` as segment embeddings: all of one type computes what no
+    types do, and mixed types change the output, as for a prefix-LM; but one token of the other type changes
+    its own output, which a mask over spans (a span of one token is causal attention) never does. They are not
+    traced, no warning is logged, and the engine serves the model as generate does."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    from ..support import hf_generate, prompts
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, is_decoder=True, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = BertLMHeadModel(cfg).eval()
+    assert "token_type_ids" not in accepted_inputs(model)
+    with caplog.at_level("WARNING"):
+        engine = PagedEngine(model, block_size=4, num_blocks=64, compile=False, progress=False)
+    assert not [r for r in caplog.records if "token types" in r.getMessage()]
+    ps = prompts(lengths=(5, 17, 9))
+    assert engine.generate(ps, max_new_tokens=6) == hf_generate(model, ps, 6)
