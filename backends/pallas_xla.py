@@ -50,6 +50,7 @@ from pagedattn.backends.metadata import (
     AttentionMetadata,
 )
 from pagedattn.backends.params import AttentionConfig, AttentionParams
+from pagedattn.backends.static_paged import padding_repeats_a_write
 
 __all__ = ["PallasXlaBackend", "StepBuckets", "pad_step", "bucket", "is_tpu"]
 
@@ -158,7 +159,7 @@ class PallasXlaBackend(AttentionBackend):
         kv = torch.stack((key, value), dim=2).reshape(T, 2 * hkv, key.shape[2])  # [T, 2Hkv, D]: K, V interleaved
         kv = _pad_last(kv, dp)
         flat = kv_cache.reshape(nb * bs, 2 * hkv, dp)
-        idx, kv = _padding_repeats_a_write(slot_mapping.long(), kv, flat)
+        idx, kv = padding_repeats_a_write(slot_mapping.long(), kv, flat)
         # out of place, then one copy into the cache itself: inside a custom op's kernel torch_xla
         # tensors run without functionalization, and an in-place update of a view is lost there
         kv_cache.copy_(flat.index_copy(0, idx, kv).view(kv_cache.shape))
@@ -202,24 +203,6 @@ def _check_head(d: int, dp: int, align: int, op: str) -> None:
 
 def _pad_last(x: Tensor, size: int) -> Tensor:
     return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
-
-
-def _padding_repeats_a_write(slots: Tensor, kv: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
-    """Point padding tokens (slot -1) at a write that happens anyway, with the same data.
-
-    The shapes stay static and duplicate indices carry equal rows, so the scatter does not depend
-    on how XLA treats out-of-range indices (implementation-defined). With no real token at all,
-    slot 0 is rewritten with its own contents.
-    """
-    valid = slots >= 0  # [T]
-    # index_select, not slots[first]: indexing by a 0-d tensor reads its value on the host
-    first = torch.argmax(valid.to(torch.int32)).reshape(1)  # first real token (0 when there is none)
-    any_valid = valid.any()
-    fill_slot = torch.where(any_valid, slots.index_select(0, first), 0)  # [1]
-    fill_kv = torch.where(any_valid, kv.index_select(0, first), flat.index_select(0, fill_slot))  # [1, 2Hkv, Dp]
-    idx = torch.where(valid, slots, fill_slot)
-    kv = torch.where(valid[:, None, None], kv, fill_kv)
-    return idx, kv
 
 
 def _num_seqs(query_start_loc: Tensor) -> Tensor:

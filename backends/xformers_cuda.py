@@ -604,24 +604,34 @@ class XFormersCudaBackend(SplitKVBackend):
         if bias is not None:
             full += bias
         full = full.masked_fill_(~allowed[:, None], float("-inf")).view(S, c.hkv, c.group, qmax, lp)
+        o, why = self._with_tensor_bias(c, g, (S, qmax, lp), q, k, v, full.to(c.query.dtype), "program",
+                                        "a position program runs as fp32 math over gathered K/V")
+        if o is None:
+            return None, why
+        o = o.reshape(S, qmax, hq, c.d).masked_fill(empty[..., None], 0.0)
+        return o.reshape(S * qmax, hq, c.d), ""
+
+    def _with_tensor_bias(self, c, g, dims: tuple[int, int, int], q, k, v, bias, kind: str,
+                          fallback: str) -> tuple[Optional[Tensor], str]:
+        """Gathered ``q`` (``[S, Qmax]`` rows of ``dims = (S, Qmax, Lp)``) over ``k``/``v [S, Lp, Hkv, D]`` with an additive ``[S, Hkv, G, Qmax, Lp]``
+        bias through an xFormers operator that takes a tensor bias (the one found for this shape, remembered in
+        the step's cache, as is its absence): the output, or None and why (``fallback`` says what runs instead)."""
+        S, qmax, lp = dims
         qg = q.view(S, qmax, c.hkv, c.group, c.d)
         kg = k[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
         vg = v[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
-        ck = ("program_op", c.shape_key)
+        ck, why_key = (f"{kind}_op", c.shape_key), (f"{kind}_why", c.shape_key)
         if g.cache.get(ck) == "none":
-            return None, g.cache[("program_why", c.shape_key)]
+            return None, g.cache[why_key]
         try:
-            o, op = _xformers_attention(qg, kg, vg, full.to(c.query.dtype), c.scale, _xformers().tensor_bias_ops,
-                                        g.cache.get(ck))
+            o, op = _xformers_attention(qg, kg, vg, bias, c.scale, _xformers().tensor_bias_ops, g.cache.get(ck))
         except _NoOperator as e:
-            why = ("a position program runs as fp32 math over gathered K/V: no xFormers operator takes its tensor "
-                   f"bias ({' | '.join(e.args[0])})")
-            g.cache[ck], g.cache[("program_why", c.shape_key)] = "none", why
+            why = f"{fallback}: no xFormers operator takes its tensor bias ({' | '.join(e.args[0])})"
+            g.cache[ck], g.cache[why_key] = "none", why
             return None, why
         g.cache[ck] = op
-        self.paths[("program", op.NAME)] += 1
-        o = o.reshape(S, qmax, hq, c.d).masked_fill(empty[..., None], 0.0)
-        return o.reshape(S * qmax, hq, c.d), ""
+        self.paths[(kind, op.NAME)] += 1
+        return o, ""
 
     def _alibi_tensor_bias(self, c, g, plan, q, k, v) -> tuple[Optional[Tensor], str]:
         """ALiBi plus the masks as one additive ``[S, Hkv, G, Qmax, Lp]`` bias to an xFormers operator."""
@@ -633,23 +643,9 @@ class XFormersCudaBackend(SplitKVBackend):
         allowed = allowed | plan["pad_rows"]  # [S, Qmax, Lp]
         bias = reference.alibi_bias(c.params.alibi_slopes, plan["q_pos"], plan["k_pos"])  # [S, Hq, Qmax, Lp]
         bias = bias.view(S, c.hkv, c.group, qmax, lp).masked_fill_(~allowed[:, None, None], float("-inf"))
-        bias = bias.to(c.query.dtype)
-        qg = q.view(S, qmax, c.hkv, c.group, c.d)
-        kg = k[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
-        vg = v[:, :, :, None].expand(S, lp, c.hkv, c.group, c.d)
-        ck = ("alibi_op", c.shape_key)
-        if g.cache.get(ck) == "none":
-            return None, g.cache[("alibi_why", c.shape_key)]
-        try:
-            o, op = _xformers_attention(qg, kg, vg, bias, c.scale, _xformers().tensor_bias_ops, g.cache.get(ck))
-        except _NoOperator as e:
-            why = ("ALiBi attention runs through PyTorch SDPA: no xFormers operator takes its tensor bias "
-                   f"({' | '.join(e.args[0])})")
-            g.cache[ck], g.cache[("alibi_why", c.shape_key)] = "none", why
-            return None, why
-        g.cache[ck] = op
-        self.paths[("alibi", op.NAME)] += 1
-        return o.reshape(S * qmax, c.query.shape[1], c.d), ""
+        o, why = self._with_tensor_bias(c, g, (S, qmax, lp), q, k, v, bias.to(c.query.dtype), "alibi",
+                                        "ALiBi attention runs through PyTorch SDPA")
+        return (None, why) if o is None else (o.reshape(S * qmax, c.query.shape[1], c.d), "")
 
 
 @dataclass(frozen=True)

@@ -170,13 +170,13 @@ class EngineCore:
         # an encoder-decoder's prompt is its encoder's input: add_request checks it and the decoder's tokens
         why = self.engine.validate(prompt, params) if s2s is None else None
         param = "prompt"
-        if why is None and room and s2s is not None and len(s2s.spec.decoder_prompt) + params.max_new_tokens > room:
-            why, param = (f"max_tokens is {params.max_new_tokens} but this encoder-decoder's decoder generates at "
-                          f"most {room - len(s2s.spec.decoder_prompt)} tokens; lower max_tokens"), "max_tokens"
-        elif why is None and room and s2s is None and len(prompt) + params.max_new_tokens > room:
-            why, param = (f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_new_tokens}: "
-                          f"together more than the {room} tokens a request may reach; shorten the prompt or lower "
-                          "max_tokens"), "max_tokens"
+        before = len(prompt) if s2s is None else len(s2s.spec.decoder_prompt)  # what counts toward the room
+        if why is None and room and before + params.max_new_tokens > room:
+            param = "max_tokens"
+            why = (f"the prompt has {len(prompt)} tokens and max_tokens is {params.max_new_tokens}: together more "
+                   f"than the {room} tokens a request may reach; shorten the prompt or lower max_tokens"
+                   if s2s is None else f"max_tokens is {params.max_new_tokens} but this encoder-decoder's decoder "
+                   f"generates at most {room - before} tokens; lower max_tokens")
         if why is None:
             try:
                 eid = self.engine.add_request(prompt, params)

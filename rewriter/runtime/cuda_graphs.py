@@ -80,7 +80,7 @@ def bucket(n: int, sizes: Sequence[int]) -> Optional[int]:
 @dataclass
 class DecodeBuffers:
     """The inputs of a captured decode step, allocated once for ``size`` sequences of up to ``width``
-    blocks each; a step of ``N <= size`` sequences uses the first ``N`` rows (:meth:`view`)."""
+    blocks each; a step of ``N <= size`` sequences uses the first ``N`` rows (:meth:`metadata`)."""
 
     ids: Tensor  # [size] token ids
     positions: Tensor  # [size]
