@@ -69,6 +69,31 @@ def test_no_recompiles_over_many_varying_steps(compiled):
     assert graph_count() == before
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_cpu_step_is_compiled_with_frozen_packed_weights(compiled):
+    # Inductor's freezing repacks the linear weights for oneDNN once (faster GEMMs at decode sizes); the
+    # setting is on only while the step runs (Dynamo reads it when it traces), not left for other compiles
+    import torch._inductor.config as inductor_config
+    from torch.profiler import profile
+
+    engine, _ = compiled
+    engine.add_request([5, 6, 7], max_new_tokens=3)
+    with profile() as prof:
+        while engine.has_unfinished():
+            engine.step()
+    engine.collect()
+    ops = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ops and not ops & {"aten::addmm", "aten::mm"}
+    assert inductor_config.freezing is False
+
+
+def test_freezing_needs_inductor(llama):
+    from pagedattn import rewrite
+
+    with pytest.raises(ValueError, match="freeze=True needs the inductor backend"):
+        rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged("eager", freeze=True)
+
+
 def test_compile_false_and_progress_off(eager, capsys):
     # eager's start-up printed nothing (progress off) and left the graph as it was
     assert eager.servable.min_step == 0 and type(eager.model.graph_module).__name__ == "GraphModule"
