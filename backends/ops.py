@@ -34,40 +34,31 @@ _PARAMS = params_schema()
 PARAMS_OFFSET = {"attention": 4, "paged_attention": 7}
 
 
-def _write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+# The paged ops run on every step of a serving loop, so they are defined with ``torch.library.Library`` and a
+# kernel for CompositeExplicitAutograd: ``torch.library.custom_op``'s Python wrappers (its autograd Function,
+# the aliasing check, the in-place version bump in Python) cost ~30-40 us a call on top of the kernel, a few
+# percent of a small model's decode step. The dispatcher's C++ fallbacks bump the written cache's version.
+_LIB = torch.library.Library("pagedattn", "FRAGMENT")
+_LIB.define("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
+_LIB.define("write_kv_cache_functional(Tensor key, Tensor value, Tensor kv_cache, Tensor slot_mapping) -> Tensor")
+_LIB.define("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor kv_cache, Tensor block_tables, "
+            f"Tensor seq_lens, Tensor query_start_loc, {_PARAMS}) -> Tensor")
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
     backend = active_backend(kv_cache.device)
     backend.check_write(key, value, kv_cache, slot_mapping, full=validation_enabled())
     backend.write(key, value, kv_cache, slot_mapping)
 
 
-@torch.library.custom_op("pagedattn::write_kv_cache", mutates_args=("kv_cache",))
-def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
-    _write(key, value, kv_cache, slot_mapping)
-
-
-@write_kv_cache.register_fake
-def _(key, value, kv_cache, slot_mapping):
-    return None
-
-
-@torch.library.custom_op("pagedattn::write_kv_cache_functional", mutates_args=())
 def write_kv_cache_functional(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> Tensor:
     """Like :func:`write_kv_cache` but returns the updated cache and leaves the input untouched."""
     out = kv_cache.clone()
-    _write(key, value, out, slot_mapping)
+    write_kv_cache(key, value, out, slot_mapping)
     return out
 
 
-@write_kv_cache_functional.register_fake
-def _(key, value, kv_cache, slot_mapping):
-    return torch.empty_like(kv_cache)
-
-
-@torch.library.custom_op(
-    "pagedattn::paged_attention", mutates_args=(),
-    schema="(Tensor query, Tensor? key, Tensor? value, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-           f"Tensor query_start_loc, {_PARAMS}) -> Tensor")
 def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor], kv_cache: Tensor,
                     block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor, *params) -> Tensor:
     """Attention of every new token over its sequence's cached keys, in one call.
@@ -86,10 +77,41 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     return backend.attend(query, key, value, kv_cache, meta, p)
 
 
-@paged_attention.register_fake
-def _(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):
+class _InferenceOnly(torch.autograd.Function):
+    """Passes paged attention's output through; its backward refuses with the reason."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("pagedattn: paged attention is inference-only (the KV cache is written in place); "
+                           "train or fine-tune the rewritten model in drop-in mode, outside paged_context")
+
+
+def _paged_attention_autograd(*args) -> Tensor:
+    with torch._C._AutoDispatchBelowAutograd():
+        out = torch.ops.pagedattn.paged_attention.default(*args)
+    inputs = [t for t in args if isinstance(t, Tensor) and t.requires_grad]
+    return _InferenceOnly.apply(out, *inputs) if inputs and torch.is_grad_enabled() else out
+
+
+def _fake_paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):
     p = AttentionParams.from_args(params)
     return query.new_empty((query.shape[0], query.shape[1], p.head_size_v))
+
+
+# Dynamo must not trace into a kernel that runs eagerly inside a compiled region (a graph an eager backend hands
+# back to Dynamo runs with its frame hook set)
+_LIB.impl("write_kv_cache", torch.compiler.disable(write_kv_cache), "CompositeExplicitAutograd")
+_LIB.impl("write_kv_cache_functional", torch.compiler.disable(write_kv_cache_functional), "CompositeExplicitAutograd")
+_LIB.impl("paged_attention", torch.compiler.disable(paged_attention), "CompositeExplicitAutograd")
+_LIB.impl("paged_attention", torch.compiler.disable(_paged_attention_autograd), "Autograd")
+torch.library.register_fake("pagedattn::write_kv_cache", lambda key, value, kv_cache, slot_mapping: None, lib=_LIB)
+torch.library.register_fake("pagedattn::write_kv_cache_functional",
+                            lambda key, value, kv_cache, slot_mapping: torch.empty_like(kv_cache), lib=_LIB)
+torch.library.register_fake("pagedattn::paged_attention", _fake_paged_attention, lib=_LIB)
 
 
 # ---------------------------------------------------------------- canonical attention
@@ -168,15 +190,3 @@ def _attention_backward(ctx, grad):
 
 
 attention.register_autograd(_attention_backward, setup_context=_attention_setup)
-
-
-def _paged_setup(ctx, inputs, output):
-    pass
-
-
-def _paged_backward(ctx, grad):
-    raise RuntimeError("pagedattn: paged attention is inference-only (the KV cache is written in place); "
-                       "train or fine-tune the rewritten model in drop-in mode, outside paged_context")
-
-
-paged_attention.register_autograd(_paged_backward, setup_context=_paged_setup)
