@@ -1,5 +1,6 @@
-"""PagedEngine on an NVIDIA GPU: swap preemption through the xFormers backend and a model with
-attention sinks (gpt_oss), token for token against Hugging Face generate. Skipped without a GPU."""
+"""PagedEngine on an NVIDIA GPU: swap preemption through the xFormers backend, a model with
+attention sinks (gpt_oss), models with state and an encoder-decoder (tiny BART), token for token against
+Hugging Face generate. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -111,3 +112,27 @@ def test_models_with_state_on_gpu_match_cpu_generate(make):
     finally:
         cpu_model.to("cpu")
     assert engine.stats["preemptions"] > 0 and engine.states.slot_of == {}
+
+
+def test_encoder_decoder_on_gpu_matches_cpu_generate():
+    # tiny BART on the GPU: the encoder at admission, cross-attention through the xFormers backend (non-causal
+    # over blocks filled once per request), decoder self-attention paged; whole prompts, chunked prefill with
+    # preemption by recompute, and swap
+    from pagedattn.adapter import prepare_model
+
+    from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
+
+    cpu_model = tiny_seq2seq("bart")
+    ref = hf_seq2seq_generate(cpu_model, sources(), STATE_NEW)
+    model = cpu_model.to("cuda")
+    try:
+        servable = prepare_model(model, target="cuda", block_size=4)
+        for kw in (dict(num_blocks=400, max_num_tokens=64), dict(num_blocks=14, max_num_tokens=3),
+                   dict(num_blocks=14, max_num_tokens=64, preemption_mode="swap")):
+            engine = PagedEngine(servable, **kw)
+            assert engine.kv_caches[0].device.type == "cuda"
+            assert engine.generate(sources(), max_new_tokens=STATE_NEW) == ref, kw
+            if kw["num_blocks"] == 14:
+                assert engine.stats["preemptions"] > 0, kw
+    finally:
+        cpu_model.to("cpu")
