@@ -93,8 +93,10 @@ class _InferenceOnly(torch.autograd.Function):
 def _paged_attention_autograd(*args) -> Tensor:
     with torch._C._AutoDispatchBelowAutograd():
         out = torch.ops.pagedattn.paged_attention.default(*args)
+    if not torch.is_grad_enabled():  # serving: no scan of the ~30 arguments
+        return out
     inputs = [t for t in args if isinstance(t, Tensor) and t.requires_grad]
-    return _InferenceOnly.apply(out, *inputs) if inputs and torch.is_grad_enabled() else out
+    return _InferenceOnly.apply(out, *inputs) if inputs else out
 
 
 def _fake_paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):

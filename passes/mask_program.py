@@ -1246,9 +1246,10 @@ _IDENTITY = (aten.clone.default, aten.contiguous.default, aten.alias.default, at
              aten.dropout.default)
 _CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.type_as.default)
 
-# ops that make a constant from nothing but their static arguments
+# vmap's ops (Hugging Face's mask overlays): read symbolically, never folded as constants
 _VMAP_OPS = frozenset({_predispatch._add_batch_dim, _predispatch._remove_batch_dim, torch.ops.higher_order.flat_apply})
 
+# ops that make a constant from nothing but their static arguments
 _FOLDABLE_SOURCES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default,
                      aten.zeros.default, aten.full.default, aten.scalar_tensor.default}
 

@@ -159,7 +159,7 @@ class DecodeGraphs:
 
     def __init__(self, servable, kv_caches: Sequence[Tensor], max_num_seqs: int, width: int,
                  capture: Optional[bool] = None):
-        if servable.state is not None or servable.seq2seq is not None or getattr(servable, "values", None) is not None:
+        if servable.state is not None or servable.seq2seq is not None or servable.values is not None:
             raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder, no "
                              "per-request mask values)")
         self.servable, self.kv_caches = servable, list(kv_caches)
