@@ -203,9 +203,10 @@ def pct(xs: list[float], q: float) -> float:
 # ----------------------------------------------------------------------------- in-process reference
 
 
-def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]], max_tokens: int) -> list[tuple[float, float]]:
+def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]],
+                           max_tokens: int) -> list[tuple[float, float, int]]:
     """``PagedEngine.generate`` over the same prompts in waves of the clients' concurrency, on an engine built as
-    the CLI builds it: (output tokens/s, CPU seconds per output token) per level."""
+    the CLI builds it: (output tokens/s, CPU seconds per output token, engine steps) per level."""
     import pagedattn
     from pagedattn.checkpoint import load_checkpoint
 
@@ -217,12 +218,12 @@ def inprocess_tokens_per_s(spec: str, waves: list[list[list[str]]], max_tokens: 
     engine.generate([tok(ZEN[0])["input_ids"]], max_new_tokens=4)  # warm-up, as the server's first request
     results = []
     for wave_set in waves:
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, steps0 = time.perf_counter(), time.process_time(), engine.stats["steps"]
         n = 0
         for wave in wave_set:
             outs = engine.generate([tok(p)["input_ids"] for p in wave], max_new_tokens=max_tokens)
             n += sum(len(o) for o in outs)
-        results.append((n / (time.perf_counter() - t0), (time.process_time() - c0) / n))
+        results.append((n / (time.perf_counter() - t0), (time.process_time() - c0) / n, engine.stats["steps"] - steps0))
     return results
 
 
@@ -262,7 +263,10 @@ def main(argv=None) -> None:
                     prompts = prompts_for(max(n, args.min_requests))
                     level_prompts[n] = prompts
                     cpu0 = [process_cpu_s(p) for p in pids]
+                    steps0 = server_metrics(url).get("pagedattn_engine_steps_total", 0)
+                    client0 = time.process_time()  # the clients run in this process
                     s = asyncio.run(run_level(url, name, n, prompts, args.max_tokens, args.level_timeout))
+                    client_cpu = time.process_time() - client0
                     cpu1 = [process_cpu_s(p) for p in pids]
                     m = server_metrics(url)
                     row = {"model": model, "clients": n, "requests": len(prompts), "done": s["done"],
@@ -274,14 +278,19 @@ def main(argv=None) -> None:
                            "in_flight": m.get("pagedattn_requests_running", 0) + m.get("pagedattn_requests_waiting", 0),
                            "http_cpu_per_tok": (cpu1[0] - cpu0[0]) / max(1, s["tokens"]),
                            "engine_cpu_per_tok": (cpu1[1] - cpu0[1]) / max(1, s["tokens"]),
+                           "steps": m.get("pagedattn_engine_steps_total", 0) - steps0,
+                           "client_cpu_per_tok": client_cpu / max(1, s["tokens"]),
+                           # engine, HTTP and client processes together, as a share of every core over the level
+                           "machine_busy": (cpu1[0] - cpu0[0] + cpu1[1] - cpu0[1] + client_cpu)
+                           / (s["wall"] * os.cpu_count()),
                            "load": os.getloadavg()[0]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             finally:
                 print(f"{model}: server {stop_server(proc)}", flush=True)
             ref = inprocess_tokens_per_s(spec, [waves_for(level_prompts[n], n) for n in levels], args.max_tokens)
-            for row, (r, cpu) in zip([r for r in rows if r["model"] == model], ref):
-                row["inproc_tok_s"], row["inproc_cpu_per_tok"] = r, cpu
+            for row, (r, cpu, steps) in zip([r for r in rows if r["model"] == model], ref):
+                row["inproc_tok_s"], row["inproc_cpu_per_tok"], row["inproc_steps"] = r, cpu, steps
                 row["overhead_ratio"] = row["tok_s"] / r
                 print(f"{model} N={row['clients']}: in-process generate {r:.0f} tok/s, server "
                       f"{row['tok_s']:.0f} tok/s ({100 * row['overhead_ratio']:.0f} %)", flush=True)
@@ -289,17 +298,20 @@ def main(argv=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     nan = float("nan")
     print("\n| model | clients | requests | req/s | out tok/s | in-process tok/s | server/in-process | TTFT p50 / p99 "
-          "(s) | ITL p50 / p99 (ms) | CPU ms/token: engine process / in-process / HTTP process | engine CPU vs "
-          "in-process | errors | lost | blocks in use after | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "(s) | ITL p50 / p99 (ms) | CPU ms/token: engine process / in-process / HTTP process / clients | "
+          f"CPU busy (server and clients, of {os.cpu_count()} cores) | engine CPU vs "
+          "in-process | engine steps: server / in-process | errors | lost | blocks in use after | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
         print(f"| {r['model']} | {r['clients']} | {r['requests']} | {r['req_s']:.1f} | {r['tok_s']:.0f} | "
               f"{r.get('inproc_tok_s', float('nan')):.0f} | {100 * r.get('overhead_ratio', float('nan')):.0f} % | "
               f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p99']:.1f} | "
               f"{1e3 * r['engine_cpu_per_tok']:.2f} / {1e3 * r.get('inproc_cpu_per_tok', nan):.2f} / "
-              f"{1e3 * r['http_cpu_per_tok']:.2f} | "
+              f"{1e3 * r['http_cpu_per_tok']:.2f} / {1e3 * r['client_cpu_per_tok']:.2f} | "
+              f"{100 * r['machine_busy']:.0f} % | "
               f"{100 * r.get('inproc_cpu_per_tok', nan) / max(r['engine_cpu_per_tok'], 1e-9):.0f} % | "
+              f"{r['steps']:.0f} / {r.get('inproc_steps', nan):.0f} | "
               f"{errors} | {r['lost']} | {r['blocks_in_use']:.0f} | {r['load']:.1f} |")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 

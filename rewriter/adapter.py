@@ -212,7 +212,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
         with stages.stage(f"rewriting the decoder step of {type(model).__name__} (self-attention paged, "
                           "cross-attention over blocks filled once per request) and checking it"):
             servable = _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
-        if compile or compile is None:
+        if compile or (compile is None and backend.step_padder(512, 256, 1) is None):
             with stages.stage("compiling the decoder step with Inductor"):
                 servable = _compile(servable)
         return servable
@@ -261,9 +261,6 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
 def _seq2seq_servable(model, backend: AttentionBackend, block_size: int, dtype,
                       eos_token_id) -> ServableModel:
     """An encoder-decoder's servable: its rewritten decoder step, with the encoder and cross-attention writer."""
-    if backend.step_padder(512, 256, 1) is not None:
-        raise ValueError(f"PagedEngine serves encoder-decoders on the CPU and CUDA targets, not on "
-                         f"{backend.device_type!r} (its padded step shapes do not cover cross-attention metadata yet)")
     serving = prepare_seq2seq(model, backend, block_size)
     spec = serving.spec
     eos = eos_token_id if eos_token_id is not None else spec.eos_token_id

@@ -273,7 +273,9 @@ def _rewrite_seq2seq(args, ck, out: str, target: str, bar, t0: float, timings: d
         raise CliError(f"{args.checkpoint} cannot be served: {_one_line(e)}", 1) from e
     timings["export_s"] = _lap(bar, t0, timings)
     bar.set_description("encoder")
-    report = _encoder_sites(serving, target) + [dict(r) for r in serving.step.report]
+    if target == "xla":  # served and checked on XLA; read (torch.export) and saved from the CPU
+        model.to("cpu")
+    report = _encoder_sites(serving, "cpu" if target == "xla" else target) + [dict(r) for r in serving.step.report]
     for r in report[len(report) - len(serving.step.report):]:
         r["attention_type"] = {"self": "decoder self", "cross": "cross"}.get(r.get("attention_type"), "")
     timings["passes_s"] = _lap(bar, t0, timings)
@@ -636,7 +638,7 @@ def _run_seq2seq(out: str, args, info: dict, tok) -> None:
     except ckpt_mod.CheckpointError as e:
         raise CliError(str(e)) from e
     max_new = args.max_new_tokens if args.max_new_tokens is not None else 64
-    target = info["target"]
+    target = _check_target(info["target"])  # the device's runtime imported (torch_xla registers "xla")
     outs, dt = _generate(lambda: pagedattn.PagedEngine(ck.model.to(target), target=target,
                                                        block_size=info["block_size"], num_blocks=args.num_blocks or 2048,
                                                        max_num_tokens=512, progress=False),
@@ -727,7 +729,8 @@ def _serve_model(args):
                 ck = ckpt_mod.load_checkpoint(spec, None, None)
             except ckpt_mod.CheckpointError as e:
                 raise CliError(str(e)) from e
-            return ck.model.to(info["target"]), tok, name, info["target"], info["block_size"]
+            target = _check_target(info["target"])
+            return ck.model.to(target), tok, name, target, info["block_size"]
         rm = _load_program(spec)
         return rm, tok, name, info["target"], rm.block_size
     try:

@@ -253,40 +253,57 @@ class Seq2SeqServing:
 
     # --- the encoder, once per request
 
-    def encode(self, batch: Sequence[Mapping[str, torch.Tensor]], device) -> tuple[torch.Tensor, list[int]]:
-        """``[B, L, hidden]`` encoder states of a padded batch of requests, and each one's length."""
+    def encode(self, batch: Sequence[Mapping[str, torch.Tensor]], device,
+               bucketed: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """``[B, L, hidden]`` encoder states of a padded batch of requests, and each one's length.
+
+        ``bucketed``: the batch is padded to a power-of-two number of rows and of tokens (at most the encoder's
+        longest input), so that a device compiling one graph per shape (XLA) compiles a bounded number; the
+        padding rows (one visible pad token each, never written to a cache) follow the requests' rows."""
         name = self.spec.encoder_input
         lens = [int(x[name].shape[-1]) for x in batch]
         longest = max(lens)
-        padded, mask = [], torch.zeros(len(batch), longest, dtype=torch.long)
+        rows = len(batch)
+        if bucketed:
+            rows = _power_of_two(rows)
+            if name == "input_ids":
+                cap = self.spec.max_source_len  # positions past it do not exist (learned position tables)
+                longest = max(longest, min(_power_of_two(max(longest, 16)), cap or 1 << 62))
+        pad_value = self.spec.pad_token_id if name == "input_ids" else 0
+        padded, mask = [], torch.zeros(rows, longest, dtype=torch.long)
         for i, x in enumerate(batch):
             t = x[name]
-            pad = longest - t.shape[-1]
-            padded.append(torch.nn.functional.pad(t, (0, pad), value=self.spec.pad_token_id if name == "input_ids"
-                                                  else 0))
+            padded.append(torch.nn.functional.pad(t, (0, longest - t.shape[-1]), value=pad_value))
             mask[i, :lens[i]] = 1
+        for i in range(len(batch), rows):
+            padded.append(torch.full_like(padded[0], pad_value))
+            mask[i, 0] = 1  # a row with no visible key would be NaN in some encoders' attention
         inputs = {name: torch.stack(padded).to(device), "attention_mask": mask.to(device)}
         with torch.no_grad():
-            states = self.spec.encoder(**inputs)  # [B, L', hidden]
+            states = self.spec.encoder(**inputs)  # [rows, L', hidden]
         if states.shape[1] == longest:
             return states, lens
         return states, [self.encoder_len(x) for x in batch]
 
-    def encode_groups(self, batch: Sequence[Mapping[str, torch.Tensor]], device
+    def encode_groups(self, batch: Sequence[Mapping[str, torch.Tensor]], device, bucketed: bool = False
                       ) -> Iterator[tuple[list[int], torch.Tensor, list[int]]]:
         """The encoder over ``batch`` in groups of similar lengths (:func:`length_groups`): per group, the
-        requests' indices in ``batch``, their padded ``[B, L, hidden]`` states and their lengths. Padding
-        every request to the longest of a ragged batch (16-128 tokens) spends ~40 % of the encoder on pads."""
+        requests' indices in ``batch``, their padded ``[B, L, hidden]`` states (``B`` may exceed the group:
+        ``bucketed``, see :meth:`encode`) and their lengths. Padding every request to the longest of a ragged
+        batch (16-128 tokens) spends ~40 % of the encoder on pads."""
         name = self.spec.encoder_input
         lens = [int(x[name].shape[-1]) for x in batch]
         for group in length_groups(lens):
-            states, enc_lens = self.encode([batch[i] for i in group], device)
+            states, enc_lens = self.encode([batch[i] for i in group], device, bucketed)
             yield group, states, enc_lens
 
     def write_cross(self, caches: Sequence[torch.Tensor], states: torch.Tensor, lens: Sequence[int],
                     tables: Sequence[Sequence[int]], block_size: int) -> None:
-        """Write each request's cross-attention K/V (from its rows of ``states``) into its cross blocks."""
-        slots = cross_slot_mapping(tables, lens, states.shape[1], block_size, device=states.device)
+        """Write each request's cross-attention K/V (from its rows of ``states``; rows past ``len(lens)`` are
+        padding) into its cross blocks."""
+        slots = cross_slot_mapping(tables, lens, states.shape[1], block_size, device="cpu")
+        extra = (states.shape[0] - len(lens)) * states.shape[1]
+        slots = torch.nn.functional.pad(slots, (0, extra), value=-1).to(states.device)
         self.step.write_cross_kv({ENCODER_STATES: states.to(self._dtype())}, caches, slots)
 
     def _dtype(self) -> torch.dtype:
@@ -302,6 +319,10 @@ class Seq2SeqServing:
         if self.takes_positions:
             kw["position_ids"] = torch.tensor([list(pos)], device=device)
         return kw
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 # a group's fixed cost (the encoder's per-call work: Python, small ops), in padded tokens: measured on the
@@ -334,11 +355,39 @@ def prepare_seq2seq(model, backend: AttentionBackend, block_size: int) -> Seq2Se
     """Rewrite an encoder-decoder's decoder step (self-attention paged, cross-attention over blocks filled
     once per request) and check paged steps against its own decoder; ``ValueError`` says why it cannot be
     served. ``model`` is a Hugging Face seq2seq model or a :class:`Seq2SeqSpec`."""
-    from pagedattn.api import rewrite
-
     spec = model if isinstance(model, Seq2SeqSpec) else hf_seq2seq(model)
     decoder = spec.decoder.eval()
-    takes_positions = "position_ids" in inspect.signature(decoder.forward).parameters
+    device = next(iter(decoder.parameters())).device
+    if device.type == "xla":
+        # torch.export cannot trace some ops on XLA tensors (layer norm's decomposition reads symbolic sizes):
+        # the decoder step is rewritten on the CPU and moved with its program
+        from pagedattn.xla import to_xla
+
+        modules = {id(m): m for m in (spec.encoder, spec.decoder)}.values()
+        try:
+            for m in modules:
+                m.to("cpu")
+            step = to_xla(_rewrite_step(spec, backend, block_size), device)
+        finally:
+            for m in modules:
+                m.to(device)
+    else:
+        step = _rewrite_step(spec, backend, block_size)
+    serving = Seq2SeqServing(spec, step, _takes_positions(decoder))
+    check_seq2seq(serving, backend, block_size)
+    return serving
+
+
+def _takes_positions(decoder: nn.Module) -> bool:
+    return "position_ids" in inspect.signature(decoder.forward).parameters
+
+
+def _rewrite_step(spec: Seq2SeqSpec, backend: AttentionBackend, block_size: int) -> RewrittenModel:
+    """The decoder step rewritten where its parameters are: self-attention paged, cross-attention over blocks."""
+    from pagedattn.api import rewrite
+
+    decoder = spec.decoder
+    takes_positions = _takes_positions(decoder)
     device = next(iter(decoder.parameters())).device
     dtype = next(iter(decoder.parameters())).dtype
     vocab = spec.vocab_size or 2
@@ -359,9 +408,7 @@ def prepare_seq2seq(model, backend: AttentionBackend, block_size: int) -> Seq2Se
     if dense:
         raise ValueError(f"attention sites {dense} are neither self-attention over the step's tokens nor "
                          "cross-attention over the encoder's output: a paged step would mix its sequences there")
-    serving = Seq2SeqServing(spec, step, takes_positions)
-    check_seq2seq(serving, backend, block_size)
-    return serving
+    return step
 
 
 def check_seq2seq(serving: Seq2SeqServing, backend: AttentionBackend, block_size: int) -> None:

@@ -359,6 +359,9 @@ class Metrics:
                                        f"Output tokens per second over the last {RATE_WINDOW_S:g} s", registry=r)
         self.prompt_tokens = Counter("pagedattn_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.output_tokens = Counter("pagedattn_output_tokens", "Generated tokens", registry=r)
+        self.engine_steps = Counter("pagedattn_engine_steps",
+                                    "Engine steps run since the engine was built (each one forward of its batch)",
+                                    registry=r)
         self.finished = Counter("pagedattn_requests_finished", "Requests that ended, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("pagedattn_requests_rejected", "Requests refused, by HTTP status", ["status"],
@@ -435,6 +438,7 @@ class EngineLoop:
         self._stopping = False
         self._aio: Optional[asyncio.AbstractEventLoop] = None
         self._rate = _Rate()
+        self._steps_counted = 0  # engine steps already in the steps counter
         metrics.kv_blocks_total.set(self.info.num_blocks)
 
     @property
@@ -600,6 +604,10 @@ class EngineLoop:
     def _update_gauges(self, now: float, new_tokens: int = 0) -> None:
         m, g = self.metrics, self.gauges
         m.output_tokens.inc(new_tokens)
+        steps = max(0, g.steps - self._steps_counted)  # the engine's count since start, as a counter's increments
+        if steps:
+            m.engine_steps.inc(steps)
+            self._steps_counted = g.steps
         m.tokens_per_second.set(self._rate.add(now, new_tokens))
         m.running.set(g.running)
         m.waiting.set(max(0, len(self._streams) - g.running))

@@ -72,6 +72,7 @@ class Gauges(NamedTuple):
     blocks_used: int
     unfinished: bool
     applied: int
+    steps: int = 0  # engine steps run so far
 
 
 def max_model_len(engine) -> Optional[int]:
@@ -132,7 +133,7 @@ class EngineCore:
     def gauges(self) -> Gauges:
         e = self.engine
         return Gauges(len(e.scheduler.running), len(self._cid), e.num_blocks - e.blocks.num_free,
-                      e.has_unfinished(), self._applied)
+                      e.has_unfinished(), self._applied, e.stats["steps"])
 
     def _idle(self) -> bool:
         return self._paused or not self.engine.has_unfinished()

@@ -17,6 +17,7 @@ from pagedattn.backends.base import SplitKVBackend
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
+from pagedattn.runtime.shapes import pad_cross
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import encoder_key
 
@@ -425,13 +426,16 @@ class PagedEngine:
             return
         t0 = time.perf_counter()
         s2s = self._seq2seq
-        for group, states, lens in s2s.encode_groups([r.encoder_inputs for r in new], self.device):
+        bucketed = self._pad is not None  # a device that compiles per shape: a bounded number of encoder shapes
+        for group, states, lens in s2s.encode_groups([r.encoder_inputs for r in new], self.device, bucketed):
             reqs = [new[i] for i in group]
             for r, n in zip(reqs, lens):
                 if n != r.encoder_len:
                     raise RuntimeError(f"request {r.id}: the encoder gave {n} states, {r.encoder_len} were expected")
             s2s.write_cross(self.kv_caches, states, lens, [r.cross_table.blocks for r in reqs], self.block_size)
             self.stats["encoder_runs"] += 1
+        if bucketed:  # the encoder and its writes as graphs of their own, not prepended to the step's
+            self.backend.sync()
         self.stats["encoder_requests"] += len(new)
         for r in new:
             r.encoded = True
@@ -481,6 +485,9 @@ class PagedEngine:
             rows += [0] * (meta.num_seqs - num_rows)
             meta = meta.to(self.device)
         cross = self._cross_metadata(plan) if self._seq2seq is not None else None
+        if cross is not None and self._pad is not None:  # one row per padded sequence, bucketed block columns
+            width = int(cross.block_tables.shape[1])
+            cross = pad_cross(cross, meta.num_seqs, 1 << (width - 1).bit_length()).to(self.device)
         t1 = time.perf_counter()
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
                                           token_types=types or None)
@@ -495,7 +502,8 @@ class PagedEngine:
         last = self._last_cross
         if last is not None and last[0] == key:
             return last[1]
-        cross = build_cross_metadata([k[2] for k in key], [k[1] for k in key], self.block_size, device=self.device)
+        cross = build_cross_metadata([k[2] for k in key], [k[1] for k in key], self.block_size,
+                                     device="cpu" if self._pad else self.device)
         self._last_cross = (key, cross)
         return cross
 

@@ -94,7 +94,15 @@ def test_models_health_and_metrics(served):
     assert [m.id for m in served.client.models.list()] == ["demo"]
     base = served.srv.url.removesuffix("/v1")
     assert httpx.get(f"{base}/health").json()["status"] == "ok"
+
+    def steps() -> float:
+        line = next(x for x in httpx.get(f"{base}/metrics").text.splitlines()
+                    if x.startswith("pagedattn_engine_steps_total "))
+        return float(line.split()[1])
+
+    before = steps()
     served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=2, temperature=0)
+    assert steps() - before >= 2  # a prefill step and a decode step, at least
     metrics = httpx.get(f"{base}/metrics").text
     for name in ("pagedattn_requests_running", "pagedattn_requests_waiting", "pagedattn_kv_blocks_used",
                  "pagedattn_output_tokens_per_second", "pagedattn_time_to_first_token_seconds_count",
@@ -350,6 +358,7 @@ class _SlowEngine:
         self.requests: dict[int, tuple[list[int], int]] = {}
         self.done: list[RequestOutput] = []
         self.ids = itertools.count()
+        self.stats = {"steps": 0}
 
     def validate(self, prompt, params):
         return None if prompt else "the prompt is empty"
@@ -367,6 +376,7 @@ class _SlowEngine:
 
     def step(self):
         time.sleep(0.02)
+        self.stats["steps"] += 1
         for rid, (tokens, limit) in list(self.requests.items()):
             tokens.append(65)
             if len(tokens) >= limit:
