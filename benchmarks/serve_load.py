@@ -103,6 +103,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin(engine: int, http: int, threads: int, cores: list[int]) -> None:
+    """The engine process (and its threads) on the first ``threads`` of ``cores``, the HTTP process and this one
+    (the clients) on the others: each side keeps its own caches, as on a machine with a core per process."""
+    if len(cores) <= threads:
+        raise SystemExit(f"--pin needs more than {threads} cores; this machine has {len(cores)}")
+    mine, rest = set(cores[:threads]), set(cores[threads:])
+    for tid in os.listdir(f"/proc/{engine}/task"):
+        os.sched_setaffinity(int(tid), mine)
+    for pid in (http, os.getpid()):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), rest)
+
+
 def engine_pid(url: str) -> int:
     """The server's engine process (``GET /health``)."""
     return httpx.get(url.removesuffix("/v1") + "/health").json()["engine_pid"]
@@ -242,6 +255,9 @@ def main(argv=None) -> None:
     ap.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, server and in-process (default 1)")
     ap.add_argument("--level-timeout", type=float, default=120.0)
+    ap.add_argument("--pin", action="store_true",
+                    help="the engine process on cores of its own (as many as --threads), the HTTP process and the "
+                         "clients on the rest, and the in-process run on the engine's cores")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.levels.split(",")]
@@ -249,6 +265,7 @@ def main(argv=None) -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f}; server settings {SERVER_ARGS}; "
           f"{args.max_tokens} tokens per request, greedy; torch threads {args.threads}", flush=True)
     rows = []
+    cores = sorted(os.sched_getaffinity(0))
     try:
         for model in args.models.split(","):
             spec = "demo" if model == "demo" else build_llama30m(os.path.join(tmp, model))
@@ -259,6 +276,8 @@ def main(argv=None) -> None:
                 asyncio.run(run_level(url, name, 1, [ZEN[0]], 4, args.level_timeout))
                 level_prompts = {}
                 pids = (proc.pid, engine_pid(url))  # the HTTP process and the engine process
+                if args.pin:
+                    pin(pids[1], proc.pid, args.threads, cores)
                 for n in levels:
                     prompts = prompts_for(max(n, args.min_requests))
                     level_prompts[n] = prompts
@@ -288,7 +307,12 @@ def main(argv=None) -> None:
                     print(json.dumps(row), flush=True)
             finally:
                 print(f"{model}: server {stop_server(proc)}", flush=True)
-            ref = inprocess_tokens_per_s(spec, [waves_for(level_prompts[n], n) for n in levels], args.max_tokens)
+            if args.pin:  # generate on the cores the engine process had
+                os.sched_setaffinity(0, set(cores[:args.threads]))
+            try:
+                ref = inprocess_tokens_per_s(spec, [waves_for(level_prompts[n], n) for n in levels], args.max_tokens)
+            finally:
+                os.sched_setaffinity(0, set(cores))
             for row, (r, cpu, steps) in zip([r for r in rows if r["model"] == model], ref):
                 row["inproc_tok_s"], row["inproc_cpu_per_tok"], row["inproc_steps"] = r, cpu, steps
                 row["overhead_ratio"] = row["tok_s"] / r

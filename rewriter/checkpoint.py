@@ -103,7 +103,7 @@ def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optio
             raise CheckpointError(f"could not load the weights in {path}: {mismatch}") from e
         raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {_first_line(e)}; "
                               "the files may be corrupt or truncated, re-save the checkpoint") from e
-    return Checkpoint("hf", path, model=model.eval(), tokenizer=_tokenizer(path), config=config)
+    return Checkpoint("hf", path, model=model.eval(), tokenizer=load_tokenizer(path), config=config)
 
 
 def _auto_class(config):
@@ -169,7 +169,8 @@ def _has_weights(path: str) -> bool:
     return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
 
 
-def _tokenizer(path: str):
+def load_tokenizer(path: str):
+    """The tokenizer a checkpoint folder carries (None: it has none, or it does not load; a warning says why)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
         return None

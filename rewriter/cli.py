@@ -772,7 +772,7 @@ def _serve_tokenizer(args):
     if kind != "hf":
         raise CliError(f"{spec} is a torch.export program: rewrite it first (rewrite-model {spec} -o OUT) and "
                        "serve OUT")
-    return ckpt_mod._tokenizer(path), spec if _is_demo(spec) else os.path.basename(os.path.abspath(spec))
+    return ckpt_mod.load_tokenizer(path), spec if _is_demo(spec) else os.path.basename(os.path.abspath(spec))
 
 
 def _serve_engine(args):

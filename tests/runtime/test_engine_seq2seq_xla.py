@@ -1,6 +1,6 @@
 """PagedEngine serving encoder-decoders on XLA (XLA:CPU, the static paged path): greedy tokens equal Hugging Face
-``generate`` for tiny BART and Whisper, under chunked prefill and preemption, with a bounded number of compiled
-graphs. Runs in the XLA environment only (``.ci/xla-tests``); elsewhere every test skips.
+``generate`` for tiny BART, T5 and Whisper, under chunked prefill and preemption, with a bounded number of compiled
+graphs; ``rewrite-model --target xla`` and ``run`` on a BART folder. Runs in the XLA environment only (``.ci/xla-tests``); elsewhere every test skips.
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ def test_bart_on_xla_under_chunked_prefill_and_preemption(bart):
         assert engine.generate(sources(), max_new_tokens=NEW) == ref, mode
         assert engine.stats["preemptions"] > 0, mode
         assert engine.blocks.num_free == engine.num_blocks
+
+
+def test_t5_relative_bias_on_xla_equals_hf_generate():
+    # T5's bucketed relative bias is a position program: XLA's static path evaluates it for each step's positions
+    model = tiny_seq2seq("t5")
+    ref = hf_seq2seq_generate(model, sources(), NEW)
+    engine = PagedEngine(tiny_seq2seq("t5").to(DEV), target="xla", block_size=4, num_blocks=200, max_num_tokens=32,
+                         max_num_seqs=8)
+    assert engine.generate(sources(), max_new_tokens=NEW) == ref
 
 
 def test_whisper_features_on_xla_equal_hf_generate():
