@@ -80,6 +80,7 @@ class ServableModel:
     token_steps: bool = False
     one_row: bool = False
     min_step: int = 0
+    pad_single_token: bool = False  # min_step applies to single-token steps too (an eager exported program)
     seq2seq: Optional[Seq2SeqServing] = None
     values: Optional[position_mod.ValueSpec] = None
     unserved_inputs: dict = dataclasses.field(default_factory=dict)  # input -> why requests may not carry it
@@ -128,7 +129,8 @@ class ServableModel:
         types (``token_types``, default: none inside a span)."""
         num_rows = len(rows)
         if self.min_step > 1:
-            meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step)
+            meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step,
+                                                   single_token=not self.pad_single_token)
             if cross is not None:
                 cross = pad_cross(cross, meta.num_seqs, self.min_step)
         if self.seq2seq is not None:
@@ -252,6 +254,9 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
         with stages.stage("compiling the paged step with Inductor (a first start takes a while; later starts "
                           "reuse Inductor's on-disk cache)"):
             servable = _compile(servable)
+    elif isinstance(servable.step, RewrittenModel) and servable.step.min_sizes > 1:
+        # an exported program run eagerly checks its inputs' sizes as traced: pad every step up to them
+        servable = dataclasses.replace(servable, min_step=servable.step.min_sizes, pad_single_token=True)
     if servable.state is None:
         with stages.stage("checking packed and chunked steps against each other"):
             check_packing(servable)

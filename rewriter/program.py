@@ -173,6 +173,9 @@ class RewrittenModel(nn.Module):
         # at most one input; in paged mode the graph takes the step's values (paged_context's position_values)
         self.value_inputs: dict[int, position_mod.ValueSpec] = {}
         self._exported: Optional[torch.export.ExportedProgram] = None
+        # every input size of the paged graph is at least this (a loaded program: torch.export specialises
+        # sizes 0 and 1, so its graph checks that the others are >= 2); 0: any size
+        self.min_sizes = 0
         self._freezing = False  # see compile_paged
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
@@ -323,10 +326,6 @@ class RewrittenModel(nn.Module):
         """Write the paged program to ``path`` (``pagedattn.load`` reads it in any process)."""
         from pagedattn.serialization import save
 
-        if self.value_inputs:
-            raise ValueError(f"cannot save a program whose masks read per-request values (input "
-                             f"{self.value_spec.input!r}, a prefix-LM mask): the archive does not carry how; serve "
-                             "it from the model with PagedEngine")
         save(self, path)
 
     def print_report(self) -> str:

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend
+from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend, position_mod
 from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.runtime.shapes import no_duck_sizing
 from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
 from pagedattn.tracing import quiet_tracing
 
@@ -41,6 +42,8 @@ def save(model: RewrittenModel, path: str) -> None:
             "report": model.report, "cache_specs": [s.to_json() for s in model.cache_specs], "target": model.target,
             "block_size": model.block_size, "in_spec": _dump_spec(model.in_spec),
             "out_spec": _dump_spec(model.out_spec), "model_info": model.info.to_json(),
+            # how the masks read per-request values (a prefix-LM's token types): the paged graph's last input
+            "value_inputs": {str(i): spec.to_json() for i, spec in model.value_inputs.items()},
         })
     }
     ep = model.exported_program
@@ -70,12 +73,15 @@ def load(path: str, backend: "str | AttentionBackend | None" = None) -> Rewritte
         report, specs = list(info["report"]), [CacheSpec.from_json(s) for s in info["cache_specs"]]
         target, block_size = str(info["target"]), int(info["block_size"])
         model_info = ModelInfo.from_json(dict(info.get("model_info") or {}))
+        values = {int(i): position_mod.ValueSpec.from_json(v) for i, v in dict(info.get("value_inputs") or {}).items()}
     except (KeyError, TypeError, ValueError) as e:
         raise UnsafeArchive(f"{path}: its {_INFO_FILE} is malformed ({type(e).__name__}: {e})") from e
     model = RewrittenModel(
         None, _LoadedGraph(ep.module()), load_treespec(info.get("in_spec"), f"{path} (in_spec)"),
         load_treespec(info.get("out_spec"), f"{path} (out_spec)"), report, specs,
         get_backend(backend if backend is not None else target), block_size, info=model_info)
+    model.value_inputs = values
+    model.min_sizes = 2  # export_paged's example has every dynamic size >= 2
     model._exported = ep
     return model
 
@@ -139,8 +145,11 @@ def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
         raise RuntimeError("no example inputs to export with")
     caches, meta = example_paged_inputs(model)
     inputs = [*model.example_inputs, *caches, *meta.tensors()]
+    if model.value_spec is not None:  # [num_seqs, count]: the step's per-request values
+        inputs.append(position_mod.default_values(model.value_spec, meta.num_seqs))
     dyn = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
                 for x in inputs)
-    with torch.no_grad(), quiet_tracing():
+    # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences
+    with torch.no_grad(), quiet_tracing(), no_duck_sizing():
         return torch.export.export(model.graph_module, tuple(inputs), dynamic_shapes=dyn, strict=False)
 

@@ -29,16 +29,17 @@ __all__ = ["pad_packed_step", "pad_cross", "no_duck_sizing", "graph_count"]
 
 
 def pad_packed_step(meta: AttentionMetadata, ids: Sequence[int], pos: Sequence[int], rows: Sequence[int],
-                    floor: int) -> tuple[AttentionMetadata, list[int], list[int], list[int]]:
+                    floor: int, single_token: bool = True) -> tuple[AttentionMetadata, list[int], list[int], list[int]]:
     """The step padded so that ``T``, ``S``, ``W`` and ``R`` are at least ``floor``, or for a single-token
-    step ``W`` alone (``R`` to 1 when the token needs no logits) (see the module).
+    step ``W`` alone (``R`` to 1 when the token needs no logits) (see the module). ``single_token=False``
+    pads single-token steps too (a graph that has no single-token variant: an exported program).
 
     Reads no tensor on the host: the real token count is ``len(ids)``, so the metadata may live on
     the device.
     """
     T, S, W, R = len(ids), meta.num_seqs, int(meta.block_tables.shape[1]), len(rows)
     dT, dS, dW, dR = (max(0, floor - n) for n in (T, S, W, R))
-    if T == 1:  # the single-token graph: T = S = R = 1
+    if T == 1 and single_token:  # the single-token graph: T = S = R = 1
         dT, dS, dR = 0, 0, 1 - R
     if not (dT or dS or dW or dR):
         return meta, list(ids), list(pos), list(rows)

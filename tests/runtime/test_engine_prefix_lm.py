@@ -199,5 +199,24 @@ def test_paged_context_needs_the_steps_values():
     meta = pagedattn.build_metadata([(0, 8, [0, 1])], 4)
     with pytest.raises(ValueError, match="position_values"), pagedattn.paged_context(caches, meta):
         rm(input_ids=torch.zeros(1, 8, dtype=torch.long), token_type_ids=torch.zeros(1, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match="cannot save a program whose masks read per-request values"):
-        rm.save("/nonexistent/model.pt2")
+
+
+def test_a_saved_prefix_lm_program_serves_its_spans_after_loading(tmp_path):
+    # the archive carries how the masks read token types: the loaded program takes the step's values as the
+    # model's own program does, and serves requests with spans exactly
+    m = PrefixLM().eval()
+    rm = pagedattn.rewrite(m, (), {"input_ids": torch.zeros(1, 8, dtype=torch.long),
+                                   "token_type_ids": torch.zeros(1, 8, dtype=torch.long)}, block_size=4)
+    rm.save(str(tmp_path / "prefix.pt2"))
+    loaded = pagedattn.load(str(tmp_path / "prefix.pt2"))
+    assert loaded.value_spec == rm.value_spec and loaded.value_spec is not None
+    reqs = _requests(64, [(50, [(10, 30)]), (30, [(0, 12), (20, 30)]), (20, [])], 1)
+    want = [_greedy(m, r, 5, 0) for r in reqs]
+    # eager: the exported graph checks that its sizes are >= 2 as traced, and every step is padded to them
+    engine = PagedEngine(loaded, compile=False, block_size=4, max_num_tokens=48, num_blocks=128, progress=False)
+    assert engine.servable.min_step == 2 and engine.servable.pad_single_token
+    assert engine.servable.values == rm.value_spec
+    assert engine.generate(reqs, max_new_tokens=5) == want
+    assert engine.generate(reqs[:1], max_new_tokens=5) == want[:1]  # one sequence, single-token decode steps
+    # the check can fail: without their spans the same prompts generate other tokens
+    assert [_greedy(m, {**r, "token_type_ids": [0] * len(r["input_ids"])}, 5, 0) for r in reqs] != want
