@@ -26,6 +26,22 @@ def test_text_seq2seq_equals_hf_generate(arch):
     assert kinds == [(self_mask, "self"), ("none", "cross")] * 2
 
 
+def test_pegasus_x_equals_hf_generate():
+    # its decoder fills a sinusoidal position table in place from the decoder's length: the cross-attention
+    # writer, cut from the decoder step, must drop those writes with the rest of the decoder's work
+    import transformers
+
+    from .hf_zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(tiny_config("pegasus_x"), attn_implementation="eager")
+    model = model.eval().float()
+    srcs = [[(7 * i + 3 * n) % 90 + 4 for i in range(n)] for n in (5, 17, 9)]
+    engine = PagedEngine(model, compile=False, block_size=4, progress=False)
+    assert engine.generate(srcs, max_new_tokens=6) == hf_seq2seq_generate(model, srcs, 6)
+    assert [r["attention_type"] for r in engine.model.report].count("cross") == model.config.decoder_layers
+
+
 def test_whisper_takes_features_and_equals_hf_generate():
     model = tiny_seq2seq("whisper")
     feats = features(model, 4)
