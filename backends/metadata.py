@@ -317,6 +317,9 @@ def validate_attend(
 _MEMO = threading.local()
 
 
+_ASSERT_LIMIT = 255
+
+
 def _fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
@@ -327,7 +330,9 @@ def _value_check(op: str, cond: torch.Tensor, msg: str) -> None:
         if not bool(cond):
             _fail(op, msg)
     elif cond.device.type == "cuda":
-        torch._assert_async(cond, f"{op}: {msg}")
+        text = f"{op}: {msg}"
+        # CUDA's device-side assert takes messages shorter than 255 characters
+        torch._assert_async(cond, text if len(text) < _ASSERT_LIMIT else text[:_ASSERT_LIMIT - 4] + "...")
 
 
 def _checked(key: str, tensors: tuple, extra: tuple) -> bool:

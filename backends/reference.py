@@ -96,7 +96,7 @@ def alibi_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     ``slope * (key position - query position)``."""
     dtype = torch.promote_types(slopes.dtype, torch.float32)
     rel = (k_pos[..., None, :] - q_pos[..., :, None]).to(dtype)  # [..., Q, L]
-    return slopes.to(dtype).reshape(-1, 1, 1) * rel[..., None, :, :]
+    return slopes.to(rel.device, dtype).reshape(-1, 1, 1) * rel[..., None, :, :]
 
 
 @dataclass(frozen=True)

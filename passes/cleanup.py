@@ -35,7 +35,7 @@ def _scratch_base(n: Node):
     base = n.args[0]
     while base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
-    if base.op == "call_function" and base.target in _FRESH and len(base.users) >= 1:
+    if base.op == "call_function" and base.target in _FRESH:
         return base
     return None
 

@@ -37,6 +37,15 @@ def _dtype_problem(site: AttentionSite) -> str:
     return ""
 
 
+def _beside(constant: torch.Tensor, like) -> torch.Tensor:
+    """A copy of a constant the classifier established (on the CPU) on the device of the site's tensors, so
+    that the graph's buffer sits where the model runs; traced on the meta device, it stays where it is."""
+    device = getattr(like, "device", None)
+    if device is None or device.type == "meta":
+        return constant.clone()
+    return constant.to(device, copy=True)
+
+
 def _pad_last(g, node: Node, size: int) -> Node:
     v = val(node)
     if v.shape[-1] == size:
@@ -60,7 +69,7 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
         alibi = None
         if site.alibi_slopes is not None:
             name = f"_pagedattn_alibi_{index}"
-            gm.register_buffer(name, site.alibi_slopes.clone())
+            gm.register_buffer(name, _beside(site.alibi_slopes, val(site.query)))
             alibi = g.get_attr(name)
             alibi.meta["val"] = site.alibi_slopes
         sinks = None
@@ -70,7 +79,7 @@ def _replace(gm: GraphModule, site: AttentionSite, index: int) -> None:
         tables = None
         if site.position_tables is not None:  # constant tables a position program reads
             name = f"_pagedattn_position_tables_{index}"
-            gm.register_buffer(name, site.position_tables.clone())
+            gm.register_buffer(name, _beside(site.position_tables, val(site.query)))
             tables = g.get_attr(name)
             tables.meta["val"] = site.position_tables
         params = dataclasses.replace(site.params(), alibi_slopes=alibi, sinks=sinks, head_size_v=int(size),

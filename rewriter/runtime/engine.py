@@ -407,10 +407,15 @@ class PagedEngine:
         else:
             logits, num_tokens, t1 = self._run_packed(plan)
         self.backend.sync()
+        greedy = None
         if logits.device.type != "cpu":
-            logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
+            if all(c.request.params.temperature == 0 for c in plan if c.completes):
+                # greedy rows only: the argmax on the device, and only the token ids come back
+                greedy = logits.argmax(-1).tolist() if logits.numel() else []
+            else:
+                logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
         t2 = time.perf_counter()
-        finished = self._advance(plan, logits)
+        finished = self._advance(plan, logits, greedy)
         t3 = time.perf_counter()
         self.stats["steps"] += 1
         self.stats["tokens"] += num_tokens
@@ -537,11 +542,12 @@ class PagedEngine:
                 for src, dst in zip(src_caches, dst_caches):
                     self.backend.swap_blocks(src, dst, pairs)
 
-    def _advance(self, plan: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+    def _advance(self, plan: list[ScheduledChunk], logits: torch.Tensor,
+                 greedy: Optional[list[int]] = None) -> list[RequestOutput]:
         done = []
         r = 0
-        # greedy tokens of every row in one call: a call per row costs more than the argmax itself
-        greedy = logits.argmax(-1).tolist() if logits.numel() else []
+        if greedy is None:  # every row's argmax in one call: a call per row costs more than the argmax itself
+            greedy = logits.argmax(-1).tolist() if logits.numel() else []
         for chunk in plan:
             req = chunk.request
             self.blocks.commit(req.table, req.tokens, chunk.num_tokens)

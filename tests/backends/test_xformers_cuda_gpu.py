@@ -13,7 +13,7 @@ pytestmark = [
 ]
 pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
 
-from pagedattn.backends import AttentionParams, get_backend  # noqa: E402
+from pagedattn.backends import AttentionParams, get_backend, set_validation  # noqa: E402
 
 from ..support import (  # noqa: E402
     ALIBI8,
@@ -221,17 +221,29 @@ def _prompts():
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("setting", [{}, {"max_num_tokens": 16}, {"block_size": 64}],
                          ids=["default", "chunked_prefill", "block64"])
-def test_engine_fp16_matches_hf_generate_on_gpu(arch, setting):
+@pytest.mark.parametrize("graphs", [False, True], ids=["xformers_decode", "cuda_graphs"])
+def test_engine_fp16_matches_hf_generate_on_gpu(arch, setting, graphs):
     from pagedattn import PagedEngine
 
     model = wide_model(arch, torch.float16, "cuda")
     ref = hf_generate(model, _prompts(), 12)
     backend = get_backend("cuda")
     backend.paths.clear()
-    got = PagedEngine(model, compile=False, target="cuda", **setting).generate(_prompts(), max_new_tokens=12)
+    engine = PagedEngine(model, compile=False, target="cuda", cuda_graphs=graphs, **setting)
+    set_validation(not graphs)  # full validation reads metadata on the host: the graphs would run eagerly
+    try:
+        got = engine.generate(_prompts(), max_new_tokens=12)
+    finally:
+        set_validation(True)  # as tests/conftest.py keeps it
     assert got == ref
     kinds = {k for k, _ in backend.paths}
-    assert "decode" in kinds and "fresh" in kinds
+    assert "fresh" in kinds
+    if graphs:  # decode steps replay their graphs (the static attention), not xFormers' decode operator
+        assert engine.decode_graphs.stats["replays"] > 0
+        if not setting.get("max_num_tokens"):  # (chunked prefill also runs 1-token chunks that end no prompt)
+            assert "decode" not in kinds
+    else:
+        assert "decode" in kinds
     if setting.get("max_num_tokens"):
         assert "chunked" in kinds
 
@@ -260,7 +272,8 @@ def test_engine_alibi_and_softcap_models_on_gpu(arch):
         model = model.to("cuda")
     backend = get_backend("cuda")
     backend.paths.clear()
-    got = PagedEngine(model, compile=False, target="cuda", max_num_tokens=16).generate(_prompts(), max_new_tokens=12)
+    got = PagedEngine(model, compile=False, target="cuda", max_num_tokens=16, cuda_graphs=False).generate(
+        _prompts(), max_new_tokens=12)
     assert got == ref
     used = {p for _, p in backend.paths}
     assert (any(p.startswith("triton_splitK") for p in used) if arch == "bloom" else "softcap_math" in used), used

@@ -21,6 +21,7 @@ from pagedattn.runtime.cuda_graphs import (
     bucket,
     capture_sizes,
     no_host_reads,
+    reproduces,
     width_buckets,
 )
 
@@ -35,6 +36,26 @@ def checks_as_on_cuda(monkeypatch):
     set_validation(False)
     yield
     set_validation(True)  # as tests/conftest.py keeps it
+
+
+def test_a_replay_reproduces_the_step_up_to_rounding_not_up_to_stale_inputs():
+    """bf16 logits an ulp or two apart (cuBLAS picks other algorithms under capture: seen on an H100, 0.07 on
+    logits of about 5) are the same step; a row from another step's inputs, or a non-finite one, is not."""
+    g = torch.Generator().manual_seed(0)
+    eager = (torch.randn(64, 1000, generator=g) * 2).to(torch.bfloat16)
+    ulp = torch.finfo(torch.bfloat16).eps * eager.float().abs().max()
+    assert reproduces(eager.clone(), eager)
+    assert reproduces((eager.float() + 2 * ulp * torch.sign(torch.randn(64, 1000, generator=g))).to(torch.bfloat16),
+                      eager)
+    stale = eager.clone()
+    stale[3] = (torch.randn(1000, generator=g) * 2).to(torch.bfloat16)  # one row computed from other inputs
+    assert not reproduces(stale, eager)
+    broken = eager.clone()
+    broken[0, 0] = float("nan")
+    assert not reproduces(broken, eager)
+    assert not reproduces(eager[:32], eager)
+    fp32 = torch.randn(8, 100, generator=g)
+    assert reproduces(fp32 + 1e-5, fp32) and not reproduces(fp32 + 1e-2, fp32)
 
 
 def test_capture_sizes_hold_every_batch_up_to_max_num_seqs():

@@ -1,0 +1,288 @@
+"""Generation on an NVIDIA GPU against its roofline: PagedEngine (compiled, decode steps as CUDA graphs)
+against Hugging Face ``generate`` on the left-padded batch and ``generate_batch`` (``paged|sdpa``), all in
+this process (issue 17's GPU workload).
+
+Workload (the defaults): a random-weight Llama-shaped model of about 1.1 B parameters (TinyLlama's shape:
+22 layers, hidden 2048, GQA 32/4, vocab 32000), bfloat16, 64 prompts of 128-1024 random tokens, 256 new
+tokens each, greedy. The engine serves the workload twice: the first run captures its decode graphs as it
+meets each (batch, block-table width) bucket, the second is timed step by step against the roofline
+(``benchmarks/roofline.py``: the bytes and FLOPs each step must move and do, against a device-to-device
+copy and a bf16 matmul measured here). Then one table of synthetic step kinds (decode at batch
+1/8/32/64, mixed, a long prefill), the host syncs a decode step makes (profiler), and the recompile count.
+
+    python benchmarks/generate_cuda.py                # the figures in benchmarks/RESULTS.md
+    python benchmarks/generate_cuda.py --quick        # a smoke run (small model, few tokens)
+    python benchmarks/generate_cuda.py --no-graphs    # also the engine with cuda_graphs=False
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import statistics
+import time
+
+import roofline  # benchmarks/roofline.py, beside this script
+import torch
+
+from pagedattn.runtime.shapes import graph_count
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def build_llama(quick: bool, attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if quick:
+        shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2)
+    else:  # TinyLlama-1.1B's shape
+        shape = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4)
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=2048, eos_token_id=None, bos_token_id=None,
+                      pad_token_id=0, attn_implementation=attn, **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def hf_padded_generate(model, prompts, new):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, device="cuda")
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    return [o[width:].tolist() for o in out]
+
+
+def hf_generate_batch(model, prompts, new, num_blocks, block_size, max_tokens):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    names = inspect.signature(ContinuousBatchingConfig).parameters  # the page size's name varies by version
+    kw = {"page_size" if "page_size" in names else "block_size": block_size, "num_blocks": num_blocks,
+          "max_batch_tokens": max_tokens}
+    cb = ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
+    with torch.no_grad():
+        res = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb,
+                                   progress_bar=False)
+    return [list(r.generated_tokens) for r in res.values()]
+
+
+def _timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def _agreement(got, ref) -> tuple[int, float]:
+    """(outputs identical to ``ref``, median count of leading tokens equal to ``ref``'s)."""
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
+    return sum(a == b for a, b in zip(got, ref)), statistics.median(first)
+
+
+def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
+    from pagedattn import PagedEngine
+
+    engine, seconds = _timed(lambda: PagedEngine(model, target="cuda", block_size=16, num_blocks=num_blocks,
+                                                 max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+                                                 progress=False, **kw))
+    return engine, seconds
+
+
+def engine_run(engine, prompts, new):
+    """Serve the workload once: (outputs, seconds, StepRecorder)."""
+    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
+    rec = roofline.StepRecorder(engine)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rids = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    rec.run()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    done = {r.request_id: r.tokens for r in engine.collect()}
+    return [done[r] for r in rids], seconds, rec
+
+
+def print_roofline(steps, seconds, shape, machine, batch: int) -> None:
+    table = roofline.summarise(steps, shape, machine)
+    print(roofline.COST_HEADER)
+    for kind in ("decode", "mixed", "prefill", "all"):
+        if kind in table:
+            print(roofline.format_cost_row(kind if kind != "all" else "all steps", *table[kind]))
+    full = [s for s in steps if roofline.step_kind(s.chunks) == "decode" and len(s.chunks) == batch]
+    if full:
+        print(roofline.format_cost_row(f"decode at batch {batch}", *roofline.summarise(full, shape, machine)["all"]))
+    print(f"  workload limit {table['all'][2]:.3f} s; engine {seconds:.3f} s: {table['all'][2] / seconds:.0%} of "
+          "the roofline")
+
+
+def host_syncs(engine, prompts, new_tokens: int = 12, steps: int = 5) -> str:
+    """Profile ``steps`` decode steps: CUDA runtime calls per step that wait for the device, D2H copies,
+    graph launches and kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rids = [engine.add_request(p, max_new_tokens=new_tokens) for p in prompts]
+    for _ in range(4):  # past the prefills
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    names: dict[str, int] = {}
+    for e in prof.events():
+        if e.name.startswith("cuda") and not e.name.startswith("cudaGetDevice"):
+            names[e.name] = names.get(e.name, 0) + 1
+    while engine.has_unfinished():
+        engine.step()
+    engine.collect()
+    del rids
+    interesting = {k: v for k, v in names.items() if k in _SYNC_CALLS or k.startswith(("cudaMemcpy", "cudaGraphLaunch",
+                                                                                          "cudaLaunchKernel"))}
+    return ", ".join(f"{k} {v / steps:.1f}" for k, v in sorted(interesting.items())) or "none"
+
+
+def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 14) -> None:
+    """Where a decode step's time goes: the kernels of ``steps`` decode steps at ``batch`` sequences of
+    ``context`` tokens (profiler), grouped by name, against the step's wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, _ = make_engine(model, batch * (-(-(context + 64) // 16) + 1) + 64, batch, 8192)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(batch):
+        engine.add_request(torch.randint(1, 32000, (context,), generator=g).tolist(), max_new_tokens=48)
+    while any(not r.output for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+        engine.step()
+    for _ in range(3):  # captures at this size and width
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            row = kernels.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.elapsed_us()
+    busy = sum(us for _, us in kernels.values()) / steps
+    print(f"decode step at batch {batch}, context {context}: wall {wall * 1e3:.2f} ms, GPU busy {busy / 1e3:.2f} ms "
+          f"({sum(n for n, _ in kernels.values()) / steps:.0f} kernels); graphs: {engine.decode_graphs.stats}")
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {us / steps:9.1f} us {n / steps:6.1f}x  {100 * us / steps / busy:5.1f}%  {name[:110]}")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--quick", action="store_true", help="a small model and workload (smoke run)")
+    p.add_argument("--no-graphs", action="store_true", help="also time the engine with cuda_graphs=False")
+    p.add_argument("--skip", nargs="*", default=[], choices=["padded", "hf_cb", "kinds"])
+    p.add_argument("--profile", action="store_true", help="only: the kernels of a decode step at batch 64")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if a.quick:
+        a.prompts, a.min_len, a.max_len, a.new = 8, 16, 64, 16
+    props = torch.cuda.get_device_properties(0)
+    machine = roofline.measure_machine(torch.bfloat16, device="cuda", copy_bytes=1 << 30, matmul_size=8192)
+    print(f"{props.name}, torch {torch.__version__}; {machine.describe()}")
+
+    model = build_llama(a.quick)
+    if a.profile:
+        profile_decode(model, min(64, a.prompts), 512)
+        return
+    shape = roofline.ModelShape.of(model)
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(a.min_len, a.max_len + 1, (a.prompts,), generator=g).tolist()
+    prompts = [torch.randint(1, 32000, (n,), generator=g).tolist() for n in lens]
+    params = sum(q.numel() for q in model.parameters())
+    total = a.prompts * a.new
+    block = 16
+    num_blocks = sum(-(-(n + a.new) // block) for n in lens) + 64 * -(-(512 + 64) // block) + 64
+    print(f"model: Llama {params / 1e9:.2f} B parameters, bfloat16; {a.prompts} prompts of {a.min_len}-{a.max_len} "
+          f"tokens (mean {statistics.mean(lens):.0f}), {a.new} new tokens each, greedy")
+    print(f"{'runner':44} {'s':>7} {'new tok/s':>10}")
+    rows: dict[str, float] = {}
+    ref = None
+    if "padded" not in a.skip:
+        hf_padded_generate(model, prompts, 2)  # warm-up, at the workload's shapes
+        ref, rows["hf"] = _timed(lambda: hf_padded_generate(model, prompts, a.new))
+        limit = roofline.padded_batch_cost(shape, lens, a.new).limit_s(machine)
+        print(f"{'HF generate, padded batch (sdpa)':44} {rows['hf']:7.2f} {total / rows['hf']:10.0f}   "
+              f"({limit / rows['hf']:.0%} of its own limit, padding not counted)")
+    variants = [("PagedEngine (default: compiled, CUDA graphs)", {})]
+    if a.no_graphs:
+        variants.append(("PagedEngine cuda_graphs=False (compiled)", {"cuda_graphs": False}))
+    for name, kw in variants:
+        engine, t_start = make_engine(model, num_blocks, a.prompts, a.max_num_tokens, **kw)
+        _, t_first, _ = engine_run(engine, prompts, a.new)  # compiles and captures as it meets each bucket
+        graphs0 = graph_count()
+        got, t_eng, rec = engine_run(engine, prompts, a.new)
+        recompiles = graph_count() - graphs0
+        dg = engine.decode_graphs
+        graphs = (f"{dg.stats['captures']} graphs captured, {dg.stats['replays']} replays" if dg is not None
+                  else "no CUDA graphs")
+        print(f"{name:44} {t_eng:7.2f} {total / t_eng:10.0f}   (engine start {t_start:.1f} s, first run "
+              f"{t_first:.2f} s; {engine.stats['steps']} steps, host overhead {100 * engine.overhead_share():.0f}% "
+              f"of step time; {graphs}; {recompiles} recompiles in the timed run)")
+        rows[name] = t_eng
+        if "hf" in rows:
+            print(f"    engine / HF generate: {rows['hf'] / t_eng:.2f}x")
+        if ref is not None:
+            same, agree = _agreement(got, ref)
+            print(f"    identical to HF generate {same}/{a.prompts}; tokens agreeing before the first difference: "
+                  f"median {agree:.0f} of {a.new} (bfloat16, random weights)")
+        print_roofline(rec.steps, t_eng, shape, machine, a.prompts)
+        print(f"    per decode step (profiler, 8 sequences): {host_syncs(engine, prompts[:8])}")
+        if "kinds" not in a.skip and not kw:
+            print("  synthetic step kinds (per step, after warm-up):")
+            batches = tuple(b for b in (1, 8, 32, 64) if b <= a.prompts)
+            kinds = dict(vocab=32000, context=512, batches=batches, mixed_batch=min(16, a.prompts))
+            roofline.step_kinds(engine, shape, machine, repeats=4, **kinds)  # warm-up: compiles and captures
+            for row in roofline.step_kinds(engine, shape, machine, repeats=16, **kinds):
+                print("  " + row)
+        del engine
+        torch.cuda.empty_cache()
+
+    if "hf_cb" not in a.skip:
+        try:
+            cb_model = build_llama(a.quick, "paged|sdpa")
+            cb_model.load_state_dict(model.state_dict())
+            hf_generate_batch(cb_model, prompts[:2], 4, num_blocks, block, a.max_num_tokens)
+            cb, rows["hf_cb"] = _timed(lambda: hf_generate_batch(cb_model, prompts, a.new, num_blocks, block,
+                                                                   a.max_num_tokens))
+            same = f"identical to HF generate {_agreement(cb, ref)[0]}/{a.prompts}" if ref else ""
+            print(f"{'HF generate_batch (paged|sdpa)':44} {rows['hf_cb']:7.2f} {total / rows['hf_cb']:10.0f}   {same}")
+            del cb_model
+        except Exception as e:  # noqa: BLE001 -- a baseline that fails is reported, the engine still runs
+            print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.empty_cache()
+
+    print("speed-ups (same process):")
+    for name, _ in variants:
+        for key, label in (("hf", "HF generate (padded batch)"), ("hf_cb", "HF generate_batch (paged|sdpa)")):
+            if key in rows and name in rows:
+                print(f"  {name} / {label}: {rows[key] / rows[name]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
