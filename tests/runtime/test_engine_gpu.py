@@ -1,6 +1,7 @@
 """PagedEngine on an NVIDIA GPU: swap preemption through the xFormers backend, a model with
-attention sinks (gpt_oss), models with state and an encoder-decoder (tiny BART), token for token against
-Hugging Face generate. Skipped without a GPU."""
+attention sinks (gpt_oss), models with state, encoder-decoders (tiny BART; T5 with its relative bias), chunked
+local attention and sliding windows, and prefix-LMs whose masks read token types, token for token against
+Hugging Face generate or the model's own greedy forward. Skipped without a GPU."""
 
 import pytest
 import torch
@@ -114,15 +115,17 @@ def test_models_with_state_on_gpu_match_cpu_generate(make):
     assert engine.stats["preemptions"] > 0 and engine.states.slot_of == {}
 
 
-def test_encoder_decoder_on_gpu_matches_cpu_generate():
+@pytest.mark.parametrize("arch", ["bart", "t5"])
+def test_encoder_decoder_on_gpu_matches_cpu_generate(arch):
     # tiny BART on the GPU: the encoder at admission, cross-attention through the xFormers backend (non-causal
     # over blocks filled once per request), decoder self-attention paged; whole prompts, chunked prefill with
-    # preemption by recompute, and swap
+    # preemption by recompute, and swap. T5: its bucketed relative bias as a position program, evaluated on
+    # the GPU for the positions each step touches
     from pagedattn.adapter import prepare_model
 
     from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
 
-    cpu_model = tiny_seq2seq("bart")
+    cpu_model = tiny_seq2seq(arch)
     ref = hf_seq2seq_generate(cpu_model, sources(), STATE_NEW)
     model = cpu_model.to("cuda")
     try:
@@ -134,5 +137,43 @@ def test_encoder_decoder_on_gpu_matches_cpu_generate():
             assert engine.generate(sources(), max_new_tokens=STATE_NEW) == ref, kw
             if kw["num_blocks"] == 14:
                 assert engine.stats["preemptions"] > 0, kw
+    finally:
+        cpu_model.to("cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama4_text", "gemma3_text"])
+def test_chunked_and_windowed_models_on_gpu_match_cpu_generate(arch):
+    # Llama 4's chunked local attention (chunks of 6 in the tiny config) and Gemma 3's sliding window (6) beside
+    # global layers, past several chunks and windows; chunked prefill too
+    cpu_model = hf_zoo.tiny_model(arch, "eager")
+    ref = hf_generate(cpu_model, _prompts(), NEW)
+    model = cpu_model.to("cuda")
+    try:
+        for kw in ({}, {"max_num_tokens": 16}):
+            engine = PagedEngine(model, compile=False, target="cuda", block_size=4, **kw)
+            kinds = {r["mask"] for r in engine.model.report if r["attention"]}
+            assert kinds & {"chunked", "sliding_window"}, kinds
+            assert engine.generate(_prompts(), max_new_tokens=NEW) == ref, kw
+    finally:
+        cpu_model.to("cpu")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "paligemma"])
+def test_prefix_lms_on_gpu_match_their_own_forward(arch):
+    # masks that read token types (image spans bidirectional): the position program on the GPU, the spans
+    # computed in one step under chunked prefill
+    from .test_engine_prefix_lm import PREFIX_LMS, greedy_with_types, typed_requests
+
+    make, inside, layout = PREFIX_LMS[arch]
+    cpu_model = make()
+    engine_cpu = PagedEngine(cpu_model, compile=False, target="cpu", block_size=8, progress=False)
+    outside = engine_cpu.servable.values.outside
+    reqs = typed_requests(engine_cpu.vocab_size, layout, inside)
+    want = [greedy_with_types(cpu_model, r, 6, outside) for r in reqs]
+    model = cpu_model.to("cuda")
+    try:
+        engine = PagedEngine(model, compile=False, target="cuda", block_size=8, max_num_tokens=64, num_blocks=60,
+                             progress=False)
+        assert engine.generate(reqs, max_new_tokens=6) == want
     finally:
         cpu_model.to("cpu")

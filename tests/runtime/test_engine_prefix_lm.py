@@ -14,7 +14,7 @@ from ..passes.test_prefix_lm_masks import TokenTypeMask
 from ..rewriter import zoo
 
 
-def _greedy(model, req: dict, new: int, generated_type: int) -> list[int]:
+def greedy_with_types(model, req: dict, new: int, generated_type: int) -> list[int]:
     """Greedy decoding through the model's forward over the whole sequence (no cache) at every step."""
     ids, tt = list(req["input_ids"]), list(req["token_type_ids"])
     out = []
@@ -28,7 +28,7 @@ def _greedy(model, req: dict, new: int, generated_type: int) -> list[int]:
     return out
 
 
-def _requests(vocab: int, layout, inside: int) -> list[dict]:
+def typed_requests(vocab: int, layout, inside: int) -> list[dict]:
     """``layout``: per request, its length and its spans of type ``inside``."""
     g = torch.Generator().manual_seed(0)
     reqs = []
@@ -74,7 +74,7 @@ def _paligemma():
 
 
 # Gemma-3: images (runs of 1s) anywhere, up to four; PaliGemma: one prefix of 0s (image and prompt)
-_MODELS = {
+PREFIX_LMS = {
     "gemma3": (_gemma3, 1, [(120, [(3, 40), (50, 51), (70, 100)]), (70, [(20, 60)]), (33, []),
                             (90, [(0, 30), (60, 89)])]),
     "paligemma": (_paligemma, 0, [(120, [(0, 40)]), (70, [(0, 20)]), (33, []), (90, [(0, 60)])]),
@@ -83,22 +83,22 @@ _MODELS = {
 
 @pytest.mark.parametrize("settings", [dict(max_num_tokens=512, num_blocks=200),
                                       dict(max_num_tokens=64, num_blocks=40)], ids=["one_step", "chunked_preempted"])
-@pytest.mark.parametrize("arch", sorted(_MODELS))
+@pytest.mark.parametrize("arch", sorted(PREFIX_LMS))
 def test_hugging_face_prefix_lms_generate_like_their_own_forward(arch, settings):
     pytest.importorskip("transformers")
-    make, inside, layout = _MODELS[arch]
+    make, inside, layout = PREFIX_LMS[arch]
     m = make()
     engine = PagedEngine(m, compile=False, block_size=8, progress=False, **settings)
     spec = engine.servable.values
     assert spec is not None and (spec.input, spec.inside) == ("token_type_ids", inside), spec
     assert all(r["status"] == "rewritten" for r in engine.model.report if r["attention"])
-    reqs = _requests(engine.vocab_size, layout, inside)
-    want = [_greedy(m, r, 6, spec.outside) for r in reqs]
+    reqs = typed_requests(engine.vocab_size, layout, inside)
+    want = [greedy_with_types(m, r, 6, spec.outside) for r in reqs]
     assert engine.generate(reqs, max_new_tokens=6) == want
     if settings["num_blocks"] == 40:
         assert engine.stats["preemptions"] > 0  # and every span was recomputed in one step again
     # the check can fail: the same prompts without their spans generate other tokens
-    plain = [_greedy(m, {**r, "token_type_ids": [spec.outside] * len(r["input_ids"])}, 6, spec.outside)
+    plain = [greedy_with_types(m, {**r, "token_type_ids": [spec.outside] * len(r["input_ids"])}, 6, spec.outside)
              for r in reqs]
     assert plain != want
 
@@ -143,7 +143,7 @@ def test_prefix_caching_shares_blocks_only_with_the_same_spans(prefix_lm):
     ids = torch.randint(0, 64, (60,), generator=g).tolist()
     image = {"input_ids": ids, "token_type_ids": [0] * 4 + [1] * 30 + [0] * 26}
     later = {"input_ids": ids, "token_type_ids": [0] * 4 + [1] * 20 + [0] * 36}  # same tokens, another image
-    want = [_greedy(m, r, 4, 0) for r in (image, later)]
+    want = [greedy_with_types(m, r, 4, 0) for r in (image, later)]
     assert engine.generate([image], max_new_tokens=4) == want[:1]
     hits = engine.blocks.prefix_hits
     assert engine.generate([image], max_new_tokens=4) == want[:1]
@@ -162,9 +162,9 @@ def test_plain_prompts_and_prompts_with_spans_in_one_batch(prefix_lm):
     g = torch.Generator().manual_seed(6)
     reqs = [{"input_ids": torch.randint(0, 64, (n,), generator=g).tolist(), "token_type_ids": tt}
             for n, tt in ((50, [0] * 10 + [1] * 40), (30, [1] * 30), (20, [0] * 20))]
-    want = [_greedy(m, r, 5, 0) for r in reqs]
+    want = [greedy_with_types(m, r, 5, 0) for r in reqs]
     plain = torch.randint(0, 64, (25,), generator=g).tolist()  # a list of ids: no span
-    want.append(_greedy(m, {"input_ids": plain, "token_type_ids": [0] * 25}, 5, 0))
+    want.append(greedy_with_types(m, {"input_ids": plain, "token_type_ids": [0] * 25}, 5, 0))
     assert engine.generate(reqs + [plain], max_new_tokens=5) == want
 
 
@@ -210,8 +210,8 @@ def test_a_saved_prefix_lm_program_serves_its_spans_after_loading(tmp_path):
     rm.save(str(tmp_path / "prefix.pt2"))
     loaded = pagedattn.load(str(tmp_path / "prefix.pt2"))
     assert loaded.value_spec == rm.value_spec and loaded.value_spec is not None
-    reqs = _requests(64, [(50, [(10, 30)]), (30, [(0, 12), (20, 30)]), (20, [])], 1)
-    want = [_greedy(m, r, 5, 0) for r in reqs]
+    reqs = typed_requests(64, [(50, [(10, 30)]), (30, [(0, 12), (20, 30)]), (20, [])], 1)
+    want = [greedy_with_types(m, r, 5, 0) for r in reqs]
     # eager: the exported graph checks that its sizes are >= 2 as traced, and every step is padded to them
     engine = PagedEngine(loaded, compile=False, block_size=4, max_num_tokens=48, num_blocks=128, progress=False)
     assert engine.servable.min_step == 2 and engine.servable.pad_single_token
@@ -219,4 +219,4 @@ def test_a_saved_prefix_lm_program_serves_its_spans_after_loading(tmp_path):
     assert engine.generate(reqs, max_new_tokens=5) == want
     assert engine.generate(reqs[:1], max_new_tokens=5) == want[:1]  # one sequence, single-token decode steps
     # the check can fail: without their spans the same prompts generate other tokens
-    assert [_greedy(m, {**r, "token_type_ids": [0] * len(r["input_ids"])}, 5, 0) for r in reqs] != want
+    assert [greedy_with_types(m, {**r, "token_type_ids": [0] * len(r["input_ids"])}, 5, 0) for r in reqs] != want
