@@ -129,11 +129,11 @@ class DecodeBuffers:
         # with no token and length 0
         rows += [[0, 0, -1, 0] + [0] * W] * (n_rows - n)
         flat = [v for row in rows for v in row] + [min(i, n) for i in range(n_rows + 1)]
+        if self.copied is not None and not self.copied.query():  # the previous step's copy out of the staging
+            self.copied.synchronize()  # buffer must be done before it is overwritten; it long is, so no wait
         host = self.staging[:len(flat)]
         host.copy_(torch.tensor(flat, dtype=torch.long))
         dev = self.ids.device
-        if self.copied is not None:  # the previous step's copy out of the staging buffer is done (long since)
-            self.copied.synchronize()
         on_dev = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
         table = on_dev[:n_rows * (4 + W)].view(n_rows, 4 + W)
         self.ids[:n_rows].copy_(table[:, 0])
