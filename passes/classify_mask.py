@@ -142,7 +142,7 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
         site.mask_up_to, site.mask_how = h.get("mask_up_to"), "hint from a multi-token trace"
         if site.mask_up_to:
             log.warning("%s: a single-token graph takes its %s mask from a multi-token trace of fixed sizes, where "
-                        "it was established up to %d positions only; longer sequences assume it holds there too",
+                        "it was established up to %d positions only; PagedEngine refuses longer requests",
                         site.name, site.mask_kind, site.mask_up_to)
 
 

@@ -97,8 +97,9 @@ class AttentionSite:
             chunk["position_mod"] = self.position_mod
             chunk["position_tables"] = self.position_tables
         if self.mask_up_to and not (self.mask_how or "").startswith("hint"):
-            # a hint's bound is the multi-token trace's size, not the model's: the hint is taken as it is
-            # (reported, and logged when the site takes it)
+            # a hint's bound is the multi-token trace's size: the single-token graph is traced and checked on
+            # sequences longer than that, so the bound is not a kernel check here; PagedEngine refuses
+            # requests past it (its length_limit, from the report)
             chunk["max_seq_len"] = int(self.mask_up_to)
         return AttentionParams(
             scale=float(self.scale), causal=self.mask_kind in ("causal", "sliding_window", "chunked"),

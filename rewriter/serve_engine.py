@@ -78,8 +78,8 @@ class Gauges(NamedTuple):
 def max_model_len(engine) -> Optional[int]:
     """The longest sequence the engine's paged kernels accept: the shortest length a rewritten site's mask is
     established for, and for an encoder-decoder the decoder's positions (None: every length)."""
-    limits = [r.get("mask_up_to") for r in getattr(engine.model, "report", None) or []
-              if r.get("status") == "rewritten" and r.get("mask_up_to")]
+    limit = engine.length_limit()
+    limits = [limit[0]] if limit is not None else []
     s2s = engine.servable.seq2seq
     if s2s is not None and s2s.max_decoder_len is not None:
         limits.append(s2s.max_decoder_len)

@@ -200,7 +200,25 @@ class PagedEngine:
                     f"but the cache has {self.num_blocks}; raise num_blocks/memory or shorten the request")
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
             return "temperature must be >= 0, top_p in (0, 1], top_k >= 0"
+        limit = self.length_limit()
+        # the last new token is sampled, never attended: the longest sequence a site sees is one shorter
+        if limit is not None and len(prompt) + params.max_new_tokens - 1 > limit[0]:
+            top, site, how = limit
+            return (f"prompt of {len(prompt)} tokens plus {params.max_new_tokens} new ones reach "
+                    f"{len(prompt) + params.max_new_tokens - 1} positions, but {site}'s mask is established for "
+                    f"sequences of up to {top} ({how}); shorten the request")
         return None
+
+    def length_limit(self) -> Optional[tuple[int, str, str]]:
+        """``(length, site, how)``: the longest sequence the rewritten masks are established for, the site
+        that sets it and how its mask was established (None: every length). Requests that would grow past it
+        are refused when added, not failed inside a step."""
+        sites = [r for r in getattr(self.model, "report", None) or []
+                 if r.get("status") == "rewritten" and r.get("mask_up_to")]
+        if not sites:
+            return None
+        r = min(sites, key=lambda r: r["mask_up_to"])
+        return int(r["mask_up_to"]), r.get("name", "a site"), r.get("mask_established") or "established"
 
     def add_request(self, prompt, params: Optional[SamplingParams] = None, **kw) -> int:
         """Queue a request; returns its id. Raises ValueError naming what is wrong with it.

@@ -363,6 +363,9 @@ class _SlowEngine:
     def validate(self, prompt, params):
         return None if prompt else "the prompt is empty"
 
+    def length_limit(self):
+        return None
+
     def add_request(self, prompt, params):
         rid = next(self.ids)
         self.requests[rid] = ([], params.max_new_tokens)

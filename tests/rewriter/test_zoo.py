@@ -49,9 +49,11 @@ def test_zoo_model_with_state_generates_like_hf(arch):
     assert engine.get("equal") or engine.get("equal_to_forward"), engine
 
 
-def test_hint_masks_are_reported_with_the_length_they_were_established_for(caplog):
+def test_hint_masks_hold_only_up_to_the_length_they_were_established_for(caplog):
     # Jamba (Mamba-1) runs one token per step; its attention masks come from a multi-token trace whose
-    # sizes the model's forward fixes: the report and a warning say up to which length that holds
+    # sizes the model's forward fixes (8 tokens): the report and a warning say up to which length that holds,
+    # requests within it generate as HF does, and a request that would grow past it is refused when added
+    # (not served on the assumption that the mask goes on as it was seen)
     import pagedattn
 
     model = tiny_model("jamba", "eager")
@@ -60,8 +62,14 @@ def test_hint_masks_are_reported_with_the_length_they_were_established_for(caplo
     sites = [r for r in engine.servable.step.report if r["attention"]]
     assert sites and all(r["mask_established"] == "hint from a multi-token trace" and r["mask_up_to"] for r in sites)
     assert "established up to" in caplog.text
+    top = engine.length_limit()[0]
+    assert top == min(r["mask_up_to"] for r in sites) == 8
     ps = [[5, 9, 3, 11, 2, 8], [7, 1, 4, 2]]
-    assert engine.generate(ps, max_new_tokens=6) == hf_generate(model, ps, 6)
+    assert engine.generate(ps, max_new_tokens=3) == hf_generate(model, ps, 3)  # 6 + 3 - 1 = 8 positions
+    with pytest.raises(ValueError, match=r"reach 9 positions, but .* established for sequences of up to 8 "
+                                         r"\(hint from a multi-token trace\); shorten the request"):
+        engine.add_request(ps[0], max_new_tokens=4)
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("arch", ["afmoe", "gemma2", "qwen2_moe", "granitemoe"])

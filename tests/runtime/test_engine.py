@@ -120,6 +120,27 @@ def test_bad_requests_are_named_and_others_go_on(llama):
         engine.add_request(good, max_new_tokens=0)
 
 
+def test_requests_past_the_length_the_masks_are_established_for_are_refused_when_added(llama):
+    # the tiny Llama's masks are proven up to its max_position_embeddings: a request that would grow past it
+    # is refused with the site and the length named (it failed inside a step before, taking its step's other
+    # requests with it), and a request ending exactly at the limit is served
+    _, ref, rewritten = llama
+    engine = PagedEngine(rewritten, compile=False)
+    top, site, how = engine.length_limit()
+    assert top == 256 and how == "proof", (top, how)
+
+    def tokens(n):
+        return [1 + i % 100 for i in range(n)]
+
+    good = prompts()[0]
+    with pytest.raises(RequestErrors) as e:  # top - 2 tokens + 3 new: the last new token is never attended
+        engine.generate([good, tokens(top), tokens(top - 2)], max_new_tokens=3)
+    msg = str(e.value)
+    assert "request 1" in msg and f"reach {top + 2} positions" in msg and f"up to {top}" in msg and site in msg
+    assert "request 2" not in msg and len(e.value.results[2]) == 3
+    assert e.value.results[0] == ref[0][:3]
+
+
 def test_memory_budget_sizes_the_cache(llama):
     engine = PagedEngine(llama[2], compile=False, memory=1 << 20)
     per_block = sum(2 * 16 * s.num_kv_heads * s.head_size * 4 for s in engine.cache_specs)
