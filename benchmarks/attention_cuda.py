@@ -161,7 +161,7 @@ def _print_roofline(engine, seconds, shape, machine) -> None:
           "roofline")
 
 
-def _agreement(got, ref) -> tuple[int, float]:
+def agreement(got, ref) -> tuple[int, float]:
     """(outputs identical to ``ref``, median count of leading tokens equal to ``ref``'s)."""
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
     return sum(a == b for a, b in zip(got, ref)), statistics.median(first)
@@ -185,7 +185,7 @@ def generation(num_prompts, new, quick, compile_too):
     machine = roofline.measure_machine(torch.bfloat16, device="cuda")
     shape = roofline.ModelShape.of(model)
     hf_limit = roofline.padded_batch_cost(shape, lens, new).limit_s(machine)
-    same, agree = _agreement(got, ref)
+    same, agree = agreement(got, ref)
     total = num_prompts * new
     print(f"model: Llama {params / 1e6:.0f} M parameters, bfloat16, {num_prompts} prompts of 64-512 tokens "
           f"(mean {statistics.mean(lens):.0f}), {new} new tokens each, greedy")
@@ -204,9 +204,9 @@ def generation(num_prompts, new, quick, compile_too):
         got_c, t_c, setup_c, eng_c = _engine_run(model, prompts, lens, new, compile=True)
         print(f"{'PagedEngine compile=True (Inductor)':34} {t_c:7.2f} {total / t_c:10.0f}   "
               f"(rewrite + compile {setup_c:.1f} s; {eng_c.stats['steps']} steps); engine/HF {t_hf / t_c:.2f}x; "
-              f"identical to eager engine {_agreement(got_c, got)[0]}/{num_prompts}, to HF {_agreement(got_c, ref)[0]}"
+              f"identical to eager engine {agreement(got_c, got)[0]}/{num_prompts}, to HF {agreement(got_c, ref)[0]}"
               f"/{num_prompts}; tokens agreeing with HF before the first difference: median "
-              f"{_agreement(got_c, ref)[1]:.0f} of {new}")
+              f"{agreement(got_c, ref)[1]:.0f} of {new}")
         print("compiled engine:")
         _print_roofline(eng_c, t_c, shape, machine)
 

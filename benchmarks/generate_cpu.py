@@ -27,6 +27,7 @@ other jobs disturb far less.
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import subprocess
@@ -89,8 +90,11 @@ def hf_continuous(model, prompts, new, num_blocks, block_size, max_tokens):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    # the same cache size and token budget as the engine (its default sizes the cache from free memory)
-    cb = ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_tokens)
+    # the same cache size and token budget as the engine (its default sizes the cache from free memory); the
+    # page size's keyword is page_size in transformers 5.18, block_size before
+    names = inspect.signature(ContinuousBatchingConfig).parameters
+    cb = ContinuousBatchingConfig(**{"page_size" if "page_size" in names else "block_size": block_size,
+                                     "num_blocks": num_blocks, "max_batch_tokens": max_tokens})
     with torch.no_grad():
         res = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb,
                                    progress_bar=False)

@@ -18,13 +18,14 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import statistics
 import time
 
 import roofline  # benchmarks/roofline.py, beside this script
 import torch
+from attention_cuda import agreement, hf_padded_generate  # benchmarks/, beside this script
+from generate_cpu import hf_continuous
 
 from pagedattn.runtime.shapes import graph_count
 
@@ -48,46 +49,12 @@ def build_llama(quick: bool, attn: str = "sdpa"):
     return model.to(torch.bfloat16).eval()
 
 
-def hf_padded_generate(model, prompts, new):
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device="cuda")
-        mask[i, width - len(p):] = 1
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
-    return [o[width:].tolist() for o in out]
-
-
-def hf_generate_batch(model, prompts, new, num_blocks, block_size, max_tokens):
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    names = inspect.signature(ContinuousBatchingConfig).parameters  # the page size's name varies by version
-    kw = {"page_size" if "page_size" in names else "block_size": block_size, "num_blocks": num_blocks,
-          "max_batch_tokens": max_tokens}
-    cb = ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
-    with torch.no_grad():
-        res = model.generate_batch(inputs=prompts, generation_config=cfg, continuous_batching_config=cb,
-                                   progress_bar=False)
-    return [list(r.generated_tokens) for r in res.values()]
-
-
 def _timed(fn):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
     return out, time.perf_counter() - t0
-
-
-def _agreement(got, ref) -> tuple[int, float]:
-    """(outputs identical to ``ref``, median count of leading tokens equal to ``ref``'s)."""
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(got, ref)]
-    return sum(a == b for a, b in zip(got, ref)), statistics.median(first)
 
 
 def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
@@ -248,7 +215,7 @@ def main(argv=None) -> None:
         if "hf" in rows:
             print(f"    engine / HF generate: {rows['hf'] / t_eng:.2f}x")
         if ref is not None:
-            same, agree = _agreement(got, ref)
+            same, agree = agreement(got, ref)
             print(f"    identical to HF generate {same}/{a.prompts}; tokens agreeing before the first difference: "
                   f"median {agree:.0f} of {a.new} (bfloat16, random weights)")
         print_roofline(rec.steps, t_eng, shape, machine, a.prompts)
@@ -267,10 +234,10 @@ def main(argv=None) -> None:
         try:
             cb_model = build_llama(a.quick, "paged|sdpa")
             cb_model.load_state_dict(model.state_dict())
-            hf_generate_batch(cb_model, prompts[:2], 4, num_blocks, block, a.max_num_tokens)
-            cb, rows["hf_cb"] = _timed(lambda: hf_generate_batch(cb_model, prompts, a.new, num_blocks, block,
+            hf_continuous(cb_model, prompts[:2], 4, num_blocks, block, a.max_num_tokens)
+            cb, rows["hf_cb"] = _timed(lambda: hf_continuous(cb_model, prompts, a.new, num_blocks, block,
                                                                    a.max_num_tokens))
-            same = f"identical to HF generate {_agreement(cb, ref)[0]}/{a.prompts}" if ref else ""
+            same = f"identical to HF generate {agreement(cb, ref)[0]}/{a.prompts}" if ref else ""
             print(f"{'HF generate_batch (paged|sdpa)':44} {rows['hf_cb']:7.2f} {total / rows['hf_cb']:10.0f}   {same}")
             del cb_model
         except Exception as e:  # noqa: BLE001 -- a baseline that fails is reported, the engine still runs

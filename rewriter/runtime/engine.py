@@ -149,6 +149,7 @@ class PagedEngine:
                                    max_chunk=1 if sv.token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
         self.decode_graphs = self._decode_graphs(cuda_graphs, max_num_seqs)
+        self._length_limit = self._limit_from_report()  # the report does not change: read it once
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
@@ -213,6 +214,9 @@ class PagedEngine:
         """``(length, site, how)``: the longest sequence the rewritten masks are established for, the site
         that sets it and how its mask was established (None: every length). Requests that would grow past it
         are refused when added, not failed inside a step."""
+        return self._length_limit
+
+    def _limit_from_report(self) -> Optional[tuple[int, str, str]]:
         sites = [r for r in getattr(self.model, "report", None) or []
                  if r.get("status") == "rewritten" and r.get("mask_up_to")]
         if not sites:
