@@ -215,7 +215,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
                           "cross-attention over blocks filled once per request) and checking it"):
             servable = _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
         if compile or (compile is None and backend.step_padder(512, 256, 1) is None):
-            with stages.stage("compiling the decoder step with Inductor"):
+            with stages.stage("compiling the encoder and the decoder step with Inductor"):
                 servable = _compile(servable)
         return servable
     model_device = _module_device(model)
@@ -319,6 +319,13 @@ def _compile(servable: ServableModel) -> ServableModel:
     for step in (servable.step, servable.fresh_step):
         if step is not None and not is_compiled(step.graph_module):
             step.compile_paged()
+    if servable.seq2seq is not None and servable.seq2seq.compiled_encoder is None:
+        try:
+            with no_duck_sizing():
+                servable = dataclasses.replace(servable, seq2seq=servable.seq2seq.compile_encoder(servable.device))
+        except Exception as e:  # an encoder Inductor cannot compile runs as it is: slower, the same states
+            log.info("the encoder runs eagerly: compiling it failed (%s: %s)", type(e).__name__,
+                     str(e).splitlines()[0] if str(e) else "")
     if servable.state is not None:
         return servable
     servable = dataclasses.replace(servable, min_step=2)

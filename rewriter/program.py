@@ -121,7 +121,7 @@ def check_values(flat: list, value_inputs: dict[int, position_mod.ValueSpec]) ->
 
 
 @contextlib.contextmanager
-def _inductor_freezing(on: bool) -> Iterator[None]:
+def inductor_freezing(on: bool) -> Iterator[None]:
     """Inductor's ``freezing`` on while a compiled step may trace: Dynamo reads it when it builds the graph (it
     marks the weights static then), before ``torch.compile``'s per-compile options apply, so it must hold at
     every call that may compile (the first ones, and any recompile)."""
@@ -236,7 +236,7 @@ class RewrittenModel(nn.Module):
             check_values(flat, self.value_inputs)
             return self._unflatten(self.dropin_module(*flat))
         refuse_if_unpaged(self._skipped)
-        with use_backend(ctx.backend or self.backend), _inductor_freezing(self._freezing):
+        with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self._unflatten(self.graph_module(*flat))
             return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(
@@ -256,7 +256,7 @@ class RewrittenModel(nn.Module):
         if len(list(kv_caches)) != self.num_sites:
             raise ValueError(f"write_cross_kv: {len(list(kv_caches))} caches for a program of {self.num_sites} sites")
         args = [encoder_inputs[n] for n in names[:len(names) - self.num_cross_sites - 1]]
-        with torch.no_grad(), use_backend(self.backend):
+        with torch.no_grad(), use_backend(self.backend), inductor_freezing(self._freezing):
             self.cross_writer(*args, *cross, slot_mapping)
 
     def _variant(self, flat: list, args, kwargs) -> "RewrittenModel":
@@ -300,6 +300,8 @@ class RewrittenModel(nn.Module):
         if freeze and backend != "inductor":
             raise ValueError(f"freeze=True needs the inductor backend, not {backend!r}")
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True)
+        if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
+            self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True)
         self._freezing = freeze
         return self
 

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedattn.backends import AttentionBackend, build_cross_metadata, build_metadata, cross_slot_mapping
-from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.program import ModelInfo, RewrittenModel, inductor_freezing
 from pagedattn.runtime.context import paged_context
 
 log = logging.getLogger("pagedattn")
@@ -79,6 +80,18 @@ class _HFEncoder(nn.Module):
         if self.input_name == "input_features":  # Whisper's encoder takes whole 30 s windows, unmasked
             attention_mask = None
         return self.encoder(**inputs, attention_mask=attention_mask).last_hidden_state
+
+
+class CompiledEncoder(nn.Module):
+    """An encoder compiled with ``torch.compile`` (Inductor, dynamic shapes), with Inductor's freezing on the CPU."""
+
+    def __init__(self, encoder: nn.Module, freeze: bool):
+        super().__init__()
+        self.compiled, self.freeze = torch.compile(encoder, dynamic=True), freeze
+
+    def forward(self, **inputs) -> torch.Tensor:
+        with inductor_freezing(self.freeze):  # Dynamo reads it when it traces: at every call that may compile
+            return self.compiled(**inputs)
 
 
 class _HFDecoderStep(nn.Module):
@@ -206,6 +219,8 @@ class Seq2SeqServing:
     spec: Seq2SeqSpec
     step: RewrittenModel
     takes_positions: bool
+    # the encoder compiled (:meth:`compile_encoder`), run instead of ``spec.encoder``
+    compiled_encoder: Optional[nn.Module] = None
 
     @property
     def max_decoder_len(self) -> Optional[int]:
@@ -269,6 +284,10 @@ class Seq2SeqServing:
             if name == "input_ids":
                 cap = self.spec.max_source_len  # positions past it do not exist (learned position tables)
                 longest = max(longest, min(_power_of_two(max(longest, 16)), cap or 1 << 62))
+        if self.compiled_encoder is not None:  # sizes 0 and 1 specialise a compiled graph: one graph serves sizes >= 2
+            rows = max(rows, 2)
+            if name == "input_ids":
+                longest = max(longest, min(2, self.spec.max_source_len or 2))
         pad_value = self.spec.pad_token_id if name == "input_ids" else 0
         padded, mask = [], torch.zeros(rows, longest, dtype=torch.long)
         for i, x in enumerate(batch):
@@ -280,7 +299,7 @@ class Seq2SeqServing:
             mask[i, 0] = 1  # a row with no visible key would be NaN in some encoders' attention
         inputs = {name: torch.stack(padded).to(device), "attention_mask": mask.to(device)}
         with torch.no_grad():
-            states = self.spec.encoder(**inputs)  # [rows, L', hidden]
+            states = (self.compiled_encoder or self.spec.encoder)(**inputs)  # [rows, L', hidden]
         if states.shape[1] == longest:
             return states, lens
         return states, [self.encoder_len(x) for x in batch]
@@ -296,6 +315,21 @@ class Seq2SeqServing:
         for group in length_groups(lens):
             states, enc_lens = self.encode([batch[i] for i in group], device, bucketed)
             yield group, states, enc_lens
+
+    def compile_encoder(self, device) -> "Seq2SeqServing":
+        """The same serving with its encoder compiled by Inductor (dynamic shapes; on the CPU with freezing: the
+        linear layers' weights are repacked once, and later changes to them are not seen), compiled here on two
+        example requests, with the step's cross-attention writer, so that the first admission does not pay for it."""
+        compiled = CompiledEncoder(self.spec.encoder, freeze=torch.device(device).type == "cpu")
+        serving = dataclasses.replace(self, compiled_encoder=compiled)
+        states, lens = serving.encode(example_sources(serving, device), device)
+        # and the cross-attention writer, when the step is compiled (RewrittenModel.compile_paged)
+        bs = self.step.block_size
+        ends = list(itertools.accumulate(-(-n // bs) for n in lens))
+        caches = self.step.allocate_kv_caches(ends[-1], device, self._dtype())
+        serving.write_cross(caches, states, lens, [list(range(e - len_, e)) for e, len_ in
+                                                   zip(ends, (-(-n // bs) for n in lens))], bs)
+        return serving
 
     def write_cross(self, caches: Sequence[torch.Tensor], states: torch.Tensor, lens: Sequence[int],
                     tables: Sequence[Sequence[int]], block_size: int) -> None:

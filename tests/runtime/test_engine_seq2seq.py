@@ -4,6 +4,8 @@ and prefix caching; cross-attention blocks come and go with their requests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -174,14 +176,37 @@ def test_nn_transformer_tokens_equal_its_own_greedy_loop(transformer):
     assert engine.stats["preemptions"] > 0
 
 
-@pytest.mark.slow  # Inductor compiles the decoder step (30-60 s on 2 shared cores)
-def test_compiled_decoder_step_equals_hf_generate_in_two_graphs(bart, reference):
+@pytest.mark.slow  # Inductor compiles the encoder and the decoder step (30-60 s on 2 shared cores)
+def test_compiled_encoder_and_decoder_step_equal_hf_generate_without_recompiling(bart, reference):
     from pagedattn.runtime.shapes import graph_count
 
     engine = PagedEngine(bart, block_size=4, num_blocks=14, max_num_tokens=5, progress=False)  # compiled by default
+    assert engine.servable.seq2seq.compiled_encoder is not None
     before = graph_count()
     assert engine.generate(sources(), max_new_tokens=NEW) == reference
-    assert graph_count() == before and engine.stats["preemptions"] > 0  # no recompiles while serving
+    assert engine.stats["preemptions"] > 0
+    # a lone request of one token: the encoder's batch and length are padded to the compiled graph's sizes
+    lone = sources(seed=3, lengths=(1,))
+    assert engine.generate(lone, max_new_tokens=NEW) == hf_seq2seq_generate(bart, lone, NEW)
+    assert graph_count() == before  # no recompiles while serving
+
+
+def test_a_compiled_encoder_is_given_at_least_two_rows_and_two_tokens(servable):
+    """Sizes 0 and 1 specialise a compiled graph: a lone one-token request is padded to two rows of two
+    tokens (a masked pad token, a padding row), and gets the states the eager encoder gives it."""
+    s2s = servable.seq2seq
+    seen = []
+
+    def recording(**inputs):
+        seen.append({k: tuple(v.shape) for k, v in inputs.items()})
+        return s2s.spec.encoder(**inputs)
+
+    compiled = dataclasses.replace(s2s, compiled_encoder=recording)
+    request = [s2s.request_inputs(sources(seed=3, lengths=(1,))[0])]
+    states, lens = compiled.encode(request, "cpu")
+    alone, alone_lens = s2s.encode(request, "cpu")
+    assert seen == [{"input_ids": (2, 2), "attention_mask": (2, 2)}] and lens == alone_lens == [1]
+    torch.testing.assert_close(states[:1, :1], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_decoder_start_token_the_bos_token_starts_the_decoder_as_generate_does():
