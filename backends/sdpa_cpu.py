@@ -11,6 +11,7 @@ query-length dimension (``[Hkv, G * Q, D]``) and the mask is tiled to match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -295,7 +296,7 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: tuple[_Seq,
         rows.append(s.start)
     if not los:
         return None
-    bounds = _groups(sizes, budget, max(1, _GROUP_OVERHEAD_BYTES // block_bytes))
+    bounds = _groups(tuple(sizes), budget, max(1, _GROUP_OVERHEAD_BYTES // block_bytes))
     padded = [n for a, b, n in bounds for _ in range(a, b)]
     # a group needs no mask when every key it gathers is visible to its query
     masked = [any(los[i] > firsts[i] * bs or his[i] < (firsts[i] + n) * bs for i in range(a, b))
@@ -330,7 +331,8 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: tuple[_Seq,
     return plan
 
 
-def _groups(sizes: list[int], budget: int, overhead: int) -> list[tuple[int, int, int]]:
+@functools.lru_cache(maxsize=64)  # pure; a decode step's sizes change only when a sequence starts a block
+def _groups(sizes: tuple[int, ...], budget: int, overhead: int) -> tuple[tuple[int, int, int], ...]:
     """Chunks of ``sizes`` blocks (longest first) grouped as ``(first chunk, end, blocks per chunk)``: a
     group gathers every chunk padded to its first (longest) one and holds at most ``budget`` blocks.
 
@@ -366,7 +368,7 @@ def _groups(sizes: list[int], budget: int, overhead: int) -> list[tuple[int, int
         b = back[b]
     bounds = [g for lo, hi in reversed(cuts) for g in pieces(lo, hi)]
     greedy = pieces(0, len(sizes))
-    return bounds if cost(bounds) <= cost(greedy) else greedy
+    return tuple(bounds if cost(bounds) <= cost(greedy) else greedy)
 
 
 def _plan_bias(plan: "_DecodePlan", params: AttentionParams, num_heads: int, dtype: torch.dtype) -> Optional[Tensor]:

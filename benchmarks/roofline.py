@@ -10,7 +10,8 @@ A step's limit is ``max(bytes / copy bandwidth, FLOPs / matmul rate)``:
 - FLOPs: ``2 * parameters`` per token for the layers' matmuls, ``2 * vocab * hidden`` per row whose logits
   are needed (the engine's ``logits_to_keep``), and ``4 * heads * head_size`` per (query, visible key)
   pair for attention (causal; a window or chunk would only lower it).
-- the machine: a large ``dst.copy_(src)`` (read + write bytes per second) and a large square ``mm``;
+- the machine: a large ``dst.copy_(src)`` (read + write bytes per second) and a large square ``mm``, or on
+  the CPU oneDNN's linear over packed weights where it is faster (what the compiled step runs);
   for bf16/fp16 models the faster of the dtype's own GEMM and fp32's (the operands are exact in fp32,
   which is what the engine runs on CPUs without native bf16 GEMMs). Best of a few repetitions: the
   machine's peak, so fractions are conservative.
@@ -75,7 +76,24 @@ def measure_machine(dtype: torch.dtype = torch.float32, device: str = "cpu", cop
     for dt in {torch.float32, dtype}:
         a, b = (torch.randn(matmul_size, matmul_size, device=device).to(dt) for _ in range(2))
         rates.append(2 * matmul_size ** 3 / _best_seconds(functools.partial(torch.mm, a, b), repeats, sync))
+        packed = _onednn_linear(a, b) if device == "cpu" else None
+        if packed is not None:
+            rates.append(2 * matmul_size ** 3 / _best_seconds(packed, repeats, sync))
     return Machine(2 * copy_bytes / copy_s, max(rates), device, torch.get_num_threads())
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> Optional[Callable[[], torch.Tensor]]:
+    """oneDNN's linear over weights packed once, as the engine's compiled CPU step runs its matmuls (Inductor's
+    freezing): on some CPUs it is more than twice MKL's ``mm`` (MKL's AVX-512 paths are Intel-only; on a 2-core
+    AMD EPYC, fp32: ~500 against ~210 GFLOP/s), so leaving it out would put the limit too high. None where the
+    build has no oneDNN."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+        run = functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
+        run()
+        return run
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # ------------------------------------------------------------------------------ the model

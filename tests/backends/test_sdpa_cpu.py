@@ -307,7 +307,7 @@ def _greedy_groups(sizes, budget):
 def test_decode_groups_cover_chunks_within_budget_at_least_as_cheaply_as_one_greedy_group(sizes, budget, overhead):
     from pagedattn.backends.sdpa_cpu import _groups
 
-    sizes = sorted(sizes, reverse=True)
+    sizes = tuple(sorted(sizes, reverse=True))
     bounds = _groups(sizes, budget, overhead)
     assert [a for a, _, _ in bounds] == [0] + [b for _, b, _ in bounds[:-1]] and bounds[-1][1] == len(sizes)
     for a, b, n in bounds:
