@@ -51,9 +51,11 @@ from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
 
+# how a mask was established, in a report, when the trace's forward fixed its length (``mask_hints``)
+FIXED_LENGTH = "at the trace's fixed length"
 _MAX_SPANS = 4  # token types are tried with up to this many runs (image blocks) per sequence
 
-__all__ = ["classify_mask", "input_roles"]
+__all__ = ["classify_mask", "input_roles", "FIXED_LENGTH"]
 
 
 def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
@@ -139,8 +141,9 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
         site.skip("single-token graph: ALiBi slopes and key padding cannot be read from one token")
     else:
         site.mask_kind, site.window, site.chunk = h["mask"], h.get("window"), h.get("chunk")
-        site.mask_up_to, site.mask_how = h.get("mask_up_to"), "hint from a multi-token trace"
-        if site.mask_up_to:
+        how = h.get("mask_established") or "proof"
+        site.mask_up_to, site.mask_how = h.get("mask_up_to"), f"hint from a multi-token trace: {how}"
+        if site.mask_up_to and FIXED_LENGTH in how:
             log.warning("%s: a single-token graph takes its %s mask from a multi-token trace of fixed sizes, where "
                         "it was established up to %d positions only; PagedEngine refuses longer requests",
                         site.name, site.mask_kind, site.mask_up_to)

@@ -33,6 +33,7 @@ from pagedattn.backends import (
 )
 from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
+from pagedattn.passes.classify_mask import FIXED_LENGTH
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.context import paged_context
 from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
@@ -591,7 +592,7 @@ def _stateful(model: nn.Module, layout: StateLayout, names: set[str], dtype, com
     for tokens, rows in ((8, 2), (1, 2), (1, 1)):
         try:
             if tokens == 1 and hints is None:
-                hints = _rewrite_plain(model, names, backend, block_size).report
+                hints = mask_hints(model, names, backend, block_size)
             step = _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints)
             fresh = None if layout.starts_from_zeros else \
                 _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints, fresh=True)
@@ -608,6 +609,47 @@ def _stateful(model: nn.Module, layout: StateLayout, names: set[str], dtype, com
         except (ValueError, RuntimeError) as e:
             errors.append(f"{tokens}-token steps in {rows} rows: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     raise ValueError("PagedEngine cannot serve this model with its recurrent state: " + "; ".join(errors))
+
+
+def mask_hints(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int) -> list[dict]:
+    """The report of a multi-token trace of the model, whose masks its single-token steps take (``mask_hints``).
+
+    A forward that fixes the trace's length (a recurrent layer looping over the tokens in Python) establishes
+    masks up to that length only. The model is then traced again with its recurrent layers opaque
+    (:func:`pagedattn.tracing.recurrent_layers_opaque`): the code around them, which builds the masks, traces
+    for every length. That trace's masks are taken where every site's agrees with the first trace's in
+    status, kind and parameters (its established length aside); otherwise the first trace's."""
+    from pagedattn.tracing import recurrent_layers_opaque
+
+    first = _rewrite_plain(model, names, backend, block_size)
+    if not first.static_sizes:
+        return first.report
+    fixed = [_how(r, FIXED_LENGTH) for r in first.report]
+    try:
+        with recurrent_layers_opaque(model) as opaque:
+            second = _rewrite_plain(model, set(names), backend, block_size) if opaque else None
+    except (ValueError, RuntimeError) as e:
+        log.debug("tracing with recurrent layers opaque failed: %s", e)
+        return fixed
+    if second is None or second.static_sizes or not _same_masks(first.report, second.report):
+        return fixed
+    return [_how(r, "recurrent layers opaque") for r in second.report]
+
+
+def _how(entry: dict, note: str) -> dict:
+    return dict(entry, mask_established=f"{entry['mask_established']}, {note}") if entry.get("mask_established") \
+        else entry
+
+
+_MASK_FIELDS = ("name", "status", "mask", "window", "chunk", "softcap", "alibi", "sinks", "key_padding",
+                "key_padding_ignores_true", "key_padding_runs", "positions_from_first_key", "position_program",
+                "position_values")
+
+
+def _same_masks(a: list[dict], b: list[dict]) -> bool:
+    """Two reports whose sites match one for one, with the same masks (up to their established lengths)."""
+    return len(a) == len(b) and all(all(x.get(f) == y.get(f) for f in _MASK_FIELDS) and
+                                    (y.get("mask_up_to") or 0) >= (x.get("mask_up_to") or 0) for x, y in zip(a, b))
 
 
 def _rewrite_stateful(model: nn.Module, layout: StateLayout, names: set[str], backend: AttentionBackend,

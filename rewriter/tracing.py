@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("pagedattn")
 
 __all__ = ["export_model", "flat_graph_module", "without_hf_cache", "static_sizes", "fits_static_sizes",
-           "copy_graph_module", "quiet_tracing"]
+           "copy_graph_module", "quiet_tracing", "recurrent_layers_opaque"]
 
 
 def dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
@@ -76,6 +76,51 @@ def without_hf_cache(model: nn.Module):
     finally:
         for c in cfgs:
             c.use_cache = True
+
+
+# An op that stands for a whole layer while tracing: its output has the shape of its input and depends on it
+# (in data flow) and on nothing else the graph shows. Eagerly it is the identity.
+_TRACE_LIB = torch.library.Library("pagedattn_trace", "FRAGMENT")
+_TRACE_LIB.define("opaque_layer(Tensor hidden_states) -> Tensor")
+_TRACE_LIB.impl("opaque_layer", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("pagedattn_trace::opaque_layer", lambda x: torch.empty_like(x), lib=_TRACE_LIB)
+
+
+@contextlib.contextmanager
+def recurrent_layers_opaque(model: nn.Module):
+    """Within it, the model's recurrent layers (by Hugging Face's convention, the innermost modules whose forward
+    takes ``cache_params``: Mamba-style mixers) compute ``pagedattn_trace::opaque_layer`` of their hidden states
+    instead; yields their number.
+
+    A recurrent layer that loops over the tokens in Python (Jamba's Mamba-1 scan without its CUDA kernels)
+    makes ``torch.export`` fix the sequence length, and with it every mask the trace shows. With the layers
+    opaque, the code around them, masks included, traces for every length, while whatever reads a layer's
+    output still shows reading it. For establishing masks only: the model computes something else meanwhile.
+    """
+    def takes_state(m: nn.Module) -> bool:
+        try:
+            params = inspect.signature(m.forward).parameters
+        except (TypeError, ValueError):
+            return False
+        return "cache_params" in params and next(iter(params), None) == "hidden_states"
+
+    candidates = [m for m in model.modules() if m is not model and takes_state(m)]
+    inner = [m for m in candidates if not any(c is not m and takes_state(c) for c in m.modules())]
+    own = [m.__dict__.get("forward") for m in inner]  # a forward set on the instance itself, or None
+    for m in inner:
+        m.forward = _opaque_forward
+    try:
+        yield len(inner)
+    finally:
+        for m, f in zip(inner, own):
+            if f is None:
+                del m.forward  # back to the class's
+            else:
+                m.forward = f
+
+
+def _opaque_forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return torch.ops.pagedattn_trace.opaque_layer(hidden_states)
 
 
 # loggers of torch that report on tracing decisions (e.g. "0/1 specialized") at WARNING
