@@ -251,7 +251,8 @@ def values_from_input(spec: ValueSpec, data: Tensor) -> Tensor:
         row = int(torch.argmax((count > spec.runs).to(torch.int8)))
         raise ValueError(f"input {spec.input!r} has {int(count[row])} runs of {spec.inside}s in row {row}: the "
                          f"rewritten masks were established for at most {spec.runs} (one run of {spec.outside}s "
-                         f"between them); pass at most {spec.runs} such spans per sequence")
+                         f"between them); pass at most {spec.runs} such spans per sequence, or rewrite with "
+                         f"token_type_runs={int(count[row])} (PagedEngine takes it too)")
     out = default_values(spec, x.shape[0], x.device)
     rows, cols = first.nonzero(as_tuple=True)
     k = torch.cumsum(first.long(), -1)[rows, cols] - 1  # which run of its row

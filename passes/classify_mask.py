@@ -17,7 +17,7 @@ What each input the mask reads by value stands for:
 - model state (parameters, buffers): read as constants;
 - per-request values: where no reading above establishes the mask, a ``[batch, keys]`` 0/1 input (not
   named as a mask: ``attention_mask`` and ``key_padding_mask`` stay key padding) is tried as token types
-  (up to ``_MAX_SPANS`` runs of 1s among 0s, then of 0s among 1s, then one run of either: Gemma-3's image
+  (up to ``PassContext.token_type_runs`` runs of 1s among 0s, then of 0s among 1s, then one run of either: Gemma-3's image
   blocks, PaliGemma's prefix) and a ``[batch]`` integer input as a prefix length;
   the mask must then be a position program over them (``position_program``) that lets a query see later
   keys only inside its own span (``prove_spans``: a span is computed in one step);
@@ -53,7 +53,6 @@ log = logging.getLogger("pagedattn.passes")
 
 # how a mask was established, in a report, when the trace's forward fixed its length (``mask_hints``)
 FIXED_LENGTH = "at the trace's fixed length"
-_MAX_SPANS = 4  # token types are tried with up to this many runs (image blocks) per sequence
 
 __all__ = ["classify_mask", "input_roles", "FIXED_LENGTH"]
 
@@ -277,7 +276,7 @@ def _roles(gm: GraphModule, site: AttentionSite, ctx: PassContext) -> tuple[dict
             if not v.dtype.is_floating_point and "mask" not in p.name.lower():
                 # a mask by name (attention_mask, key_padding_mask) is key padding, never token types: paged
                 # steps hold no padding, and a mask read otherwise stays refused
-                candidates[p.name] = _token_type_readings(p.name)
+                candidates[p.name] = _token_type_readings(p.name, ctx.token_type_runs)
         elif _looks_like_positions(example) and not per_row:
             roles[p.name] = "positions"
         elif not v.dtype.is_floating_point and v.dtype != torch.bool:
@@ -304,10 +303,11 @@ def _covers(spec: ValueSpec, example) -> bool:
     return True
 
 
-def _token_type_readings(name: str) -> list[ValueSpec]:
-    """How a 0/1 input is tried as token types: many spans of 1s (Gemma-3's image blocks) or of 0s, then one."""
-    return [ValueSpec(name, "runs", 1, 0, _MAX_SPANS), ValueSpec(name, "runs", 0, 1, _MAX_SPANS),
-            ValueSpec(name, "runs", 1, 0, 1), ValueSpec(name, "runs", 0, 1, 1)]
+def _token_type_readings(name: str, runs: int) -> list[ValueSpec]:
+    """How a 0/1 input is tried as token types: up to ``runs`` spans of 1s (Gemma-3's image blocks) or of 0s,
+    then one (the proofs' cost grows with ``runs``)."""
+    many = [ValueSpec(name, "runs", 1, 0, runs), ValueSpec(name, "runs", 0, 1, runs)] if runs > 1 else []
+    return [*many, ValueSpec(name, "runs", 1, 0, 1), ValueSpec(name, "runs", 0, 1, 1)]
 
 
 def _one_per_row(v: torch.Tensor, batch, key_len) -> bool:

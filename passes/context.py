@@ -35,6 +35,7 @@ class PassContext:
     constant_inputs: frozenset[str] = frozenset()
     mask_hints: Optional[list[dict]] = None
     max_length: Optional[int] = None  # the model's longest sequence (its config's), bounding mask proofs
+    token_type_runs: int = 4  # runs of 1s (image blocks) per sequence a token-type mask is established for
     sites: list[AttentionSite] = field(default_factory=list)
     paged_sites: list[PagedSite] = field(default_factory=list)
     encoder_inputs: frozenset[str] = frozenset()

@@ -196,7 +196,7 @@ def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
 
 def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto", block_size: int = 16,
                   dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
-                  compile: Optional[bool] = False, progress: bool = False) -> ServableModel:
+                  compile: Optional[bool] = False, progress: bool = False, token_type_runs: int = 4) -> ServableModel:
     """Turn a model into a :class:`ServableModel`, or raise ``ValueError`` saying why it cannot be served.
 
     ``model`` is a Hugging Face causal LM or any module taking ``input_ids`` (rewritten here), a
@@ -206,7 +206,8 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     step (no recurrent state) that is not compiled already, on a backend without padded step shapes
     of its own (CPU, CUDA). Compiled packed steps are padded to sizes of at least 2
     (``ServableModel.min_step``), which keeps a serving loop in one graph. ``progress`` prints each
-    start-up stage (rewriting, compiling, checking) and its time on stderr.
+    start-up stage (rewriting, compiling, checking) and its time on stderr. ``token_type_runs``: image blocks per
+    request a mask built from token types is established for (``pagedattn.rewrite``).
     """
     stages = _Stages(progress)
     backend = get_backend(target)
@@ -237,7 +238,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
             layout = find_recurrent_state(model)
             if layout is None:
                 unserved: dict[str, str] = {}
-                step = _rewrite_plain(model, names, backend, block_size, unserved)
+                step = _rewrite_plain(model, names, backend, block_size, unserved, token_type_runs)
                 servable = _servable(step, names, dtype, unserved=unserved, **common)
             else:
                 names.discard("token_type_ids")  # rows carrying state take tokens and positions only
@@ -475,14 +476,14 @@ def _cache_dtype(specs: Sequence[CacheSpec], layout: Optional[StateLayout]) -> t
 
 
 def _rewrite_plain(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int,
-                   unserved: Optional[dict] = None) -> RewrittenModel:
+                   unserved: Optional[dict] = None, token_type_runs: int = 4) -> RewrittenModel:
     """The model rewritten on an example of its inputs. With token types (a prefix-LM), every attention site
     must be rewritten with its mask over them established; otherwise the model is rewritten and served
     without token types (``names`` loses them, ``unserved`` says why: requests carrying them are refused)."""
     from pagedattn.api import rewrite
 
     example = example_inputs(names, ModelInfo.of(model).vocab_size, _module_device(model) or "cpu")
-    rm = rewrite(model, (), example, target=backend, block_size=block_size)
+    rm = rewrite(model, (), example, target=backend, block_size=block_size, token_type_runs=token_type_runs)
     if "token_type_ids" not in names:
         return rm
     left = [f"{r['name']}: {r['reason']}" for r in rm.report if r["status"] != "rewritten" and r.get("attention", True)]

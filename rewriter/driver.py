@@ -73,7 +73,7 @@ class RewriteResult:
 def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionBackend,
                   constants: frozenset[int] = frozenset(),
                   mask_hints: Optional[list[dict]] = None, max_length: Optional[int] = None,
-                  encoder_inputs: frozenset[str] = frozenset()) -> RewriteResult:
+                  encoder_inputs: frozenset[str] = frozenset(), token_type_runs: int = 4) -> RewriteResult:
     """Run the passes on a flat ATen graph (changed in place into the drop-in graph).
 
     ``constants`` are positions of inputs that hold model state (parameters, buffers). ``mask_hints``
@@ -82,13 +82,14 @@ def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionB
     the lengths masks are established for. Every rewritten site must be one ``backend`` supports.
     ``encoder_inputs`` (placeholder names) marks the graph as an encoder-decoder's decoder step whose
     inputs of those names carry the encoder's output: its cross-attention is paged over caches filled
-    once per request, by the ``cross_writer`` graph.
+    once per request, by the ``cross_writer`` graph. ``token_type_runs``: a mask read from token types is
+    established for up to that many runs of 1s (image blocks) per sequence.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ctx = PassContext(example_inputs={p.name: x for p, x in zip(placeholders, example_inputs)},
                       constant_inputs=frozenset(placeholders[i].name for i in constants),
                       mask_hints=None if mask_hints is None else list(mask_hints), max_length=max_length,
-                      encoder_inputs=frozenset(encoder_inputs))
+                      encoder_inputs=frozenset(encoder_inputs), token_type_runs=token_type_runs)
     t0 = time.perf_counter()
     reports = run_pipeline(gm, ctx, CANONICAL_PIPELINE)
     for s in ctx.sites:

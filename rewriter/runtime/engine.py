@@ -102,7 +102,9 @@ class PagedEngine:
     the bidirectional type). Each bidirectional span is computed in one step (a step never ends inside
     one, and a span longer than ``max_num_tokens`` is refused), generated tokens get the type outside the
     spans, and prefix caching shares blocks only between requests with the same spans and the same
-    tokens up to the last span's end.
+    tokens up to the last span's end. ``token_type_runs`` (default 4) is the most runs of the bidirectional
+    type (Gemma-3's images) a request may carry, as vLLM's ``limit_mm_per_prompt``: the mask is proven for that
+    many at start-up (the proof takes longer the more), and a request with more is refused, naming the limit.
 
     On CUDA, decode-only steps (a token per sequence) run as CUDA graphs by default (``cuda_graphs=None``;
     :mod:`pagedattn.runtime.cuda_graphs`): padded to the next capture size (1, 2, 4, then multiples of 8 up to
@@ -118,9 +120,9 @@ class PagedEngine:
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
-                 progress: bool = True, cuda_graphs: Optional[bool] = None):
+                 progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
-        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress)
+        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs)
         sv = self.servable
         self.backend, self.device, self.block_size = sv.backend, sv.device, sv.block_size
         self.vocab_size, self.cache_specs, self.cache_dtype = sv.vocab_size, list(sv.cache_specs), sv.cache_dtype
@@ -693,11 +695,11 @@ def _preemption_counts(sched: Scheduler) -> tuple[int, int, int, int]:
 # ------------------------------------------------------------------ the model
 
 
-def _servable(model, target, block_size, dtype, eos_token_id, compile, progress):
+def _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs):
     """The model as the engine runs it: a ``ServableModel`` as given, or one the adapter prepares."""
     from pagedattn.adapter import ServableModel, prepare_model
 
     if isinstance(model, ServableModel):
         return model
     return prepare_model(model, target=target, block_size=block_size, dtype=dtype, eos_token_id=eos_token_id,
-                         compile=compile, progress=progress)
+                         compile=compile, progress=progress, token_type_runs=token_type_runs)
