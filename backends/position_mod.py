@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "has_bias", "ValueSpec",
-           "value_spec", "values_from_input", "default_values", "spans", "NO_RUN"]
+           "value_spec", "values_from_input", "default_values", "spans", "NO_RUN", "ProgramText", "program_text"]
 
 # where the runs a sequence does not have begin (run r of those at NO_RUN + 2r): past every position
 NO_RUN = 1 << 40
@@ -211,6 +211,24 @@ def _refs(n: tuple) -> list:
     if op == "table":
         return list(n[3:])
     return list(n[1:])
+
+
+@dataclass(frozen=True)
+class ProgramText:
+    """A checked program's parts, for translating it to another IR (ONNX): ``nodes`` as in the module doc, the
+    dtype reals compute in, the nodes giving the mask and the bias (None: none), the per-request values read."""
+
+    nodes: tuple
+    float_dtype: torch.dtype
+    allowed: Optional[int]
+    bias: Optional[int]
+    values: Optional[ValueSpec]
+
+
+def program_text(text: str) -> ProgramText:
+    """The parts of a program (``ValueError`` when it is not one)."""
+    p = _parse(text)
+    return ProgramText(p.nodes, p.float_dtype, p.allowed, p.bias, p.values)
 
 
 def has_bias(text: str) -> bool:
