@@ -331,3 +331,39 @@ def test_ragged_decodes_gather_in_groups_of_similar_lengths(monkeypatch):
     b = make_batch([(n - 1, 1) for n in lens], num_heads=4, num_kv_heads=2, block_size=4)
     _check(b, torch.float32)
     assert 1 < len(gathered) and sum(gathered) < 0.7 * len(lens) * 4 * 30
+
+
+def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_changes(monkeypatch):
+    # cross-attention (key=None) over the same blocks, step after step, gathers once; a write anywhere in the
+    # cache (a new request's cross K/V, a swap-in) is seen at the next call, never the stale gather
+    import gc
+    import weakref
+
+    from pagedattn.backends import build_cross_metadata, sdpa_cpu
+
+    gathers = []
+    real = torch.index_select
+    monkeypatch.setattr(sdpa_cpu.torch, "index_select", lambda *a, **k: gathers.append(1) or real(*a, **k))
+    cache = torch.randn(2, 10, 8, 2, 16)
+    meta = build_cross_metadata([[0, 1], [2, 3, 4, 5], [6, 7, 8]], [5, 23, 17], 8)
+    qsl = torch.arange(4, dtype=torch.int32)
+    p = AttentionParams(0.25, False, 0, 0.0, None, 2, 16)
+    q = torch.randn(3, 4, 16)
+
+    def attend(c):
+        before = len(gathers)
+        out = torch.ops.pagedattn.paged_attention(q, None, None, c, meta.block_tables, meta.seq_lens, qsl, *p.args())
+        return out, len(gathers) - before
+
+    first, n = attend(cache)
+    again, m = attend(cache)
+    assert n > 0 and m == 0 and torch.equal(again, first)
+    cache[1, 3] += 1.0  # sequence 1's second block changes
+    changed, m = attend(cache)
+    assert m == n and not torch.allclose(changed[1], first[1]) and torch.equal(changed[0], first[0])
+    monkeypatch.setattr(sdpa_cpu, "_gathered", lambda c, plan: None)  # the same call, gathered afresh
+    torch.testing.assert_close(attend(cache)[0], changed)
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None  # the memo does not keep a cache alive
