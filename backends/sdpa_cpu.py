@@ -508,8 +508,16 @@ def _gathered(kv_cache: Tensor, plan: "_DecodePlan") -> Optional[_Kept]:
     need = sum(2 * (b - a) * n for a, b, n in plan.bounds) * kv_cache[0, 0].numel() * kv_cache.element_size()
     if sum(e.nbytes for e in memo.values()) + need > _KEPT_BYTES:
         return None
-    entry = memo[id(kv_cache)] = _Kept(weakref.ref(kv_cache), plan, kv_cache._version, need)
+    # the entry goes with its cache (its gathered buffers are freed then, not at some later call)
+    gone = functools.partial(_forget, memo, id(kv_cache))
+    entry = memo[id(kv_cache)] = _Kept(weakref.ref(kv_cache, gone), plan, kv_cache._version, need)
     return entry
+
+
+def _forget(memo: dict, key: int, ref: "weakref.ref") -> None:
+    entry = memo.get(key)
+    if entry is not None and entry.cache is ref:
+        del memo[key]
 
 
 # gathered cross-attention K/V kept across decode steps, per thread (an encoder-decoder's cross layers' reads of

@@ -366,4 +366,5 @@ def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_change
     ref = weakref.ref(cache)
     del cache
     gc.collect()
-    assert ref() is None  # the memo does not keep a cache alive
+    assert ref() is None  # the memo does not keep a cache alive, and lets its buffers go with it
+    assert not sdpa_cpu._LOCAL.__dict__.get("kept")
