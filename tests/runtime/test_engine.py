@@ -171,3 +171,13 @@ def test_inductor_compiled_engine_matches_hf(llama):
     m, ref, _ = llama
     engine = PagedEngine(m, compile=True, block_size=4, max_num_tokens=16)
     assert engine.generate(prompts(), max_new_tokens=6) == _first(ref, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_are_the_rows_argmax_ties_to_the_first(dtype):
+    from pagedattn.runtime.engine import greedy_tokens
+
+    logits = torch.randn(5, 300).to(dtype)
+    logits[2, 7] = logits[2, 200] = logits[2].max() + 1  # a tie: the first index wins, as argmax's
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist() and greedy_tokens(logits)[2] == 7
+    assert greedy_tokens(logits[:0]) == []
