@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -593,7 +594,7 @@ def _stateful(model: nn.Module, layout: StateLayout, names: set[str], dtype, com
     for tokens, rows in ((8, 2), (1, 2), (1, 1)):
         try:
             if tokens == 1 and hints is None:
-                hints = mask_hints(model, names, backend, block_size)
+                hints = _mask_hints(model, names, backend, block_size)
             step = _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints)
             fresh = None if layout.starts_from_zeros else \
                 _rewrite_stateful(model, layout, names, backend, block_size, tokens, rows, hints, fresh=True)
@@ -612,7 +613,7 @@ def _stateful(model: nn.Module, layout: StateLayout, names: set[str], dtype, com
     raise ValueError("PagedEngine cannot serve this model with its recurrent state: " + "; ".join(errors))
 
 
-def mask_hints(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int) -> list[dict]:
+def _mask_hints(model: nn.Module, names: set[str], backend: AttentionBackend, block_size: int) -> list[dict]:
     """The report of a multi-token trace of the model, whose masks its single-token steps take (``mask_hints``).
 
     A forward that fixes the trace's length (a recurrent layer looping over the tokens in Python) establishes
@@ -648,9 +649,12 @@ _MASK_FIELDS = ("name", "status", "mask", "window", "chunk", "softcap", "alibi",
 
 
 def _same_masks(a: list[dict], b: list[dict]) -> bool:
-    """Two reports whose sites match one for one, with the same masks (up to their established lengths)."""
-    return len(a) == len(b) and all(all(x.get(f) == y.get(f) for f in _MASK_FIELDS) and
-                                    (y.get("mask_up_to") or 0) >= (x.get("mask_up_to") or 0) for x, y in zip(a, b))
+    """Two reports whose sites match one for one, with the same masks, ``b``'s established at least as far."""
+    def reach(r: dict) -> float:  # no mask_up_to: every length
+        return math.inf if r.get("mask_up_to") is None else r["mask_up_to"]
+
+    return len(a) == len(b) and all(all(x.get(f) == y.get(f) for f in _MASK_FIELDS) and reach(y) >= reach(x)
+                                    for x, y in zip(a, b))
 
 
 def _rewrite_stateful(model: nn.Module, layout: StateLayout, names: set[str], backend: AttentionBackend,
