@@ -53,6 +53,9 @@ def _rewrite_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="cpu", choices=("cpu", "cuda", "xla", "auto"),
                    help="device whose paged-attention backend the program targets (default cpu)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
+    p.add_argument("--token-type-runs", type=int, default=4, metavar="N",
+                   help="image blocks per request a mask read from token types is proven for (Gemma-3; default 4; "
+                        "the proof takes longer the more)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="cast the model before rewriting (default: as saved)")
     p.add_argument("--attn-implementation", default=None, choices=("eager", "sdpa"),
                    help="Hugging Face attention implementation to load (default: transformers' choice)")
@@ -175,6 +178,8 @@ def cmd_rewrite(args) -> None:
         raise CliError(f"cannot write {args.out}: no permission to create files in {parent}")
     if args.block_size < 1:
         raise CliError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.token_type_runs < 1:
+        raise CliError(f"--token-type-runs must be >= 1, got {args.token_type_runs}")
     target = _check_target(args.target)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     steps = ["load", "export", "passes", "save program", "save weights and report"]
@@ -214,7 +219,8 @@ def cmd_rewrite(args) -> None:
         bar.set_description("passes")
         try:
             rm = rewrite_program(ep, flat, get_backend(target), args.block_size,
-                                 info=ModelInfo.of(ck.model) if ck.kind == "hf" else None)
+                                 info=ModelInfo.of(ck.model) if ck.kind == "hf" else None,
+                                 token_type_runs=args.token_type_runs)
         except ValueError as e:
             raise CliError(f"{e}", 1) from e
         timings["passes_s"] = _lap(bar, t0, timings)

@@ -181,6 +181,12 @@ def test_missing_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_token_type_runs_must_be_positive(tmp_path, capsys):
+    code, err = _error(capsys, "demo", "-o", str(tmp_path / "out"), "--token-type-runs", "0")
+    assert code == 2 and "--token-type-runs must be >= 1, got 0" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_folder_without_config(tmp_path, capsys):
     (tmp_path / "ck").mkdir()
     code, err = _error(capsys, str(tmp_path / "ck"), "-o", str(tmp_path / "out"))
