@@ -115,13 +115,16 @@ def test_models_with_state_on_gpu_match_cpu_generate(make):
     assert engine.stats["preemptions"] > 0 and engine.states.slot_of == {}
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("arch", ["bart", "t5"])
-def test_encoder_decoder_on_gpu_matches_cpu_generate(arch):
+def test_encoder_decoder_on_gpu_matches_cpu_generate(arch, compiled):
     # tiny BART on the GPU: the encoder at admission, cross-attention through the xFormers backend (non-causal
     # over blocks filled once per request), decoder self-attention paged; whole prompts, chunked prefill with
     # preemption by recompute, and swap. T5: its bucketed relative bias as a position program, evaluated on
-    # the GPU for the positions each step touches
+    # the GPU for the positions each step touches. Compiled: the encoder, the cross writer and the decoder step
+    # through Inductor (as PagedEngine's default), with no recompile while serving
     from pagedattn.adapter import prepare_model
+    from pagedattn.runtime.shapes import graph_count
 
     from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
 
@@ -129,7 +132,9 @@ def test_encoder_decoder_on_gpu_matches_cpu_generate(arch):
     ref = hf_seq2seq_generate(cpu_model, sources(), STATE_NEW)
     model = cpu_model.to("cuda")
     try:
-        servable = prepare_model(model, target="cuda", block_size=4)
+        servable = prepare_model(model, target="cuda", block_size=4, compile=compiled)
+        assert (servable.seq2seq.compiled_encoder is not None) == compiled
+        graphs = graph_count()
         for kw in (dict(num_blocks=400, max_num_tokens=64), dict(num_blocks=14, max_num_tokens=3),
                    dict(num_blocks=14, max_num_tokens=64, preemption_mode="swap")):
             engine = PagedEngine(servable, **kw)
@@ -137,6 +142,7 @@ def test_encoder_decoder_on_gpu_matches_cpu_generate(arch):
             assert engine.generate(sources(), max_new_tokens=STATE_NEW) == ref, kw
             if kw["num_blocks"] == 14:
                 assert engine.stats["preemptions"] > 0, kw
+        assert not compiled or graph_count() == graphs
     finally:
         cpu_model.to("cpu")
 
