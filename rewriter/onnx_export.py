@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -176,7 +177,9 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     dyn = [{d: torch.export.Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs]
     output_names = [f"output_{k}" for k in range(_num_outputs(gm))] + [f"kv_cache_{i}_out" for i in range(model.num_sites)]
     tensor_names = [n for n, x in zip(names, inputs) if isinstance(x, torch.Tensor)]
-    with torch.no_grad():
+    # torch.onnx's own deprecation notes (its pytree use) are not the user's to act on
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|onnxscript|copyreg)")
         prog = torch.onnx.export(fgm, tuple(inputs), dynamo=True, dynamic_shapes=tuple(dyn), opset_version=OPSET,
                                  custom_translation_table=translations(), input_names=tensor_names,
                                  output_names=output_names, verbose=False, report=False, optimize=True)
