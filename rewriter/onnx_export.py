@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from typing import Optional
 
 import torch
@@ -22,7 +21,7 @@ from pagedattn.backends import METADATA_FIELDS, build_metadata, position_mod
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.canonical import is_cache_write
 from pagedattn.serialization import example_sequences
-from pagedattn.tracing import copy_graph_module, flat_graph_module
+from pagedattn.tracing import copy_graph_module, flat_graph_module, quiet_tracing
 
 log = logging.getLogger("pagedattn")
 
@@ -177,9 +176,8 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     dyn = [{d: torch.export.Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs]
     output_names = [f"output_{k}" for k in range(_num_outputs(gm))] + [f"kv_cache_{i}_out" for i in range(model.num_sites)]
     tensor_names = [n for n, x in zip(names, inputs) if isinstance(x, torch.Tensor)]
-    # torch.onnx's own deprecation notes (its pytree use) are not the user's to act on
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|onnxscript|copyreg)")
+    # torch.onnx's own notes (its pytree deprecations, the torchvision ops it skips) go to the debug log
+    with torch.no_grad(), quiet_tracing():
         prog = torch.onnx.export(fgm, tuple(inputs), dynamo=True, dynamic_shapes=tuple(dyn), opset_version=OPSET,
                                  custom_translation_table=translations(), input_names=tensor_names,
                                  output_names=output_names, verbose=False, report=False, optimize=True)

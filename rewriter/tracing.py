@@ -125,7 +125,8 @@ def _opaque_forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tenso
 
 # loggers of torch that report on tracing decisions (e.g. "0/1 specialized") at WARNING
 _TRACING_LOGGERS = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes", "torch._export",
-                    "torch.export", "torch._dynamo", "torch._functorch", "torch.fx.experimental.recording")
+                    "torch.export", "torch._dynamo", "torch._functorch", "torch.fx.experimental.recording",
+                    "torch.onnx._internal.exporter._registration")
 
 
 class _ToDebug(logging.Filter):
