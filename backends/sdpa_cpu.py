@@ -233,14 +233,14 @@ class SdpaCpuBackend(SplitKVBackend):
         outs, lses, off = [], [], 0
         for i, ((a, b, n), needs_mask) in enumerate(zip(bounds, masked)):
             g, span = b - a, n * bs
-            if kept is not None and i < len(kept.groups):
+            fresh = kept is None or i >= len(kept.groups)
+            if not fresh:
                 ws = kept.groups[i]
             elif kept is not None:  # gathered once into a buffer of its own, read again by later steps
                 ws = kv_cache.new_empty((2 * g * n, *kv_cache.shape[2:]))
                 kept.groups.append(ws)
             else:
                 ws = _workspace(kv_cache, 2 * g * n)
-            fresh = kept is None or kept.filled <= i
             if flat_cache:
                 if fresh:
                     torch.index_select(kv_blocks, 0, index[off:off + 2 * g * n], out=ws)
@@ -253,8 +253,6 @@ class SdpaCpuBackend(SplitKVBackend):
                     torch.index_select(kv_cache[0], 0, idx, out=ws[:g * n])
                     torch.index_select(kv_cache[1], 0, idx, out=ws[g * n:])
                 k, v = _kv_views(ws, g, span, span, 0, g * span)
-            if kept is not None:
-                kept.filled = max(kept.filled, i + 1)
             mask = bias[a:b, ..., :span] if bias is not None and (needs_mask or plan.biased) else None
             o, lse = _partial_attention(q_all[a:b], k, v, mask, scale, softcap)  # [g, Hkv, G, Dv], [g, Hkv, G]
             if params.position_mod:  # a program may hide every key of a chunk: it adds nothing, not NaN
@@ -488,11 +486,10 @@ class _Kept:
     """A plan's gathered groups over one cache, valid while the cache is unchanged (its version)."""
 
     cache: "weakref.ref"  # the cache, not kept alive by the memo
-    plan: "_DecodePlan"
+    index: Tensor  # the blocks the plan gathers (a site's plan is a copy per call; its index is shared)
     version: int
     nbytes: int
-    groups: list = dataclasses.field(default_factory=list)  # each group's gathered K and V blocks
-    filled: int = 0  # groups gathered so far
+    groups: list = dataclasses.field(default_factory=list)  # each group's gathered K and V blocks, in order
 
 
 def _gathered(kv_cache: Tensor, plan: "_DecodePlan") -> Optional[_Kept]:
@@ -501,16 +498,16 @@ def _gathered(kv_cache: Tensor, plan: "_DecodePlan") -> Optional[_Kept]:
     with every in-place write to it or to a view of it (a request's cross K/V, a swap-in, a block copy)."""
     memo = _LOCAL.__dict__.setdefault("kept", {})
     entry = memo.get(id(kv_cache))
-    if entry is not None and entry.cache() is kv_cache and entry.plan is plan and entry.version == kv_cache._version:
+    if entry is not None and entry.cache() is kv_cache and entry.index is plan.index \
+            and entry.version == kv_cache._version:
         return entry
-    for key in [k for k, e in memo.items() if k == id(kv_cache) or e.cache() is None]:
-        del memo[key]
+    memo.pop(id(kv_cache), None)  # entries of caches gone are dropped by their weakref's callback (_forget)
     need = sum(2 * (b - a) * n for a, b, n in plan.bounds) * kv_cache[0, 0].numel() * kv_cache.element_size()
     if sum(e.nbytes for e in memo.values()) + need > _KEPT_BYTES:
         return None
     # the entry goes with its cache (its gathered buffers are freed then, not at some later call)
     gone = functools.partial(_forget, memo, id(kv_cache))
-    entry = memo[id(kv_cache)] = _Kept(weakref.ref(kv_cache, gone), plan, kv_cache._version, need)
+    entry = memo[id(kv_cache)] = _Kept(weakref.ref(kv_cache, gone), plan.index, kv_cache._version, need)
     return entry
 
 

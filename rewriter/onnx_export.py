@@ -170,7 +170,7 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     for one step; by default a two-sequence prefill of 12 tokens.
     """
     gm, names = _flat_paged(model)
-    _refuse_position_programs(gm)
+    _refuse_float_functions(gm)
     inputs = example_inputs(model, names) if example is None else _inputs(model, *example)
     fgm = functional_graph(gm, model.num_sites).eval()
     dyn = [{d: torch.export.Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs]
@@ -188,7 +188,7 @@ def export_onnx(model, path: str, example: Optional[tuple[list, dict]] = None) -
     return tensor_names
 
 
-def _refuse_position_programs(gm: GraphModule) -> None:
+def _refuse_float_functions(gm: GraphModule) -> None:
     """Sites whose position program calls float functions (log, exp, ...) are refused before exporting:
     onnxruntime's may round differently from PyTorch's, and a program that floors such a value into a bucket
     (T5's relative positions, a logarithmic bias) would then pick another bucket at some distances. Everything
@@ -306,7 +306,7 @@ def _emit_program(op, text: str, leaves: dict, tables):
             part = op.Slice(tables, op.Constant(value_ints=[offset]),
                             op.Constant(value_ints=[offset + math.prod(sizes)]))
             env.append((op.Cast(op.Gather(part, flat), to=fdt), fdt))
-        else:  # "call" is refused before export (_refuse_position_programs)
+        else:  # "call" is refused before export (_refuse_float_functions)
             raise ValueError(f"position program: no ONNX translation for {kind!r}")
     allowed = None if prog.allowed is None else cast(env[prog.allowed], _BOOL)[0]
     bias = None if prog.bias is None else cast(env[prog.bias], _F32)[0]

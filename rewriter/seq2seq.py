@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
@@ -325,10 +324,8 @@ class Seq2SeqServing:
         states, lens = serving.encode(example_sources(serving, device), device)
         # and the cross-attention writer, when the step is compiled (RewrittenModel.compile_paged)
         bs = self.step.block_size
-        ends = list(itertools.accumulate(-(-n // bs) for n in lens))
-        caches = self.step.allocate_kv_caches(ends[-1], device, self._dtype())
-        serving.write_cross(caches, states, lens, [list(range(e - len_, e)) for e, len_ in
-                                                   zip(ends, (-(-n // bs) for n in lens))], bs)
+        tables, used = consecutive_tables([-(-n // bs) for n in lens])
+        serving.write_cross(self.step.allocate_kv_caches(used, device, self._dtype()), states, lens, tables, bs)
         return serving
 
     def write_cross(self, caches: Sequence[torch.Tensor], states: torch.Tensor, lens: Sequence[int],
@@ -455,16 +452,8 @@ def check_seq2seq(serving: Seq2SeqServing, backend: AttentionBackend, block_size
     states, lens = serving.encode(srcs, device)
     decs = [[(3 + 5 * i) % vocab for i in range(7)], [(11 + 3 * i) % vocab for i in range(5)]]
     bs = block_size
-    n_dec = [-(-len(d) // bs) for d in decs]
-    n_enc = [-(-n // bs) for n in lens]
-    tables, nxt = [], 0
-    for n in n_dec:
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    cross_tables = []
-    for n in n_enc:
-        cross_tables.append(list(range(nxt, nxt + n)))
-        nxt += n
+    tables, nxt = consecutive_tables([-(-len(d) // bs) for d in decs])
+    cross_tables, nxt = consecutive_tables([-(-n // bs) for n in lens], nxt)
 
     def run(steps) -> torch.Tensor:
         caches = backend.allocate_kv_caches(serving.step.cache_specs, nxt, bs, device=device)
@@ -506,6 +495,15 @@ def check_seq2seq(serving: Seq2SeqServing, backend: AttentionBackend, block_size
             raise ValueError(f"PagedEngine cannot serve this encoder-decoder: a request's decoder logits run {how} "
                              f"differ from the model's own decoder (max difference {diff:.3g}); it numbers decoder "
                              "tokens by their index in the step, or mixes tokens outside attention")
+
+
+def consecutive_tables(counts: Sequence[int], first: int = 0) -> tuple[list[list[int]], int]:
+    """Block tables of ``counts`` blocks each, numbered on from ``first``, and the next free block."""
+    tables = []
+    for n in counts:
+        tables.append(list(range(first, first + n)))
+        first += n
+    return tables, first
 
 
 def example_sources(serving: Seq2SeqServing, device) -> list[dict[str, torch.Tensor]]:

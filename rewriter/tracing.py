@@ -104,8 +104,8 @@ def recurrent_layers_opaque(model: nn.Module):
             return False
         return "cache_params" in params and next(iter(params), None) == "hidden_states"
 
-    candidates = [m for m in model.modules() if m is not model and takes_state(m)]
-    inner = [m for m in candidates if not any(c is not m and takes_state(c) for c in m.modules())]
+    stateful = {id(m): m for m in model.modules() if m is not model and takes_state(m)}
+    inner = [m for m in stateful.values() if not any(id(c) in stateful for c in m.modules() if c is not m)]
     own = [m.__dict__.get("forward") for m in inner]  # a forward set on the instance itself, or None
     for m in inner:
         m.forward = _opaque_forward

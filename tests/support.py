@@ -363,6 +363,22 @@ def record_decode_masks(monkeypatch) -> list:
     return seen
 
 
+def onnx_step_session(step: "Step", inputs: tuple, path):
+    """``step`` exported to ONNX at ``path`` with pagedattn's translations (every input dimension dynamic),
+    checked by onnx's full checker, and opened in onnxruntime on the CPU."""
+    import onnx
+    import onnxruntime as ort
+
+    from pagedattn.onnx_export import translations
+
+    dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
+    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=translations(),
+                             opset_version=18, verbose=False)
+    prog.save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
 class Step(torch.nn.Module):
     """One paged step: the functional cache write, then the paged attention over the new cache."""
 

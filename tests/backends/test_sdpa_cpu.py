@@ -333,9 +333,11 @@ def test_ragged_decodes_gather_in_groups_of_similar_lengths(monkeypatch):
     assert 1 < len(gathered) and sum(gathered) < 0.7 * len(lens) * 4 * 30
 
 
-def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_changes(monkeypatch):
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_changes(monkeypatch, alibi):
     # cross-attention (key=None) over the same blocks, step after step, gathers once; a write anywhere in the
-    # cache (a new request's cross K/V, a swap-in) is seen at the next call, never the stale gather
+    # cache (a new request's cross K/V, a swap-in) is seen at the next call, never the stale gather. With a
+    # tensor parameter (ALiBi slopes) each call's plan is a copy with its own bias: the same gather still holds
     import gc
     import weakref
 
@@ -347,7 +349,7 @@ def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_change
     cache = torch.randn(2, 10, 8, 2, 16)
     meta = build_cross_metadata([[0, 1], [2, 3, 4, 5], [6, 7, 8]], [5, 23, 17], 8)
     qsl = torch.arange(4, dtype=torch.int32)
-    p = AttentionParams(0.25, False, 0, 0.0, None, 2, 16)
+    p = AttentionParams(0.25, False, 0, 0.0, torch.tensor([0.5, 0.25, 0.125, 0.0625]) if alibi else None, 2, 16)
     q = torch.randn(3, 4, 16)
 
     def attend(c):

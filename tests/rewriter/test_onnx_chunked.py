@@ -12,7 +12,7 @@ import torch
 
 from pagedattn.backends import AttentionParams, reference
 
-from ..support import Step, make_batch
+from ..support import Step, make_batch, onnx_step_session
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -65,12 +65,7 @@ def test_chunked_translation_matches_reference(case, tmp_path):
     m = b.meta
     inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens,
               m.query_start_loc)
-    dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
-    prog = torch.onnx.export(Step(p).eval(), inputs, dynamo=True, dynamic_shapes=dyn, opset_version=18,
-                             custom_translation_table=translations(), verbose=False)
-    prog.save(str(tmp_path / "step.onnx"))
-    onnx.checker.check_model(str(tmp_path / "step.onnx"), full_check=True)
-    sess = ort.InferenceSession(str(tmp_path / "step.onnx"), providers=["CPUExecutionProvider"])
+    sess = onnx_step_session(Step(p).eval(), inputs, tmp_path / "step.onnx")
     got, _ = sess.run(None, {i.name: x.numpy() for i, x in zip(sess.get_inputs(), inputs)})
     ref = _expected(b, p)
     n = ref.shape[0]

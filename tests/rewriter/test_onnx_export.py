@@ -7,26 +7,16 @@ import math
 import pytest
 import torch
 
-from ..support import Step, make_batch, reference_step
+from ..support import Step, make_batch, onnx_step_session, reference_step
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from pagedattn.backends import AttentionParams  # noqa: E402
-from pagedattn.onnx_export import translations  # noqa: E402
 
 # (context, new tokens): fresh prefills, a chunked prefill over cached context, decodes
 MIXED = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1)]
-
-
-def _export(step: Step, inputs, path):
-    dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
-    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=translations(),
-                             opset_version=18, verbose=False)
-    prog.save(str(path))
-    onnx.checker.check_model(str(path), full_check=True)
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("case", [
@@ -49,7 +39,7 @@ def test_translation_matches_reference(case, tmp_path):
     step = Step(AttentionParams(scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, hkv, 16, sinks))
     m = b.meta
     inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
-    sess = _export(step.eval(), inputs, tmp_path / "step.onnx")
+    sess = onnx_step_session(step.eval(), inputs, tmp_path / "step.onnx")
     got_out, got_cache = sess.run(None, {i.name: x.numpy() for i, x in zip(sess.get_inputs(), inputs)})
     ref = reference_step(b, scale, causal, case.get("window", 0), case.get("softcap", 0.0), alibi, sinks)
     n = ref.shape[0]

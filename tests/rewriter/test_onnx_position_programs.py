@@ -19,6 +19,7 @@ from ..support import (
     Step,
     batch_params,
     make_batch,
+    onnx_step_session,
     prefix_lm_mod,
     reference_step,
     span_values,
@@ -28,7 +29,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from pagedattn.onnx_export import export_onnx, translations, verify_onnx  # noqa: E402
+from pagedattn.onnx_export import export_onnx, verify_onnx  # noqa: E402
 
 # (context, new tokens): fresh prefills, chunked prefills over cached context, decodes; past the window of 7
 SEQS = [(0, 9), (20, 1), (17, 6), (0, 1), (40, 1), (5, 14)]
@@ -44,8 +45,16 @@ CAPPED_MOD = __import__("json").dumps({"version": 1, "float": "float32", "nodes"
     "allowed": 26, "bias": 11})
 
 
+# causal, with a bias of 0.5 on the keys in the second half of the sequence (reads its length, ``n``)
+LENGTH_MOD = __import__("json").dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["n"], ["le", 1, 0], ["int", 2], ["idiv", 2, 4], ["ge", 1, 5], ["real", 0.5], ["real", 0.0],
+    ["ite", 6, 7, 8]], "allowed": 3, "bias": 9})
+
+
 def _programs():
     return {
+        "length_bias": (LENGTH_MOD, None),
+        "capped_dilated_f64": (CAPPED_MOD.replace('"float32"', '"float64"'), None),
         "sinks_window": (SINKS_WINDOW_MOD, None),
         "bucket_bias": (BUCKET_BIAS_MOD, BUCKET_TABLE),
         "capped_dilated": (CAPPED_MOD, None),
@@ -63,12 +72,7 @@ def test_position_program_translation_matches_reference(name, tmp_path):
     p = batch_params(b, scale, False, mod=mod)
     m = b.meta
     inputs = (b.query, b.key, b.value, b.kv_cache, m.slot_mapping, m.block_tables, m.seq_lens, m.query_start_loc)
-    dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
-    prog = torch.onnx.export(Step(p).eval(), inputs, dynamo=True, dynamic_shapes=dyn, opset_version=18,
-                             custom_translation_table=translations(), verbose=False)
-    prog.save(str(tmp_path / "step.onnx"))
-    onnx.checker.check_model(str(tmp_path / "step.onnx"), full_check=True)
-    sess = ort.InferenceSession(str(tmp_path / "step.onnx"), providers=["CPUExecutionProvider"])
+    sess = onnx_step_session(Step(p).eval(), inputs, tmp_path / "step.onnx")
     got, _ = sess.run(None, {i.name: x.numpy() for i, x in zip(sess.get_inputs(), inputs)})
     ref = reference_step(b, scale, False, mod=mod)
     n = ref.shape[0]

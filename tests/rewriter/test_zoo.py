@@ -50,23 +50,28 @@ def test_zoo_model_with_state_generates_like_hf(arch):
     assert engine.get("equal") or engine.get("equal_to_forward"), engine
 
 
-def test_single_token_steps_take_masks_proven_for_every_length_with_recurrent_layers_opaque(caplog):
-    # Jamba (Mamba-1) runs one token per step, so its attention masks come from a multi-token trace. Its
-    # Mamba scan loops over the tokens in Python, which fixes that trace's length (8 tokens); traced again with
-    # the Mamba layers opaque, the code that builds the masks traces for every length, and the mask is proven
-    # up to the model's 512 positions: requests far past 8 tokens generate as HF does, longer ones are refused
+def _jamba_engine(caplog):
+    """Tiny Jamba served (warnings captured), and how its attention sites' masks were established."""
     import pagedattn
 
     model = tiny_model("jamba", "eager")
     with caplog.at_level("WARNING", logger="pagedattn"):
         engine = pagedattn.PagedEngine(model, compile=False, block_size=4)
-    sites = [r for r in engine.servable.step.report if r["attention"]]
-    assert sites and all(r["mask_established"] == "hint from a multi-token trace: proof, recurrent layers opaque"
-                         for r in sites)
+    return model, engine, {r["mask_established"] for r in engine.servable.step.report if r["attention"]}
+
+
+def test_single_token_steps_take_masks_proven_for_every_length_with_recurrent_layers_opaque(caplog):
+    # Jamba (Mamba-1) runs one token per step, so its attention masks come from a multi-token trace. Its
+    # Mamba scan loops over the tokens in Python, which fixes that trace's length (8 tokens); traced again with
+    # the Mamba layers opaque, the code that builds the masks traces for every length, and the mask is proven
+    # up to the model's 512 positions: requests far past 8 tokens generate as HF does, longer ones are refused
+    model, engine, hows = _jamba_engine(caplog)
+    assert hows == {"hint from a multi-token trace: proof, recurrent layers opaque"}
     assert "established up to" not in caplog.text
     assert engine.length_limit()[0] == model.config.max_position_embeddings == 512
     g = torch.Generator().manual_seed(0)
-    ps = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 13, 70)]
+    # 300 tokens: past every length the mask was probed at before the proofs (257)
+    ps = [torch.randint(1, model.config.vocab_size, (n,), generator=g).tolist() for n in (40, 13, 300)]
     assert engine.generate(ps, max_new_tokens=6) == hf_generate(model, ps, 6)
     with pytest.raises(ValueError, match=r"reach 513 positions, but .* established for sequences of up to 512"):
         engine.add_request([3] * 500, max_new_tokens=14)
@@ -79,16 +84,11 @@ def test_hint_masks_of_a_fixed_length_trace_hold_only_up_to_that_length(caplog, 
     # added (not served on the assumption that the mask goes on as it was seen)
     import contextlib
 
-    import pagedattn
     from pagedattn import tracing
 
     monkeypatch.setattr(tracing, "recurrent_layers_opaque", lambda model: contextlib.nullcontext(0))
-    model = tiny_model("jamba", "eager")
-    with caplog.at_level("WARNING", logger="pagedattn"):
-        engine = pagedattn.PagedEngine(model, compile=False, block_size=4)
-    sites = [r for r in engine.servable.step.report if r["attention"]]
-    assert sites and all(r["mask_established"] == "hint from a multi-token trace: proof, at the trace's fixed length"
-                         for r in sites)
+    model, engine, hows = _jamba_engine(caplog)
+    assert hows == {"hint from a multi-token trace: proof, at the trace's fixed length"}
     assert "established up to" in caplog.text
     assert engine.length_limit()[0] == 8
     ps = [[5, 9, 3, 11, 2, 8], [7, 1, 4, 2]]
