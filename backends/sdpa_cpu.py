@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedattn.backends import reference
+from pagedattn.backends import native, reference
 from pagedattn.backends.base import SplitKVBackend, register_backend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
@@ -217,6 +217,14 @@ class SdpaCpuBackend(SplitKVBackend):
         # ``fixed``: the call writes no K/V (cross-attention over blocks filled once per request). Between
         # admissions an encoder-decoder's decode steps read the same blocks of the same unchanged cache with
         # the same plan, so the gathered groups are kept (``_gathered``) instead of gathered again each step.
+        #
+        # Where the native kernel runs (``native``: it reads the blocks in place, one call per layer), every decode
+        # whose visible keys are one run (no position program) goes to it instead.
+        native_call = _native_call(query, kv_cache, block_tables, split, params)
+        if native_call is not None:
+            call, tables = native_call
+            call(out, query, kv_cache, tables, params.scale, params.softcap, params.alibi_slopes, params.sinks)
+            return
         plan = _decode_plan(kv_cache, block_tables, split, params, query.shape[1], query.dtype)
         if plan is None:
             return
@@ -458,6 +466,30 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: 
     if plan is not None and plan.bias is None and plan.terms is not None:
         plan = dataclasses.replace(plan, bias=_plan_bias(plan, params, num_heads, dtype))
     return plan
+
+
+def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _Split,
+                 params: AttentionParams) -> Optional[tuple[native.DecodeCall, Tensor]]:
+    """The step's decodes as a native kernel call and the block tables it reads (memoised for the step, like the
+    plan), or None where the kernel does not run them: not built here, turned off, a position program (its visible
+    keys need not be one run), or tensors it does not read as they are."""
+    if params.position_mod or not native.enabled():
+        return None
+    lib = native.load()
+    if lib is None or not native.usable(query, kv_cache, params.num_kv_heads):
+        return None
+    threads = torch.get_num_threads()
+    key = ("native", split.single_key, params.window, params.chunk, kv_cache.shape[2], threads,
+           block_tables._version)
+    plans = _step_plans(block_tables)
+    found = plans.get(key)
+    if found is None:
+        items = torch.tensor([(s.start, s.index, reference.earliest_visible_key(s.kv_len - 1, params), s.kv_len)
+                              for s in split.single], dtype=torch.int64)  # [n, 4]
+        total = int((items[:, 3] - items[:, 2]).sum())
+        call = native.DecodeCall(lib, items, native.part_keys(total, threads, kv_cache.shape[2]), threads)
+        found = plans[key] = (call, block_tables.to(torch.int32).contiguous())
+    return found
 
 
 def _step_plans(block_tables: Tensor) -> dict:

@@ -130,12 +130,13 @@ def inductor_freezing(on: bool) -> Iterator[None]:
         return
     import torch._inductor.config as inductor_config
 
-    saved = inductor_config.freezing
+    saved = inductor_config.freezing, inductor_config.cpp.enable_concat_linear
     inductor_config.freezing = True
+    inductor_config.cpp.enable_concat_linear = True
     try:
         yield
     finally:
-        inductor_config.freezing = saved
+        inductor_config.freezing, inductor_config.cpp.enable_concat_linear = saved
 
 
 class RewrittenModel(nn.Module):

@@ -215,6 +215,7 @@ CHUNKS = [1, 3, 8, 13, 16, 40, 1000]  # block 16: smaller, dividing, not dividin
 MIXED = SHAPES["mixed"] + SHAPES["chunked"]  # every kind of step at once
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_cpu_steps(shape, chunk):
@@ -222,6 +223,7 @@ def test_cpu_steps(shape, chunk):
     _check(b, _params(b, chunk), torch.float32)
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("block_size", [1, 5, 8, 32])
 @pytest.mark.parametrize("chunk", [4, 7, 24])
 def test_cpu_block_sizes(block_size, chunk):
@@ -229,12 +231,14 @@ def test_cpu_block_sizes(block_size, chunk):
     _check(b, _params(b, chunk), torch.float32)
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 def test_cpu_head_layouts(heads):
     b = make_batch(SHAPES["mixed"], num_heads=heads[0], num_kv_heads=heads[1])
     _check(b, _params(b, 6), torch.float32)
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("feature", FEATURES, ids=_ids)
 def test_cpu_features(feature, dtype):
@@ -242,6 +246,7 @@ def test_cpu_features(feature, dtype):
     _check(b, _params(b, 12, **_feature(feature)), dtype)
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_cpu_cross_steps_without_new_keys():
     # key=None: the per-sequence path gathers every sequence from the cache, chunk by chunk
     b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, pad_tokens=1)
@@ -249,6 +254,7 @@ def test_cpu_cross_steps_without_new_keys():
     _check(b, p, torch.float32, out=_run(b, p, pass_kv=False))
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("feature", FEW_FEATURES, ids=_ids)
 def test_cpu_reads_nothing_before_the_first_visible_block(feature):
     # blocks before a sequence's first visible key hold NaN: reading them at all (even masked) shows
@@ -294,6 +300,7 @@ def test_cpu_chunked_prefill_masks_only_the_run_that_starts_inside_a_chunk(monke
 DECODES = [(100, 1), (3, 1), (57, 1), (0, 9), (40, 1), (23, 1), (47, 1)]
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("feature", FEW_FEATURES, ids=_ids)
 @pytest.mark.parametrize("chunk", [5, 12, 24, 64])
@@ -312,6 +319,8 @@ def test_decode_split_under_a_small_gather_budget(monkeypatch, chunk, feature, t
         torch.set_num_threads(before)
 
 
+@pytest.mark.usefixtures("decode_path")
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("budget_blocks", [2, 1000])
 def test_decode_without_mask_when_every_key_in_reach_is_visible(monkeypatch, budget_blocks, dtype):
@@ -324,6 +333,8 @@ def test_decode_without_mask_when_every_key_in_reach_is_visible(monkeypatch, bud
     assert seen and all(m is None for m in seen)
 
 
+@pytest.mark.usefixtures("decode_path")
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 def test_decode_masks_a_chunk_that_starts_inside_a_block(monkeypatch):
     seen = record_decode_masks(monkeypatch)
     b = make_batch([(55, 1)], num_heads=4, num_kv_heads=2)  # chunk 40..59: block 2 holds keys 32..47

@@ -22,6 +22,8 @@ from ..support import (
     run_step,
 )
 
+pytestmark = pytest.mark.usefixtures("decode_path")
+
 
 def _check(batch, dtype, **kw):
     scale = kw.pop("scale", 1 / math.sqrt(batch.query.shape[-1]))
@@ -96,6 +98,7 @@ def test_a_position_program_differs_from_the_causal_reading():
     assert not torch.allclose(out[:n].double(), reference_step(b, 0.125), atol=1e-3)
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 @pytest.mark.parametrize("mod", ["bucket_bias", "alibi"])
 def test_sites_sharing_a_program_share_the_step_plan_with_their_own_tables(monkeypatch, mod):
     # layers whose parameters differ only in tensors (a program's learned tables, ALiBi slopes) build the
@@ -113,6 +116,7 @@ def test_sites_sharing_a_program_share_the_step_plan_with_their_own_tables(monke
     assert len(builds) == 1
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 def test_steps_alternating_two_block_tables_keep_both_plans(monkeypatch):
     # an encoder-decoder's step: self-attention and cross-attention layers alternate between two block
     # tables; each keeps its plan for the whole step
@@ -232,6 +236,7 @@ def test_split_decode_merges_chunks(monkeypatch, feature):
     _check(b, torch.float32, **feature)
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 @pytest.mark.parametrize("budget_blocks", [3, 8, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_without_mask_when_every_key_is_visible(monkeypatch, budget_blocks, dtype):
@@ -246,6 +251,7 @@ def test_decode_without_mask_when_every_key_is_visible(monkeypatch, budget_block
     assert seen and all(m is None for m in seen)
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 def test_decode_masks_only_groups_with_hidden_keys(monkeypatch):
     from pagedattn.backends import sdpa_cpu
 
@@ -319,6 +325,7 @@ def test_decode_groups_cover_chunks_within_budget_at_least_as_cheaply_as_one_gre
     assert cost(bounds) <= cost(_greedy_groups(sizes, budget))
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 def test_ragged_decodes_gather_in_groups_of_similar_lengths(monkeypatch):
     # lengths from 1 to 30 blocks: one group would pad every chunk to 30 blocks; groups of similar
     # lengths gather far fewer, and the result is the reference's
@@ -333,6 +340,7 @@ def test_ragged_decodes_gather_in_groups_of_similar_lengths(monkeypatch):
     assert 1 < len(gathered) and sum(gathered) < 0.7 * len(lens) * 4 * 30
 
 
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's own workings
 @pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_changes(monkeypatch, alibi):
     # cross-attention (key=None) over the same blocks, step after step, gathers once; a write anywhere in the

@@ -1,0 +1,203 @@
+"""The CPU's native paged decode kernel (``csrc/paged_decode.c``): built on first use, loaded with ctypes.
+
+Why native: a decode step's attention through SDPA gathers every sequence's blocks into a dense buffer first
+(a second pass over the keys) and pays Python per call around a dozen small ops; the kernel reads keys and
+values in place through the block table, in one call per layer, with torch's own OpenMP threads.
+
+Why plain C through ctypes, not a torch C++ extension: it compiles in about a second with no torch or Python
+headers (an extension takes a minute and ninja), and the call needs nothing but pointers. The shared object
+is cached under ``$PAGEDATTN_CACHE_DIR`` (default ``~/.cache/pagedattn``), keyed by the source, the compiler
+and its flags, so a second process loads it without compiling; the file is only ever one this module built
+from its own source.
+
+The kernel is optional: without a C compiler, or where torch does not run GNU OpenMP (the kernel's threads
+must be torch's, not a second runtime competing for the cores), :func:`load` returns None and the backend
+keeps its SDPA path. ``PAGEDATTN_NATIVE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["load", "enabled", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
+MAX_GROUP = 64  # and MAX_GROUP
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+
+
+class _Args(ctypes.Structure):
+    """``decode_args`` of ``csrc/paged_decode.c``, field for field."""
+
+    _fields_ = [
+        ("query", ctypes.c_void_p), ("q_row", ctypes.c_int64), ("q_head", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("o_row", ctypes.c_int64), ("o_head", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("c_block", ctypes.c_int64), ("c_token", ctypes.c_int64), ("c_head", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p), ("table_width", ctypes.c_int64),
+        ("items", ctypes.c_void_p), ("num_items", ctypes.c_int64),
+        ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_size", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("alibi_slopes", ctypes.c_void_p), ("sinks", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32), ("part_keys", ctypes.c_int32),
+        ("scratch", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int64), ("num_rows", ctypes.c_int64), ("num_seqs", ctypes.c_int64),
+    ]
+
+
+# pagedattn_paged_decode's refusals (it checks every index it would read before reading any)
+_ERRORS = {
+    1: "head size or query heads per KV head beyond the kernel's bounds",
+    2: "a decode item names a query row or sequence outside the call",
+    3: "a sequence needs more blocks than its block table row holds",
+    4: "a block table entry is not a block of the cache",
+    5: "out of memory for the kernel's per-thread state",
+}
+
+
+def enabled() -> bool:
+    """Whether the native kernel may be used (``PAGEDATTN_NATIVE=0`` turns it off)."""
+    return os.environ.get("PAGEDATTN_NATIVE", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PAGEDATTN_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedattn"
+
+
+def _torch_runs_gnu_openmp() -> bool:
+    """torch's threads are GNU OpenMP's, already loaded: the kernel's ``libgomp.so.1`` binds to that one."""
+    if sys.platform != "linux" or "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libgomp" in maps
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _build(source: bytes, cc: str) -> Optional[Path]:
+    """The shared object for ``source``: cached, else compiled into the cache (atomically: processes may race)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     platform.machine().encode(), platform.node().encode()])).hexdigest()[:24]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "out.so"
+        src.write_bytes(source)
+        done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
+                              check=False)
+        if done.returncode:
+            log.debug("pagedattn: the native decode kernel did not compile (%s): %s", cc, done.stderr[-2000:])
+            return None
+        os.replace(obj, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Optional[ctypes.CDLL]:
+    """The kernel's library, built on first use; None where it cannot run here (the reason goes to the debug
+    log)."""
+    if not _torch_runs_gnu_openmp():
+        log.debug("pagedattn: native decode kernel off: torch does not run GNU OpenMP here")
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.debug("pagedattn: native decode kernel off: no C compiler (set CC)")
+        return None
+    source = resources.files("pagedattn.backends").joinpath("csrc/paged_decode.c").read_bytes()
+    try:
+        path = _build(source, cc)
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.debug("pagedattn: native decode kernel off: %s", e)
+        return None
+    lib.pagedattn_paged_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+    lib.pagedattn_paged_decode.restype = ctypes.c_int
+    return lib
+
+
+class DecodeCall:
+    """One step's decode items, ready to run at every layer of the step.
+
+    ``items [n, 4]`` int64 rows of (query row, sequence, first visible key, keys): the query is the item's last key
+    and sees keys ``[first, keys)``; each item's keys are cut into parts of ``part_keys`` keys, the threads' units
+    of work (:func:`plan_parts`).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, items: Tensor, part_keys: int, num_threads: int):
+        self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
+        parts = (items[:, 3] - items[:, 2]).clamp(min=1).add(part_keys - 1).div(part_keys, rounding_mode="floor")
+        self.parts_start = torch.cat([parts.new_zeros(1), parts.cumsum(0)])  # [n + 1]
+        self.num_parts = int(self.parts_start[-1])
+        self._scratch: Optional[Tensor] = None
+
+    def __call__(self, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables: Tensor, scale: float,
+                 softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> None:
+        """Write the items' rows of ``out [T, Hq, D]`` from ``query [T, Hq, D]`` over ``kv_cache``
+        ``[2, nb, bs, Hkv, D]``; ``block_tables`` int32 with contiguous rows, head dims contiguous everywhere
+        (:func:`usable` says whether a call qualifies)."""
+        _, _, bs, hkv, d = kv_cache.shape
+        hq = query.shape[1]
+        need = self.num_parts * hq * (d + 2)
+        if self._scratch is None or self._scratch.numel() < need:  # the step's layers share it
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+        sink = None if sinks is None else sinks.float().contiguous()
+        k, v = kv_cache[0], kv_cache[1]
+        a = _Args(query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+                  k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                  block_tables.data_ptr(), block_tables.stride(0), self.items.data_ptr(), self.items.shape[0],
+                  hq, hkv, d, bs, scale, softcap,
+                  None if slopes is None else slopes.data_ptr(), None if sink is None else sink.data_ptr(),
+                  DTYPE_CODES[kv_cache.dtype], self.part_keys, self._scratch.data_ptr(), self.num_threads,
+                  kv_cache.shape[1], min(query.shape[0], out.shape[0]), block_tables.shape[0])
+        bad = self.lib.pagedattn_paged_decode(ctypes.byref(a), self.parts_start.data_ptr())
+        if bad:
+            raise ValueError(f"paged_attention: {_ERRORS.get(bad, f'error {bad}')} (check the step's metadata)")
+
+
+def usable(query: Tensor, kv_cache: Tensor, num_kv_heads: int) -> bool:
+    """Whether a decode call's tensors suit the kernel as they are: CPU, a dtype it reads, head dims contiguous,
+    sizes within its bounds, query and cache of one dtype (block tables: int32 rows, contiguous)."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPE_CODES and query.dtype == kv_cache.dtype
+            and kv_cache.dim() == 5 and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
+            and query.shape[-1] == kv_cache.shape[-1] <= MAX_HEAD_SIZE
+            and query.shape[1] % num_kv_heads == 0 and query.shape[1] // num_kv_heads <= MAX_GROUP)
+
+
+def part_keys(total_keys: int, num_threads: int, block_size: int) -> int:
+    """Keys per unit of work (a part of one sequence's keys, every head): at least 64 (a unit's fixed cost), and
+    small enough that the threads get about eight units each of the step's keys."""
+    want = -(-total_keys // (8 * max(1, num_threads)))
+    return max(64, -(-want // block_size) * block_size)

@@ -1,0 +1,165 @@
+"""The CPU's native paged decode kernel (backends/native.py, backends/csrc/paged_decode.c): its results against the
+reference, its parts and threads, its refusals of out-of-bounds metadata, its build cache and its fallbacks.
+The sdpa_cpu tests run every CPU step through it as well (tests/backends/conftest.py's ``decode_path``)."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedattn.backends import native, sdpa_cpu
+
+from ..support import TOL, batch_params, make_batch, reference_step
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the native decode kernel is not built here")
+
+
+def _call(b, part_keys, threads, params):
+    """The batch's decodes (every sequence has one new token) straight through the kernel: ``[T, Hq, D]``."""
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    lens = b.meta.seq_lens.tolist()
+    from pagedattn.backends import reference
+
+    items = torch.tensor([(i, i, reference.earliest_visible_key(n - 1, params), n) for i, n in enumerate(lens)])
+    call = native.DecodeCall(native.load(), items, part_keys, threads)
+    out = torch.zeros_like(b.query)
+    call(out, b.query, b.kv_cache, b.meta.block_tables, params.scale, params.softcap, params.alibi_slopes,
+         params.sinks)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_size=st.sampled_from([8, 32, 40, 64, 80, 128, 256]),
+    group=st.sampled_from([1, 2, 3, 8]),
+    block_size=st.sampled_from([1, 5, 16, 32]),
+    part_keys=st.sampled_from([1, 7, 64, 4096]),
+    threads=st.integers(1, 3),
+    feature=st.sampled_from([{}, {"window": 9}, {"softcap": 3.0}, {"alibi": True}, {"sinks": True},
+                             {"causal": False}, {"softcap": 2.0, "alibi": True, "sinks": True, "window": 40}]),
+    seed=st.integers(0, 2**16),
+)
+def test_decodes_match_the_reference(lens, dtype, head_size, group, block_size, part_keys, threads, feature, seed):
+    b = make_batch([(n - 1, 1) for n in lens], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
+                   block_size=block_size, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+    kw = dict(window=feature.get("window", 0), softcap=feature.get("softcap", 0.0),
+              causal=feature.get("causal", True))
+    if feature.get("alibi"):
+        kw["alibi"] = torch.linspace(0.05, 0.8, 2 * group)
+    if feature.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, 2 * group)
+    scale = 1 / math.sqrt(head_size)
+    out = _call(b, part_keys, threads, batch_params(b, scale, **kw))
+    ref = reference_step(b, scale, **kw)
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+    # an empty cross-attention source: zero keys, with and without sinks (the sink takes the whole weight)
+    b = make_batch([(3, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_size=64)
+    items = torch.tensor([(0, 0, 0, 4), (1, 1, 0, 0)])
+    for sinks in (None, torch.ones(4)):
+        out = torch.full_like(b.query, float("nan"))
+        native.DecodeCall(native.load(), items, 64, 1)(out, b.query, b.kv_cache, b.meta.block_tables, 0.125, 0.0,
+                                                      None, sinks)
+        assert torch.all(out[1] == 0) and torch.isfinite(out[0]).all()
+
+
+def test_parts_and_threads_change_nothing_but_rounding():
+    b = make_batch([(999, 1), (17, 1), (400, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    p = batch_params(b, 0.125)
+    one = _call(b, 4096, 1, p)
+    for part_keys, threads in ((16, 1), (64, 2), (100, 3), (1, 2)):
+        torch.testing.assert_close(_call(b, part_keys, threads, p), one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["block", "row", "width"])
+def test_out_of_bounds_metadata_is_refused_before_anything_is_read(bad):
+    b = make_batch([(20, 1), (5, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    tables = b.meta.block_tables.clone()
+    items = torch.tensor([(0, 0, 0, 21), (1, 1, 0, 6)])
+    if bad == "block":
+        tables[0, 1] = b.kv_cache.shape[1]
+    elif bad == "row":
+        items[1, 0] = 7
+    else:
+        items[1, 3] = 16 * tables.shape[1] + 1
+    out = torch.zeros_like(b.query)
+    call = native.DecodeCall(native.load(), items, 64, 1)
+    with pytest.raises(ValueError, match=r"^paged_attention: .*check the step's metadata\)$"):
+        call(out, b.query, b.kv_cache, tables, 0.125, 0.0, None, None)
+    assert torch.all(out == 0)
+
+
+def test_an_unknown_block_through_the_op_is_one_clear_error():
+    from pagedattn.backends import set_validation
+
+    b = make_batch([(20, 1), (5, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    b.meta.block_tables[1, 0] = 10_000
+    set_validation(False)  # the kernel's own check, not the ops' full validation
+    with pytest.raises(ValueError, match="not a block of the cache"):
+        torch.ops.pagedattn.paged_attention(b.query, None, None, b.kv_cache, b.meta.block_tables, b.meta.seq_lens,
+                                            b.meta.query_start_loc, *batch_params(b, 0.125).args())
+
+
+def test_the_kernel_runs_on_torchs_own_openmp():
+    # its libgomp.so.1 is the one torch loaded: one OpenMP runtime, one pool of threads on the cores
+    maps = Path("/proc/self/maps").read_text()
+    assert len(set(re.findall(r"\S*libgomp[^\s]*", maps))) == 1
+
+
+_CHILD = """
+import os, sys, torch
+from unittest import mock
+from pagedattn.backends import native
+with mock.patch.object(native.subprocess, "run", wraps=native.subprocess.run) as run:
+    assert native.load() is not None
+    print("compiles", sum(1 for c in run.call_args_list if "-shared" in c.args[0]))
+"""
+
+
+def test_a_second_process_loads_the_built_kernel_without_compiling(tmp_path):
+    env = {**os.environ, "PAGEDATTN_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True)
+            for _ in range(2)]
+    assert [r.stdout.split()[-1] for r in runs] == ["1", "0"]
+    assert len(list(tmp_path.glob("paged_decode-*.so"))) == 1 and not list(tmp_path.glob("tmp*"))
+
+
+def test_without_a_compiler_the_sdpa_path_serves(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        calls = []
+        real = sdpa_cpu._build_decode_plan
+        monkeypatch.setattr(sdpa_cpu, "_build_decode_plan", lambda *a: calls.append(1) or real(*a))
+        b = make_batch([(30, 1), (7, 1)], num_heads=4, num_kv_heads=2)
+        p = batch_params(b, 0.125)
+        torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+        out = torch.ops.pagedattn.paged_attention(b.query, None, None, b.kv_cache, b.meta.block_tables,
+                                                  b.meta.seq_lens, b.meta.query_start_loc, *p.args())
+        torch.testing.assert_close(out.double(), reference_step(b, 0.125), atol=2e-4, rtol=2e-4)
+        assert calls  # the SDPA decode path ran
+    finally:
+        native.load.cache_clear()
+
+
+def test_a_compiler_error_leaves_the_kernel_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_FLAGS", (*native._FLAGS, "-fno-such-flag"))
+    native.load.cache_clear()
+    try:
+        assert native.load() is None and not list(tmp_path.glob("*.so"))
+    finally:
+        native.load.cache_clear()
