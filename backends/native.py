@@ -36,7 +36,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "enabled", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
+__all__ = ["load", "missing_prerequisite", "enabled", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -122,20 +122,27 @@ def _build(source: bytes, cc: str) -> Optional[Path]:
     return target
 
 
+def missing_prerequisite() -> Optional[str]:
+    """What this machine lacks for the kernel (a C compiler, torch on GNU OpenMP), or None: then :func:`load`
+    returning None means the build itself failed."""
+    if not _torch_runs_gnu_openmp():
+        return "torch does not run GNU OpenMP here"
+    if _compiler() is None:
+        return "no C compiler (set CC)"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> Optional[ctypes.CDLL]:
     """The kernel's library, built on first use; None where it cannot run here (the reason goes to the debug
     log)."""
-    if not _torch_runs_gnu_openmp():
-        log.debug("pagedattn: native decode kernel off: torch does not run GNU OpenMP here")
-        return None
-    cc = _compiler()
-    if cc is None:
-        log.debug("pagedattn: native decode kernel off: no C compiler (set CC)")
+    missing = missing_prerequisite()
+    if missing:
+        log.debug("pagedattn: native decode kernel off: %s", missing)
         return None
     source = resources.files("pagedattn.backends").joinpath("csrc/paged_decode.c").read_bytes()
     try:
-        path = _build(source, cc)
+        path = _build(source, _compiler())
         if path is None:
             return None
         lib = ctypes.CDLL(str(path))

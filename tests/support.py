@@ -390,3 +390,15 @@ class Step(torch.nn.Module):
         new = torch.ops.pagedattn.write_kv_cache_functional(k, v, cache, slots)
         out = torch.ops.pagedattn.paged_attention(q, k, v, new, tables, seq_lens, starts, *self.params.args())
         return out, new
+
+
+def skip_unless_missing_prerequisite():
+    """Skip where the machine lacks what the native kernel needs; fail where it has it and the build failed."""
+    import pytest
+
+    from pagedattn.backends import native
+
+    missing = native.missing_prerequisite()
+    if missing is None:
+        pytest.fail("the native decode kernel did not build (run with --log-level=DEBUG for the compiler's output)")
+    pytest.skip(f"the native decode kernel cannot run here: {missing}")

@@ -21,7 +21,7 @@
 #define MAX_HEAD 512  /* head size bound */
 #define MAX_GROUP 64  /* query heads per KV head */
 #ifndef PREFETCH_KEYS
-#define PREFETCH_KEYS 64  /* keys read ahead of the tile being attended */
+#define PREFETCH_KEYS 32  /* keys read ahead of the tile being attended */
 #endif
 #define TILE 32       /* keys scored at once (the scalar path; at least the vector path's 16) */
 
@@ -120,6 +120,18 @@ static inline __attribute__((always_inline)) void rows_as_float(const float **ou
     for (int t = 0; t < n; t++) out[t] = buf + t * D;
 }
 
+/* key j's rows (every head), K and V, asked for from memory: block addresses come from the table, so no hardware
+ * prefetcher sees them coming. Asked for PREFETCH_KEYS keys ahead, one key per key attended (spread over the work:
+ * a burst of prefetches only queues behind the memory system) */
+static inline void prefetch_key(const decode_args *a, const int32_t *table, const char *ck, const char *cv, int64_t j,
+                                int64_t row_bytes, int64_t esz) {
+    const int64_t off = ((int64_t)table[j / a->block_size] * a->c_block + (j % a->block_size) * a->c_token) * esz;
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+        __builtin_prefetch(ck + off + o, 0, 3);
+        __builtin_prefetch(cv + off + o, 0, 3);
+    }
+}
+
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
  * converted keys and values, a tile of scores per head of a group */
 static int64_t state_floats(const decode_args *a) {
@@ -127,8 +139,8 @@ static int64_t state_floats(const decode_args *a) {
     return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D;
 }
 
-/* one unit: an item's keys [k0, k1) for every head, block by block (a block's K, then its V, is read once and
- * whole, while the next block is prefetched); D a constant where inlined */
+/* one unit: an item's keys [k0, k1) for every head, a tile at a time (a tile's keys and values are read once for
+ * all heads, while later keys are prefetched); D a constant where inlined */
 static inline __attribute__((always_inline)) void run_unit(const decode_args *a, float *state, int64_t unit,
                                                            int64_t item, int part, const int D) {
     const int64_t *it = a->items + 4 * item;
@@ -158,16 +170,8 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
         int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
         n = n < TILE ? n : TILE;
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
-        if (t0 + n < k1) {  /* the next tile's rows: block addresses come from the table, no prefetcher sees them */
-            const int64_t j = t0 + n, jb = j % bs;
-            const int nn = (int)(bs - jb < k1 - j ? bs - jb : k1 - j) < TILE ? (int)(bs - jb < k1 - j ? bs - jb : k1 - j) : TILE;
-            const int64_t nxt = ((int64_t)table[j / bs] * a->c_block + jb * a->c_token) * esz;
-            for (int t = 0; t < nn; t++)
-                for (int64_t o = 0; o < row_bytes; o += 64) {
-                    __builtin_prefetch(ck + nxt + t * a->c_token * esz + o, 0, 3);
-                    __builtin_prefetch(cv + nxt + t * a->c_token * esz + o, 0, 3);
-                }
-        }
+        for (int t = 0; t < n && t0 + t + PREFETCH_KEYS < k1; t++)
+            prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
         for (int kvh = 0; kvh < Hkv; kvh++) {
             for (int t = 0; t < n; t++) {
                 const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
@@ -274,21 +278,6 @@ static inline vf vexp_neg(vf x) {
     return p * (vf)e;
 }
 
-/* keys [from, to) of the sequence asked for from memory (every head's row), and `to`: block addresses come from the
- * table, so no hardware prefetcher sees them coming; asked for PREFETCH_KEYS ahead, they arrive in time */
-static inline int64_t prefetch_ahead(const decode_args *a, const int32_t *table, const char *ck, const char *cv,
-                                     int64_t from, int64_t to, int64_t row_bytes, int64_t esz) {
-    for (int64_t j = from; j < to; j++) {
-        const char *rk = ck + ((int64_t)table[j / a->block_size] * a->c_block + (j % a->block_size) * a->c_token) * esz;
-        const char *rv = cv + (rk - ck);
-        for (int64_t o = 0; o < row_bytes; o += 64) {
-            __builtin_prefetch(rk + o, 0, 3);
-            __builtin_prefetch(rv + o, 0, 3);
-        }
-    }
-    return to > from ? to : from;
-}
-
 /* run_unit for D a multiple of 16 (a constant where inlined): keys scored 16 at a time, each key row loaded once
  * for the group's heads; the heads' sums stay in vectors over a tile's values */
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
@@ -320,14 +309,11 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;
     vi lane;
     for (int t = 0; t < VL; t++) lane[t] = t;
-    int64_t prefetched = k0;
     for (int64_t t0 = k0; t0 < k1;) {
         const int64_t in_block = t0 % bs;
         int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
         n = n < VL ? n : VL;
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
-        prefetched = prefetch_ahead(a, table, ck, cv, prefetched, t0 + n + PREFETCH_KEYS < k1 ? t0 + n + PREFETCH_KEYS : k1,
-                                    row_bytes, esz);
         const vi live = lane < n;
         for (int kvh = 0; kvh < Hkv; kvh++) {
             for (int t = 0; t < n; t++) {
@@ -340,6 +326,8 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             for (int t = n; t < VL; t++) kr[t] = vr[t] = zero;
             const float *qk = q + (int64_t)kvh * G * D;
             for (int t = 0; t < VL; t++) {  /* each key row once, against the group's G queries */
+                if (kvh == 0 && t < n && t0 + t + PREFETCH_KEYS < k1)
+                    prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
                 vf kc[NV];
                 for (int c = 0; c < NV; c++) kc[c] = vload(kr[t] + c * VL);
                 for (int g = 0; g < G; g++) {

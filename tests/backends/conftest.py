@@ -2,6 +2,8 @@ import pytest
 
 from pagedattn.backends import native
 
+from ..support import skip_unless_missing_prerequisite
+
 
 @pytest.fixture(params=["native", "sdpa"])
 def decode_path(request, monkeypatch):
@@ -9,6 +11,7 @@ def decode_path(request, monkeypatch):
     the SDPA path's own workings asks for it alone: ``@pytest.mark.parametrize("decode_path", ["sdpa"],
     indirect=True)``."""
     if request.param == "native" and native.load() is None:
-        pytest.skip("the native decode kernel is not built here (no C compiler, or torch without GNU OpenMP)")
+        skip_unless_missing_prerequisite()
     monkeypatch.setenv("PAGEDATTN_NATIVE", "1" if request.param == "native" else "0")
     return request.param
+

@@ -16,9 +16,13 @@ from hypothesis import strategies as st
 
 from pagedattn.backends import native, sdpa_cpu
 
-from ..support import TOL, batch_params, make_batch, reference_step
+from ..support import TOL, batch_params, make_batch, reference_step, skip_unless_missing_prerequisite
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="the native decode kernel is not built here")
+
+@pytest.fixture(autouse=True)
+def _built():
+    if native.load() is None:
+        skip_unless_missing_prerequisite()
 
 
 def _call(b, part_keys, threads, params):
