@@ -36,7 +36,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "missing_prerequisite", "enabled", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
+__all__ = ["load", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -61,6 +61,21 @@ class _Args(ctypes.Structure):
         ("dtype", ctypes.c_int32), ("part_keys", ctypes.c_int32),
         ("scratch", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
         ("num_blocks", ctypes.c_int64), ("num_rows", ctypes.c_int64), ("num_seqs", ctypes.c_int64),
+    ]
+
+
+class _WriteArgs(ctypes.Structure):
+    """``write_args`` of ``csrc/paged_decode.c``, field for field."""
+
+    _fields_ = [
+        ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
+        ("k_row", ctypes.c_int64), ("k_head", ctypes.c_int64), ("v_row", ctypes.c_int64), ("v_head", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("c_block", ctypes.c_int64), ("c_token", ctypes.c_int64), ("c_head", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("slots_are_64_bit", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int32), ("head_size", ctypes.c_int32), ("block_size", ctypes.c_int32),
+        ("element_size", ctypes.c_int32),
     ]
 
 
@@ -151,6 +166,8 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     lib.pagedattn_paged_decode.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
     lib.pagedattn_paged_decode.restype = ctypes.c_int
+    lib.pagedattn_write_kv.argtypes = [ctypes.POINTER(_WriteArgs)]
+    lib.pagedattn_write_kv.restype = ctypes.c_int
     return lib
 
 
@@ -208,3 +225,25 @@ def part_keys(total_keys: int, num_threads: int, block_size: int) -> int:
     small enough that the threads get about eight units each of the step's keys."""
     want = -(-total_keys // (8 * max(1, num_threads)))
     return max(64, -(-want // block_size) * block_size)
+
+
+def write(lib: ctypes.CDLL, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> bool:
+    """Write ``key``/``value [T, Hkv, D]`` into ``kv_cache [2, nb, bs, Hkv, D]`` at ``slot_mapping`` (-1 skipped) in
+    one call with no per-call tensor ops; False (nothing written) where the tensors do not suit it as they are: then
+    the caller writes another way. Slots outside the cache are a ``ValueError``, with nothing written."""
+    if not (key.dtype == value.dtype == kv_cache.dtype and kv_cache.dtype in DTYPE_CODES
+            and key.device.type == "cpu" and kv_cache.dim() == 5 and kv_cache.stride(-1) == 1
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and slot_mapping.dim() == 1
+            and slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.stride(0) == 1
+            and key.shape[0] == value.shape[0] == slot_mapping.shape[0]
+            and key.shape[1:] == value.shape[1:] == kv_cache.shape[3:]):
+        return False
+    k, v = kv_cache[0], kv_cache[1]
+    a = _WriteArgs(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                   slot_mapping.data_ptr(), slot_mapping.dtype == torch.int64, key.shape[0], kv_cache.shape[1],
+                   kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[2], kv_cache.element_size())
+    if lib.pagedattn_write_kv(ctypes.byref(a)):
+        raise ValueError(f"write_kv_cache: a slot is outside the cache's {kv_cache.shape[1] * kv_cache.shape[2]} "
+                         "slots (other than -1, padding); fix slot_mapping")
+    return True

@@ -1,4 +1,8 @@
-"""Paged attention on CPU through ``scaled_dot_product_attention``.
+"""Paged attention on CPU: decodes through the native kernel, the rest through ``scaled_dot_product_attention``.
+
+Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s kernel,
+which reads the blocks in place; it also writes the cache. Where it is not built (no C compiler) or turned off
+(``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel).
 
 Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V). A gather of
 whole blocks is a run of contiguous copies, and ``[B, L, Hkv, D]`` transposed to ``[B, Hkv, L, D]``
@@ -123,6 +127,14 @@ class SdpaCpuBackend(SplitKVBackend):
     name = "sdpa_cpu"
     device_type = "cpu"
     dtypes = _SDPA_DTYPES
+
+    # --- the cache
+
+    def write(self, key, value, kv_cache, slot_mapping):
+        # the native kernel's write: one call, where the generic one costs a host sync and two index_copy_
+        lib = native.load() if native.enabled() else None
+        if lib is None or not native.write(lib, key, value, kv_cache, slot_mapping):
+            super().write(key, value, kv_cache, slot_mapping)
 
     # --- attention
 

@@ -469,3 +469,37 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
     }
     return failed ? 5 : 0;
 }
+
+/* ---- the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding, skipped) */
+typedef struct {
+    const void *key, *value;
+    int64_t k_row, k_head, v_row, v_head;   /* element strides of a token and of a head (D contiguous) */
+    void *k_cache, *v_cache;
+    int64_t c_block, c_token, c_head;       /* as in decode_args */
+    const void *slots;                      /* [tokens] */
+    int32_t slots_are_64_bit;
+    int64_t num_tokens, num_blocks;
+    int32_t num_kv_heads, head_size, block_size, element_size;
+} write_args;
+
+/* 0, or 6 when a slot is outside the cache (other than -1) with nothing written */
+int pagedattn_write_kv(const write_args *a) {
+    const int64_t num_slots = a->num_blocks * a->block_size;
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t s = a->slots_are_64_bit ? ((const int64_t *)a->slots)[t] : ((const int32_t *)a->slots)[t];
+        if (s < -1 || s >= num_slots) return 6;
+    }
+    const int64_t esz = a->element_size, row = (int64_t)a->head_size * esz;
+    for (int64_t t = 0; t < a->num_tokens; t++) {
+        const int64_t s = a->slots_are_64_bit ? ((const int64_t *)a->slots)[t] : ((const int32_t *)a->slots)[t];
+        if (s < 0) continue;
+        const int64_t base = (s / a->block_size) * a->c_block + (s % a->block_size) * a->c_token;
+        for (int h = 0; h < a->num_kv_heads; h++) {
+            memcpy((char *)a->k_cache + (base + h * a->c_head) * esz,
+                   (const char *)a->key + (t * a->k_row + h * a->k_head) * esz, row);
+            memcpy((char *)a->v_cache + (base + h * a->c_head) * esz,
+                   (const char *)a->value + (t * a->v_row + h * a->v_head) * esz, row);
+        }
+    }
+    return 0;
+}

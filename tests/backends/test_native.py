@@ -167,3 +167,35 @@ def test_a_compiler_error_leaves_the_kernel_off(monkeypatch, tmp_path):
         assert native.load() is None and not list(tmp_path.glob("*.so"))
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_the_write_puts_each_row_in_its_slot_and_skips_padding(dtype, slot_dtype):
+    cache = torch.randn(2, 5, 4, 3, 8).to(dtype)
+    key, value = torch.randn(6, 3, 8).to(dtype), torch.randn(6, 3, 8).to(dtype)
+    slots = torch.tensor([19, -1, 0, 7, -1, 12], dtype=slot_dtype)
+    expected = cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected[0, s // 4, s % 4], expected[1, s // 4, s % 4] = key[t], value[t]
+    assert native.write(native.load(), key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_the_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    cache = torch.zeros(2, 5, 4, 3, 8)
+    slots = torch.tensor([3, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^write_kv_cache: a slot is outside the cache's 20 slots"):
+        native.write(native.load(), torch.ones(2, 3, 8), torch.ones(2, 3, 8), cache, slots)
+    assert torch.all(cache == 0)
+
+
+def test_the_write_leaves_tensors_it_does_not_read_as_they_are_to_the_generic_write():
+    cache = torch.zeros(2, 5, 4, 3, 8)
+    key = torch.randn(2, 8, 3).transpose(1, 2)  # head size not contiguous
+    slots = torch.tensor([1, 2])
+    assert not native.write(native.load(), key, key, cache, slots)
+    assert torch.all(cache == 0)
+    torch.ops.pagedattn.write_kv_cache(key, key, cache, slots)  # the backend falls back
+    assert torch.equal(cache[0, 0, 1], key[0]) and torch.equal(cache[1, 0, 2], key[1])
