@@ -69,38 +69,45 @@ def engine_run(engine, srcs, new: int) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def decode_step_ms(engine, length: int, batch: int, steps: int) -> tuple[float, float]:
-    """Mean decode-step time (ms) of ``batch`` requests whose sources have ``length`` tokens, and the part of it spent
-    in the step's cross-attention calls (the paged op over the filled cross blocks, timed inside the step: the reads
-    as the step makes them, after the layer's other work has passed through the caches)."""
+def decode_step_ms(engine, length: int, batch: int, steps: int, displace: int = 0) -> tuple[float, float, float]:
+    """Mean decode-step time (ms) of ``batch`` requests whose sources have ``length`` tokens, and the parts of it spent
+    in the step's cross-attention calls (the paged op over the filled cross blocks) and self-attention calls, timed
+    inside the step: the reads as the step makes them, after the layer's other work has passed through the caches.
+
+    ``displace``: bytes read before each step (not counted in its time): what reading that much does to the rest of
+    the step through the CPU's caches, with no work that depends on the encoder's length."""
     srcs = sources(batch, length, length, seed=length)
+    encoded = engine.stats["encoder_requests"] + batch
     for s in srcs:
-        engine.add_request(s, max_new_tokens=steps + 2)
-    for _ in range(2):  # admission (encoder) and the first decoder step
+        engine.add_request(s, max_new_tokens=steps + 2 + batch)
+    while engine.stats["encoder_requests"] < encoded:  # admissions (the encoder; long sources a few per step)
         engine.step()
-    backend, cross = engine.backend, [0.0]
+    engine.step()
+    backend, spent = engine.backend, [0.0, 0.0]  # cross, self
     attend = backend.attend
 
     def timed(query, key, *rest):
-        if key is not None:  # self-attention: the step's own K/V
-            return attend(query, key, *rest)
         t0 = time.perf_counter()
         out = attend(query, key, *rest)
-        cross[0] += time.perf_counter() - t0
+        spent[key is not None] += time.perf_counter() - t0  # self-attention passes the step's own K/V
         return out
 
     backend.attend = timed
+    other = torch.ones(displace // 4) if displace else None
     try:
-        t0 = time.perf_counter()
+        dt = 0.0
         for _ in range(steps):
+            if other is not None:
+                other.sum()
+            t0 = time.perf_counter()
             engine.step()
-        dt = (time.perf_counter() - t0) / steps
+            dt += (time.perf_counter() - t0) / steps
     finally:
         del backend.attend
     while engine.has_unfinished():
         engine.step()
     engine.collect()
-    return dt * 1e3, cross[0] / steps * 1e3
+    return dt * 1e3, spent[0] / steps * 1e3, spent[1] / steps * 1e3
 
 
 def main() -> None:
@@ -145,12 +152,17 @@ def main() -> None:
     log.info("requests with tokens equal to the padded batch's: %d of %d", same, n)
     lengths = (16, 64) if args.quick else (16, 64, 256, 512)
     batch, steps = 8, (4 if args.quick else 20)
-    log.info("decode step, %d requests, by encoder length (cross-attention: its calls' time inside the step; the rest "
-             "should not grow with L):", batch)
-    log.info("  L     step ms   cross-attention ms   rest ms")
+    log.info("decode step, %d requests, by encoder length (attention: its calls' time inside the step; the rest should "
+             "not grow with L):", batch)
+    log.info("  L     step ms   cross-attention ms   self-attention ms   rest ms")
     for L in lengths:
-        step_ms, cross_ms = decode_step_ms(engine, L, batch, steps)
-        log.info("  %-5d %7.2f   %18.3f   %7.2f", L, step_ms, cross_ms, step_ms - cross_ms)
+        step_ms, cross_ms, self_ms = decode_step_ms(engine, L, batch, steps)
+        log.info("  %-5d %7.2f   %18.3f   %17.3f   %7.2f", L, step_ms, cross_ms, self_ms, step_ms - cross_ms - self_ms)
+    # the control: the shortest sources, with as many bytes read before each step as the longest ones' cross K/V
+    cross_bytes = batch * lengths[-1] * 2 * model.config.d_model * 4 * args.layers
+    step_ms, cross_ms, self_ms = decode_step_ms(engine, lengths[0], batch, steps, displace=cross_bytes)
+    log.info("  %-5d %7.2f   %18.3f   %17.3f   %7.2f   (and %.0f MB read before each step, as L=%d's cross K/V)",
+             lengths[0], step_ms, cross_ms, self_ms, step_ms - cross_ms - self_ms, cross_bytes / 1e6, lengths[-1])
 
 
 if __name__ == "__main__":
