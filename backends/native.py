@@ -116,15 +116,27 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _private(path: Path) -> bool:
+    """Whether only this user can have written ``path`` (a file or folder): it is theirs and no one else may write
+    it. A shared object found in the cache is loaded only then (loading it runs its code)."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(source: bytes, cc: str) -> Optional[Path]:
-    """The shared object for ``source``: cached, else compiled into the cache (atomically: processes may race)."""
+    """The shared object for ``source``: cached, else compiled into the cache (atomically: processes may race). A
+    cache folder others may write to is not used: the object is then built afresh in a private temporary folder."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
                                      platform.machine().encode(), platform.node().encode()])).hexdigest()[:24]
     target = _cache_dir() / f"paged_decode-{key}.so"
-    if target.exists():
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not _private(target.parent):
+        log.debug("pagedattn: %s is writable by others: the native kernel is built in a private folder instead",
+                  target.parent)
+        target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
+    if target.exists() and _private(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "out.so"
         src.write_bytes(source)

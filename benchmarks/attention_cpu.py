@@ -2,7 +2,10 @@
 
 Decode: batch of sequences with one new token each over contexts of 512-2048 tokens. The
 baseline holds the same K/V contiguously ([B, Hkv, L, D]) and calls plain SDPA with
-``enable_gqa`` and a key-padding mask; both run in this process, interleaved.
+``enable_gqa`` and a key-padding mask. The paged op runs twice: through the native kernel (the default) and
+through the SDPA path (``PAGEDATTN_NATIVE=0``: blocks gathered, then SDPA's flash kernel); all three run in this
+process, interleaved. ``of copy`` is the native path's K/V read rate against the machine's copy rate (read + write,
+``roofline.measure_machine``): a decode must read its K/V once.
 
     python benchmarks/attention_cpu.py            # the figures in benchmarks/RESULTS.md
     python benchmarks/attention_cpu.py --quick    # a smoke run
@@ -11,31 +14,50 @@ baseline holds the same K/V contiguously ([B, Hkv, L, D]) and calls plain SDPA w
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import paged_cases  # benchmarks/paged_cases.py, beside this script
+import roofline
 import torch
 
 
-def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
-    """Median seconds of two functions, run alternately so drift hits both alike."""
-    fa(), fb()  # warm-up
-    ta, tb = [], []
+def _time_all(fns, repeats: int) -> list[float]:
+    """Median seconds of each function, run in turn so drift hits all alike."""
+    for fn in fns:  # warm-up
+        fn()
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, acc in ((fa, ta), (fb, tb)):
+        for fn, acc in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    return [statistics.median(t) for t in times]
+
+
+def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
+    ta, tb = _time_all((fa, fb), repeats)
+    return ta, tb
+
+
+def _sdpa_path(fn):
+    """``fn`` with the paged op's decodes on the SDPA path (gathered blocks, SDPA's flash kernel)."""
+    def run():
+        os.environ["PAGEDATTN_NATIVE"] = "0"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("PAGEDATTN_NATIVE")
+    return run
 
 
 def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
     lens, cache, paged, contiguous = paged_cases.decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size,
                                                              "cpu", seed, mask_always=True)
-    t_paged, t_contig = _time_pair(paged, contiguous, repeats)
+    t_paged, t_sdpa, t_contig = _time_all((paged, _sdpa_path(paged), contiguous), repeats)
     kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
-    return lens, t_paged, t_contig, kv_bytes
+    return lens, t_paged, t_sdpa, t_contig, kv_bytes
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
@@ -58,16 +80,19 @@ def main(argv=None) -> None:
     ranges = [(512, 512), (1024, 1024), (2048, 2048), (512, 2048)]
     if a.quick:
         ranges, a.repeats = [(128, 256)], 3
+    copy = roofline.measure_machine().copy_bytes_per_s
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {a.batch}, "
-          f"heads {a.heads}/{a.kv_heads}, head size {a.head_size}, block size {a.block_size}")
-    print(f"{'dtype':9} {'context':>10} {'paged ms':>9} {'contig ms':>10} {'ratio':>6} {'paged GB/s':>11} {'contig GB/s':>12}")
+          f"heads {a.heads}/{a.kv_heads}, head size {a.head_size}, block size {a.block_size}; "
+          f"machine copy rate {copy / 1e9:.1f} GB/s (read + write)")
+    print(f"{'dtype':9} {'context':>10} {'paged ms':>9} {'sdpa-path ms':>13} {'contig ms':>10} {'ratio':>6} "
+          f"{'paged GB/s':>11} {'of copy':>8} {'contig GB/s':>12}")
     for dtype in (torch.float32, torch.bfloat16):
         for lo, hi in ranges:
-            lens, tp, tc, nbytes = decode_case(a.batch, lo, hi, a.heads, a.kv_heads, a.head_size, dtype,
-                                               a.block_size, a.repeats)
+            lens, tp, ts, tc, nbytes = decode_case(a.batch, lo, hi, a.heads, a.kv_heads, a.head_size, dtype,
+                                                   a.block_size, a.repeats)
             ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
-            print(f"{str(dtype)[6:]:9} {ctx:>10} {tp * 1e3:9.2f} {tc * 1e3:10.2f} {tp / tc:6.2f} "
-                  f"{nbytes / tp / 1e9:11.1f} {nbytes / tc / 1e9:12.1f}")
+            print(f"{str(dtype)[6:]:9} {ctx:>10} {tp * 1e3:9.2f} {ts * 1e3:13.2f} {tc * 1e3:10.2f} {tp / tc:6.2f} "
+                  f"{nbytes / tp / 1e9:11.1f} {nbytes / tp / copy:8.0%} {nbytes / tc / 1e9:12.1f}")
     print()
     print(f"{'dtype':9} {'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'contig/paged':>13}")
     for dtype in (torch.float32, torch.bfloat16):

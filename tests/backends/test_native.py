@@ -199,3 +199,17 @@ def test_the_write_leaves_tensors_it_does_not_read_as_they_are_to_the_generic_wr
     assert torch.all(cache == 0)
     torch.ops.pagedattn.write_kv_cache(key, key, cache, slots)  # the backend falls back
     assert torch.equal(cache[0, 0, 1], key[0]) and torch.equal(cache[1, 0, 2], key[1])
+
+
+def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(shared))
+    native.load.cache_clear()
+    try:
+        lib = native.load()
+        assert lib is not None and not list(shared.iterdir())  # built and loaded elsewhere
+        assert not Path(lib._name).is_relative_to(shared)
+    finally:
+        native.load.cache_clear()
