@@ -1,17 +1,18 @@
 /* Paged decode attention on the CPU: one query token per sequence, read straight from the paged cache.
  *
- * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in about a
- * second; OpenMP threads are torch's own, the runtime torch already loaded). Semantics are
+ * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in a few
+ * seconds; OpenMP threads are torch's own, the runtime torch already loaded). Semantics are
  * pagedattn/backends/reference.py's for a query that sees one run of keys [lo, hi):
  *
  *   s_j = scale * (q . k_j);  s_j = cap * tanh(s_j / cap) if cap > 0;  s_j += slope * (j - (hi - 1)) with ALiBi;
  *   p = softmax over j in [lo, hi) (plus the head's sink logit in the normalisation, with no value);
  *   out = sum_j p_j v_j,  in float32, cast to the cache's dtype.
  *
- * Work is cut into units of (item, KV head, part of the item's keys); each unit keeps the running maximum,
- * normaliser and weighted sum of its part for the G query heads that share the KV head, and a second pass
- * merges the parts of every (item, query head) by their maxima (flash-decoding). Keys and values are read
- * once per unit, block by block, through the block table.
+ * Work is cut into units of (item, part of the item's keys); each unit keeps the running maximum, normaliser and
+ * weighted sum of its part for every head, and a second pass merges the parts of every (item, query head) by their
+ * maxima (flash-decoding). Keys and values are read once per unit, a tile of keys at a time through the block table,
+ * each key row once for the query heads that share it. Head sizes that are multiples of 16 take a vector path
+ * (16 keys scored at once, bfloat16 and float16 widened in registers); others a scalar one.
  */
 #include <math.h>
 #include <stdint.h>
@@ -280,19 +281,34 @@ static inline vf vexp_neg(vf x) {
 
 /* run_unit for D a multiple of 16 (a constant where inlined): keys scored 16 at a time, each key row loaded once
  * for the group's heads; the heads' sums stay in vectors over a tile's values */
+/* 16 elements of a row of the cache's dtype DT (0 float32, 1 bfloat16, 2 float16) as floats: converted in registers */
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef _Float16 vh16 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) vf vload_as_float(const char *p, const int DT) {
+    if (DT == 0) return vload((const float *)p);
+    if (DT == 1) {
+        vu16 u;
+        memcpy(&u, p, sizeof u);
+        return (vf)(__builtin_convertvector(u, vi) << 16);
+    }
+    vh16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vf);
+}
+
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
-                                                               int64_t item, int part, const int D) {
+                                                               int64_t item, int part, const int D, const int DT) {
     const int NV = D / VL;
     const int64_t *it = a->items + 4 * item;
     const int64_t row = it[0], seq = it[1], lo = it[2], hi = it[3];
     const int64_t k0 = lo + (int64_t)part * a->part_keys;
     const int64_t k1 = k0 + a->part_keys < hi ? k0 + a->part_keys : hi;
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
-    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    const int64_t esz = DT == 0 ? 4 : 2;
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
-    float *kt = slope + H, *vt = kt + VL * D, *zero = vt + VL * D;  /* zero: a row of D zeros, for a short tile */
-    const char *kp[VL], *vp[VL];
-    const float *kr[VL], *vr[VL];
+    float *zero = slope + H;  /* a row of D zero floats (zero in every dtype): a short tile's missing keys */
+    const char *kr[VL], *vr[VL];  /* the tile's rows of one KV head, in the cache's dtype */
     vf part_dots[MAX_GROUP][VL];
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
     for (int h = 0; h < H; h++) {
@@ -316,20 +332,17 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
         const vi live = lane < n;
         for (int kvh = 0; kvh < Hkv; kvh++) {
-            for (int t = 0; t < n; t++) {
+            for (int t = 0; t < VL; t++) {
                 const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
-                kp[t] = ck + off;
-                vp[t] = cv + off;
+                kr[t] = t < n ? ck + off : (const char *)zero;
+                vr[t] = t < n ? cv + off : (const char *)zero;
             }
-            rows_as_float(kr, kt, kp, n, D, a->dtype);
-            rows_as_float(vr, vt, vp, n, D, a->dtype);
-            for (int t = n; t < VL; t++) kr[t] = vr[t] = zero;
             const float *qk = q + (int64_t)kvh * G * D;
             for (int t = 0; t < VL; t++) {  /* each key row once, against the group's G queries */
                 if (kvh == 0 && t < n && t0 + t + PREFETCH_KEYS < k1)
                     prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
                 vf kc[NV];
-                for (int c = 0; c < NV; c++) kc[c] = vload(kr[t] + c * VL);
+                for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kr[t] + c * VL * esz, DT);
                 for (int g = 0; g < G; g++) {
                     vf s = vload(qk + g * D) * kc[0];
                     for (int c = 1; c < NV; c++) s += vload(qk + g * D + c * VL) * kc[c];
@@ -359,7 +372,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
                 float *ah = acc + (int64_t)h * D;
                 for (int c = 0; c < NV; c++) {
                     vf x = vload(ah + c * VL) * alpha;
-                    for (int t = 0; t < n; t++) x += pv[t] * vload(vr[t] + c * VL);
+                    for (int t = 0; t < n; t++) x += pv[t] * vload_as_float(vr[t] + c * VL * esz, DT);
                     vstore(ah + c * VL, x);
                 }
             }
@@ -374,12 +387,19 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     }
 }
 
+#define UNIT_VEC_DTYPES(D)                                                                                     \
+    do {                                                                                                       \
+        if (a->dtype == 0) run_unit_vec(a, state, unit, item, part, D, 0);                                     \
+        else if (a->dtype == 1) run_unit_vec(a, state, unit, item, part, D, 1);                                \
+        else run_unit_vec(a, state, unit, item, part, D, 2);                                                   \
+    } while (0)
+
 static void unit_any(const decode_args *a, float *state, int64_t unit, int64_t item, int part) {
-    switch (a->head_size) {  /* the common head sizes as constants: fully unrolled, vectorised loops */
-        case 64: run_unit_vec(a, state, unit, item, part, 64); break;
-        case 128: run_unit_vec(a, state, unit, item, part, 128); break;
-        case 32: run_unit_vec(a, state, unit, item, part, 32); break;
-        case 256: run_unit_vec(a, state, unit, item, part, 256); break;
+    switch (a->head_size) {  /* the common head sizes and the dtype as constants: unrolled, vectorised loops */
+        case 64: UNIT_VEC_DTYPES(64); break;
+        case 128: UNIT_VEC_DTYPES(128); break;
+        case 32: UNIT_VEC_DTYPES(32); break;
+        case 256: UNIT_VEC_DTYPES(256); break;
         default: run_unit(a, state, unit, item, part, a->head_size);
     }
 }
