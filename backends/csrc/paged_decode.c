@@ -1,6 +1,6 @@
 /* Paged decode attention on the CPU: one query token per sequence, read straight from the paged cache.
  *
- * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in a few
+ * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in
  * seconds; OpenMP threads are torch's own, the runtime torch already loaded). Semantics are
  * pagedattn/backends/reference.py's for a query that sees one run of keys [lo, hi):
  *
@@ -297,6 +297,24 @@ static inline __attribute__((always_inline)) vf vload_as_float(const char *p, co
     return __builtin_convertvector(h, vf);
 }
 
+/* B heads' sums (B a constant: their chunks stay in registers), rescaled by alpha, plus each key's weight times its
+ * value row: acc[b] [D] += sum over t < n of p[b][t] * v[t]. Each value chunk is loaded (and widened) once for
+ * the B heads */
+static inline __attribute__((always_inline)) void accumulate(float *acc, const vf *p, const float *alpha,
+                                                             const char *const *v, int n, const int D, const int DT,
+                                                             const int B) {
+    const int64_t esz = DT == 0 ? 4 : 2;
+    for (int c = 0; c < D / VL; c++) {
+        vf x[B];
+        for (int b = 0; b < B; b++) x[b] = vload(acc + (int64_t)b * D + c * VL) * alpha[b];
+        for (int t = 0; t < n; t++) {
+            const vf vt = vload_as_float(v[t] + c * VL * esz, DT);
+            for (int b = 0; b < B; b++) x[b] += p[b][t] * vt;
+        }
+        for (int b = 0; b < B; b++) vstore(acc + (int64_t)b * D + c * VL, x[b]);
+    }
+}
+
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
                                                                int64_t item, int part, const int D, const int DT) {
     const int NV = D / VL;
@@ -309,7 +327,8 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
     float *zero = slope + H;  /* a row of D zero floats (zero in every dtype): a short tile's missing keys */
     const char *kr[VL], *vr[VL];  /* the tile's rows of one KV head, in the cache's dtype */
-    vf part_dots[MAX_GROUP][VL];
+    vf part_dots[MAX_GROUP][VL], pvs[MAX_GROUP];
+    float alphas[MAX_GROUP];
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
     for (int h = 0; h < H; h++) {
         const char *qp[1] = {(const char *)a->query + (row * a->q_row + h * a->q_head) * esz};
@@ -369,13 +388,14 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
                 for (int t = 0; t < n; t++) sum += pv[t];
                 l[h] = l[h] * alpha + sum;
                 m[h] = mx;
-                float *ah = acc + (int64_t)h * D;
-                for (int c = 0; c < NV; c++) {
-                    vf x = vload(ah + c * VL) * alpha;
-                    for (int t = 0; t < n; t++) x += pv[t] * vload_as_float(vr[t] + c * VL * esz, DT);
-                    vstore(ah + c * VL, x);
-                }
+                pvs[g] = pv;
+                alphas[g] = alpha;
             }
+            float *ak = acc + (int64_t)kvh * G * D;  /* the values, for up to 4 heads of the group at a time */
+            int g = 0;
+            for (; g + 4 <= G; g += 4) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 4);
+            for (; g + 2 <= G; g += 2) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 2);
+            for (; g < G; g++) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 1);
         }
         t0 += n;
     }
