@@ -4,11 +4,11 @@ Why native: a decode step's attention through SDPA gathers every sequence's bloc
 (a second pass over the keys) and pays Python per call around a dozen small ops; the kernel reads keys and
 values in place through the block table, in one call per layer, with torch's own OpenMP threads.
 
-Why plain C through ctypes, not a torch C++ extension: it compiles in seconds (~7 s on 2 cores) with no torch or Python
-headers (an extension takes a minute and ninja), and the call needs nothing but pointers. The shared object
-is cached under ``$PAGEDATTN_CACHE_DIR`` (default ``~/.cache/pagedattn``), keyed by the source, the compiler
-and its flags, so a second process loads it without compiling; the file is only ever one this module built
-from its own source.
+Why plain C through ctypes, not a torch C++ extension: it compiles in seconds (~7 s on 2 cores) with no torch or
+Python headers (an extension takes minutes and ninja), and the call needs nothing but pointers. The shared object
+is cached under ``$PAGEDATTN_CACHE_DIR`` (default ``~/.cache/pagedattn``), keyed by the source, the compiler, its
+flags and the machine, so a second process loads it without compiling; it is loaded from there only while that
+folder and file can be written by this user alone (loading runs the file's code).
 
 The kernel is optional: without a C compiler, or where torch does not run GNU OpenMP (the kernel's threads
 must be torch's, not a second runtime competing for the cores), :func:`load` returns None and the backend
@@ -36,7 +36,8 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP"]
+__all__ = ["load", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES",
+           "MAX_HEAD_SIZE", "MAX_GROUP"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -81,7 +82,7 @@ class _WriteArgs(ctypes.Structure):
 
 # pagedattn_paged_decode's refusals (it checks every index it would read before reading any)
 _ERRORS = {
-    1: "head size or query heads per KV head beyond the kernel's bounds",
+    1: "head size, head counts or part size outside the kernel's bounds",
     2: "a decode item names a query row or sequence outside the call",
     3: "a sequence needs more blocks than its block table row holds",
     4: "a block table entry is not a block of the cache",

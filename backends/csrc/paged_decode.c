@@ -434,13 +434,15 @@ static inline void store(const decode_args *a, void *dst, int64_t i, float x) {
 static int check(const decode_args *a, const int64_t *parts_start) {
     const int G = a->num_kv_heads > 0 ? a->num_heads / a->num_kv_heads : 0;
     if (a->head_size <= 0 || a->head_size > MAX_HEAD || G <= 0 || G > MAX_GROUP || a->block_size <= 0) return 1;
+    if (a->num_heads != G * a->num_kv_heads || a->part_keys <= 0) return 1;
     if (parts_start[0] != 0) return 2;
     for (int64_t i = 0; i < a->num_items; i++) {
         const int64_t *it = a->items + 4 * i;
         if (it[0] < 0 || it[0] >= a->num_rows || it[1] < 0 || it[1] >= a->num_seqs) return 2;
         if (it[2] < 0 || it[3] < 0 || (it[3] + a->block_size - 1) / a->block_size > a->table_width) return 3;
         if (parts_start[i + 1] < parts_start[i] + 1) return 2;
-        if ((int64_t)(parts_start[i + 1] - parts_start[i] - 1) * a->part_keys >= (it[3] > it[2] ? it[3] - it[2] : 1)) return 2;
+        const int64_t keys = it[3] > it[2] ? it[3] - it[2] : 1;
+        if ((parts_start[i + 1] - parts_start[i] - 1) * a->part_keys >= keys) return 2;  /* a part with no keys */
         const int32_t *table = a->block_tables + it[1] * a->table_width;
         for (int64_t b = it[2] / a->block_size; b * a->block_size < it[3]; b++)
             if (table[b] < 0 || table[b] >= a->num_blocks) return 4;
@@ -510,7 +512,8 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
     return failed ? 5 : 0;
 }
 
-/* ---- the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding, skipped) */
+/* ---- the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding,
+ * skipped) */
 typedef struct {
     const void *key, *value;
     int64_t k_row, k_head, v_row, v_head;   /* element strides of a token and of a head (D contiguous) */
