@@ -117,6 +117,16 @@ def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux): the object is built with ``-march=native``, so one built on another CPU (a
+    shared home folder, a migrated VM) may not run here and is not reused."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
 def _private(path: Path) -> bool:
     """Whether only this user can have written ``path`` (a file or folder): it is theirs and no one else may write
     it. A shared object found in the cache is loaded only then (loading it runs its code)."""
@@ -129,7 +139,8 @@ def _build(source: bytes, cc: str) -> Optional[Path]:
     cache folder others may write to is not used: the object is then built afresh in a private temporary folder."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
-                                     platform.machine().encode(), platform.node().encode()])).hexdigest()[:24]
+                                     platform.machine().encode(), platform.node().encode(),
+                                     _cpu_features().encode()])).hexdigest()[:24]
     target = _cache_dir() / f"paged_decode-{key}.so"
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not _private(target.parent):
