@@ -124,7 +124,9 @@ def check_values(flat: list, value_inputs: dict[int, position_mod.ValueSpec]) ->
 def inductor_freezing(on: bool) -> Iterator[None]:
     """Inductor's ``freezing`` on while a compiled step may trace: Dynamo reads it when it builds the graph (it
     marks the weights static then), before ``torch.compile``'s per-compile options apply, so it must hold at
-    every call that may compile (the first ones, and any recompile)."""
+    every call that may compile (the first ones, and any recompile). With it, ``cpp.enable_concat_linear``: on the
+    CPU, linears that share an input and frozen weights (q/k/v, gate/up) become one GEMM, a few fewer oneDNN
+    calls per layer (each ~10 us at decode sizes)."""
     if not on:
         yield
         return
