@@ -200,7 +200,7 @@ class DecodeCall:
 
     ``items [n, 4]`` int64 rows of (query row, sequence, first visible key, keys): the query is the item's last key
     and sees keys ``[first, keys)``; each item's keys are cut into parts of ``part_keys`` keys, the threads' units
-    of work (:func:`plan_parts`).
+    of work (:func:`part_keys`).
     """
 
     def __init__(self, lib: ctypes.CDLL, items: Tensor, part_keys: int, num_threads: int):
@@ -215,6 +215,9 @@ class DecodeCall:
         """Write the items' rows of ``out [T, Hq, D]`` from ``query [T, Hq, D]`` over ``kv_cache``
         ``[2, nb, bs, Hkv, D]``; ``block_tables`` int32 with contiguous rows, head dims contiguous everywhere
         (:func:`usable` says whether a call qualifies)."""
+        if block_tables.dtype != torch.int32 or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1):
+            raise ValueError("paged_attention: the native kernel reads int32 block tables with contiguous rows, "
+                             f"got {block_tables.dtype} with strides {block_tables.stride()}")
         _, _, bs, hkv, d = kv_cache.shape
         hq = query.shape[1]
         need = self.num_parts * hq * (d + 2)

@@ -213,3 +213,10 @@ def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_pat
         assert not Path(lib._name).is_relative_to(shared)
     finally:
         native.load.cache_clear()
+
+
+def test_block_tables_of_another_dtype_are_refused():
+    b = make_batch([(20, 1)], num_heads=4, num_kv_heads=2, head_size=64)
+    call = native.DecodeCall(native.load(), torch.tensor([(0, 0, 0, 21)]), 64, 1)
+    with pytest.raises(ValueError, match="int32 block tables"):
+        call(torch.zeros_like(b.query), b.query, b.kv_cache, b.meta.block_tables.long(), 0.125, 0.0, None, None)
