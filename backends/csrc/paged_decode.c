@@ -133,6 +133,41 @@ static inline void prefetch_key(const decode_args *a, const int32_t *table, cons
     }
 }
 
+/* The state a unit starts from, for every head: its query (scaled, as float), zero sums, maxima -inf, normalisers 0
+ * and ALiBi slopes, laid out from `state` as q [H][D], acc [H][D], m [H], l [H], slope [H]; returns the unit's keys
+ * [*k0, *k1) of its item's [lo, hi). */
+static inline __attribute__((always_inline)) void unit_start(const decode_args *a, float *state, int64_t item,
+                                                             int part, const int D, int64_t *k0, int64_t *k1) {
+    const int64_t *it = a->items + 4 * item;
+    const int H = a->num_heads;
+    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
+    *k0 = it[2] + (int64_t)part * a->part_keys;
+    *k1 = *k0 + a->part_keys < it[3] ? *k0 + a->part_keys : it[3];
+    for (int h = 0; h < H; h++) {
+        const char *qp[1] = {(const char *)a->query + (it[0] * a->q_row + h * a->q_head) * esz};
+        load_rows(q + h * D, qp, 1, D, a->dtype);
+        for (int d = 0; d < D; d++) q[h * D + d] *= a->scale;
+        for (int d = 0; d < D; d++) acc[h * D + d] = 0.0f;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        slope[h] = a->alibi_slopes ? a->alibi_slopes[h] : 0.0f;
+    }
+}
+
+/* a unit's sums, maxima and normalisers into its rows of the scratch, for the merge */
+static inline __attribute__((always_inline)) void unit_finish(const decode_args *a, const float *state, int64_t unit,
+                                                              const int D) {
+    const int H = a->num_heads;
+    const float *acc = state + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H;
+    for (int h = 0; h < H; h++) {
+        float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
+        memcpy(dst, acc + h * D, sizeof(float) * D);
+        dst[D] = m[h];
+        dst[D + 1] = l[h];
+    }
+}
+
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
  * converted keys and values, a tile of scores per head of a group */
 static int64_t state_floats(const decode_args *a) {
@@ -144,25 +179,15 @@ static int64_t state_floats(const decode_args *a) {
  * all heads, while later keys are prefetched); D a constant where inlined */
 static inline __attribute__((always_inline)) void run_unit(const decode_args *a, float *state, int64_t unit,
                                                            int64_t item, int part, const int D) {
-    const int64_t *it = a->items + 4 * item;
-    const int64_t row = it[0], seq = it[1], lo = it[2], hi = it[3];
-    const int64_t k0 = lo + (int64_t)part * a->part_keys;
-    const int64_t k1 = k0 + a->part_keys < hi ? k0 + a->part_keys : hi;
+    const int64_t seq = a->items[4 * item + 1], hi = a->items[4 * item + 3];
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
     const int64_t esz = a->dtype == 0 ? 4 : 2;
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
     float *kt = slope + H, *vt = kt + TILE * D, *s = vt + TILE * D;
     const char *kp[TILE], *vp[TILE];
     const float *kr[TILE], *vr[TILE];
-    for (int h = 0; h < H; h++) {
-        const char *qp[1] = {(const char *)a->query + (row * a->q_row + h * a->q_head) * esz};
-        load_rows(q + h * D, qp, 1, D, a->dtype);
-        for (int d = 0; d < D; d++) q[h * D + d] *= a->scale;
-        for (int d = 0; d < D; d++) acc[h * D + d] = 0.0f;
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        slope[h] = a->alibi_slopes ? a->alibi_slopes[h] : 0.0f;
-    }
+    int64_t k0, k1;
+    unit_start(a, state, item, part, D, &k0, &k1);
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;  /* a token's heads, first to last */
@@ -221,12 +246,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
         }
         t0 += n;
     }
-    for (int h = 0; h < H; h++) {
-        float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
-        memcpy(dst, acc + h * D, sizeof(float) * D);
-        dst[D] = m[h];
-        dst[D + 1] = l[h];
-    }
+    unit_finish(a, state, unit, D);
 }
 
 /* ---- the vector path: head sizes that are multiples of 16, tiles of 16 keys (GCC/Clang vector extensions: the
@@ -279,8 +299,6 @@ static inline vf vexp_neg(vf x) {
     return p * (vf)e;
 }
 
-/* run_unit for D a multiple of 16 (a constant where inlined): keys scored 16 at a time, each key row loaded once
- * for the group's heads; the heads' sums stay in vectors over a tile's values */
 /* 16 elements of a row of the cache's dtype DT (0 float32, 1 bfloat16, 2 float16) as floats: converted in registers */
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 typedef _Float16 vh16 __attribute__((vector_size(32)));
@@ -315,13 +333,12 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const v
     }
 }
 
+/* run_unit for D a multiple of 16 and the cache's dtype DT (constants where inlined): keys scored 16 at a time,
+ * each key row loaded once for the group's heads; the heads' sums stay in vectors over a tile's values */
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
                                                                int64_t item, int part, const int D, const int DT) {
     const int NV = D / VL;
-    const int64_t *it = a->items + 4 * item;
-    const int64_t row = it[0], seq = it[1], lo = it[2], hi = it[3];
-    const int64_t k0 = lo + (int64_t)part * a->part_keys;
-    const int64_t k1 = k0 + a->part_keys < hi ? k0 + a->part_keys : hi;
+    const int64_t seq = a->items[4 * item + 1], hi = a->items[4 * item + 3];
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
     const int64_t esz = DT == 0 ? 4 : 2;
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
@@ -329,16 +346,9 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     const char *kr[VL], *vr[VL];  /* the tile's rows of one KV head, in the cache's dtype */
     vf part_dots[MAX_GROUP][VL], pvs[MAX_GROUP];
     float alphas[MAX_GROUP];
+    int64_t k0, k1;
+    unit_start(a, state, item, part, D, &k0, &k1);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
-    for (int h = 0; h < H; h++) {
-        const char *qp[1] = {(const char *)a->query + (row * a->q_row + h * a->q_head) * esz};
-        load_rows(q + h * D, qp, 1, D, a->dtype);
-        for (int d = 0; d < D; d++) q[h * D + d] *= a->scale;
-        for (int d = 0; d < D; d++) acc[h * D + d] = 0.0f;
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        slope[h] = a->alibi_slopes ? a->alibi_slopes[h] : 0.0f;
-    }
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;
@@ -399,12 +409,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
         }
         t0 += n;
     }
-    for (int h = 0; h < H; h++) {
-        float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
-        memcpy(dst, acc + h * D, sizeof(float) * D);
-        dst[D] = m[h];
-        dst[D + 1] = l[h];
-    }
+    unit_finish(a, state, unit, D);
 }
 
 #define UNIT_VEC_DTYPES(D)                                                                                     \
