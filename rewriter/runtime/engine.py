@@ -16,6 +16,7 @@ from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metada
 from pagedattn.backends.base import SplitKVBackend
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs
+from pagedattn.runtime.frames import call_with_frame_room
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.shapes import pad_cross
 from pagedattn.runtime.state import StatePool
@@ -403,7 +404,7 @@ class PagedEngine:
         """
         with self._step_lock:
             self._take_commands()
-            done = self._step()
+            done = call_with_frame_room(self._step)  # a step's cost must not depend on the caller's stack depth
             self._take_commands()
             return done
 
@@ -637,15 +638,19 @@ class PagedEngine:
                 errors[i] = str(e).split(": ", 1)[-1]
                 ids.append(None)
                 log.debug("prompt %d rejected: %s", i, errors[i])
+        results = call_with_frame_room(self._run_to_completion)  # one frame-stack chunk for all its steps
+        out = [results.get(rid) if rid is not None else None for rid in ids]
+        if errors:
+            raise RequestErrors(errors, out)
+        return out
+
+    def _run_to_completion(self) -> dict[int, list[int]]:
         results: dict[int, list[int]] = {}
         while self.has_unfinished():
             for r in self.step():
                 results[r.request_id] = r.tokens
         self.collect()
-        out = [results.get(rid) if rid is not None else None for rid in ids]
-        if errors:
-            raise RequestErrors(errors, out)
-        return out
+        return results
 
     def overhead_share(self) -> float:
         total = self.stats["model_s"] + self.stats["overhead_s"]

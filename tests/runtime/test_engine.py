@@ -181,3 +181,23 @@ def test_greedy_tokens_are_the_rows_argmax_ties_to_the_first(dtype):
     logits[2, 7] = logits[2, 200] = logits[2].max() + 1  # a tie: the first index wins, as argmax's
     assert greedy_tokens(logits) == logits.argmax(-1).tolist() and greedy_tokens(logits)[2] == 7
     assert greedy_tokens(logits[:0]) == []
+
+
+def test_steps_run_with_frame_room(models, monkeypatch):
+    # generate runs all its steps inside one spacer frame, a step called on its own gets one of its own: the
+    # steps' cost never depends on how deep the caller's stack is (pagedattn.runtime.frames)
+    from pagedattn.runtime import frames
+
+    _, ref, rewritten = models("mistral")
+    engine = PagedEngine(rewritten, compile=False)
+    spacers = []
+    spacer = frames._spacer
+    monkeypatch.setattr(frames, "_spacer", lambda fn: spacers.append(fn) or spacer(fn))
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
+    assert len(spacers) == 1
+    engine.add_request(prompts()[0], max_new_tokens=2)
+    calls = 0
+    while engine.has_unfinished():
+        engine.step()
+        calls += 1
+    assert calls >= 2 and len(spacers) == 1 + calls
