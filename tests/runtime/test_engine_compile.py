@@ -69,6 +69,36 @@ def test_no_recompiles_over_many_varying_steps(compiled):
     assert graph_count() == before
 
 
+def test_frozen_step_guards_its_inputs_not_its_modules(llama, eager, monkeypatch):
+    # with freezing the weights are constants of the compiled step: Dynamo's guards on the graph module's
+    # attributes are left out, those on the step's inputs, the shape environment and global state stay
+    import pagedattn.program as program
+
+    real, seen = program.frozen_step_options, []
+
+    def recording(freeze):
+        options = real(freeze)
+        assert options is not None  # the CPU step compiles with freezing
+        keep_fn = options["guard_filter_fn"]
+
+        def record(entries):
+            keep = keep_fn(entries)
+            seen.extend(zip(entries, keep))
+            return keep
+        return {"guard_filter_fn": record}
+
+    monkeypatch.setattr(program, "frozen_step_options", recording)
+    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
+    ps = prompts()[:3]
+    assert engine.generate(ps, max_new_tokens=4) == eager.generate(ps, max_new_tokens=4)
+    kept = [e for e, k in seen if k]
+    dropped = [e for e, k in seen if not k]
+    assert dropped and all(e.orig_guard.source.is_unspecialized_nn_module() for e in dropped)
+    assert {"GLOBAL_STATE", "SHAPE_ENV"} <= {e.guard_type for e in kept}
+    matched = {e.name for e in kept if e.guard_type == "TENSOR_MATCH"}
+    assert {"input_ids", "kv_cache_0", "block_tables", "seq_lens"} <= matched
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_cpu_step_is_compiled_with_frozen_packed_weights(compiled):
     # Inductor's freezing repacks the linear weights for oneDNN once (faster GEMMs at decode sizes); the
