@@ -49,3 +49,31 @@ def test_returns_raises_and_nests():
     # a nested call runs in the outer one's room, without a spacer frame of its own
     assert call_with_frame_room(lambda: call_with_frame_room(lambda: sys._getframe().f_back.f_code.co_name)) \
         == "call_with_frame_room"
+
+
+def test_each_thread_gets_its_own_room():
+    # a serving thread's steps get their spacer even while another thread runs inside one (the flag is per thread)
+    import threading
+
+    frames_seen = {}
+    inside = threading.Event()
+    release = threading.Event()
+
+    def outer():
+        def hold():
+            inside.set()
+            release.wait(10)
+        call_with_frame_room(hold)
+
+    def other():
+        frames_seen["other"] = call_with_frame_room(lambda: sys._getframe().f_back.f_code.co_name)
+
+    t1 = threading.Thread(target=outer)
+    t1.start()
+    assert inside.wait(10)
+    t2 = threading.Thread(target=other)
+    t2.start()
+    t2.join(10)
+    release.set()
+    t1.join(10)
+    assert frames_seen["other"] == "_call"  # the spacer's own frame, not call_with_frame_room's pass-through
