@@ -36,7 +36,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES",
+__all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES",
            "MAX_HEAD_SIZE", "MAX_GROUP"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -193,6 +193,11 @@ def load() -> Optional[ctypes.CDLL]:
     lib.pagedattn_write_kv.argtypes = [ctypes.POINTER(_WriteArgs)]
     lib.pagedattn_write_kv.restype = ctypes.c_int
     return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The kernel's library where it may run now: built here (:func:`load`) and not turned off (:func:`enabled`)."""
+    return load() if enabled() else None
 
 
 class DecodeCall:

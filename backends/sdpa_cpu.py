@@ -132,7 +132,7 @@ class SdpaCpuBackend(SplitKVBackend):
 
     def write(self, key, value, kv_cache, slot_mapping):
         # the native kernel's write: one call, where the generic one costs a host sync and two index_copy_
-        lib = native.load() if native.enabled() else None
+        lib = native.library()
         if lib is None or not native.write(lib, key, value, kv_cache, slot_mapping):
             super().write(key, value, kv_cache, slot_mapping)
 
@@ -485,9 +485,7 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
     """The step's decodes as a native kernel call and the block tables it reads (memoised for the step, like the
     plan), or None where the kernel does not run them: not built here, turned off, a position program (its visible
     keys need not be one run), or tensors it does not read as they are."""
-    if params.position_mod or not native.enabled():
-        return None
-    lib = native.load()
+    lib = None if params.position_mod else native.library()
     if lib is None or not native.usable(query, kv_cache, params.num_kv_heads):
         return None
     threads = torch.get_num_threads()

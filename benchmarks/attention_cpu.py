@@ -36,19 +36,18 @@ def _time_all(fns, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
-    ta, tb = _time_all((fa, fb), repeats)
-    return ta, tb
-
-
 def _sdpa_path(fn):
     """``fn`` with the paged op's decodes on the SDPA path (gathered blocks, SDPA's flash kernel)."""
     def run():
+        before = os.environ.get("PAGEDATTN_NATIVE")
         os.environ["PAGEDATTN_NATIVE"] = "0"
         try:
             return fn()
         finally:
-            os.environ.pop("PAGEDATTN_NATIVE")
+            if before is None:
+                del os.environ["PAGEDATTN_NATIVE"]
+            else:
+                os.environ["PAGEDATTN_NATIVE"] = before
     return run
 
 
@@ -62,7 +61,7 @@ def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, s
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
     T, step, contiguous = paged_cases.prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, "cpu")
-    t, t_c = _time_pair(step, contiguous, repeats)
+    t, t_c = _time_all((step, contiguous), repeats)
     return T / t, T / t_c
 
 

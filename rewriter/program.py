@@ -132,13 +132,8 @@ def inductor_freezing(on: bool) -> Iterator[None]:
         return
     import torch._inductor.config as inductor_config
 
-    saved = inductor_config.freezing, inductor_config.cpp.enable_concat_linear
-    inductor_config.freezing = True
-    inductor_config.cpp.enable_concat_linear = True
-    try:
+    with inductor_config.patch({"freezing": True, "cpp.enable_concat_linear": True}):
         yield
-    finally:
-        inductor_config.freezing, inductor_config.cpp.enable_concat_linear = saved
 
 
 def frozen_step_options(freeze: bool) -> Optional[dict]:
@@ -148,7 +143,7 @@ def frozen_step_options(freeze: bool) -> Optional[dict]:
     Why that is safe here: freezing makes the weights constants of the compiled step, which already ignores
     later changes to them, and the graph module is pagedattn's own, never changed after it is built. The guards
     on the step's inputs (their dtypes, devices and shapes, the shape environment) and on global state stay.
-    A 6-layer Llama step keeps 69 of its 320 guards: decode steps 1.04-1.05x faster (benchmarks/RESULTS.md)."""
+    A 6-layer Llama step keeps 69 of its 320 guards: decode steps 1.03-1.06x faster (benchmarks/RESULTS.md)."""
     return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if freeze else None
 
 

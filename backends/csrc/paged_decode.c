@@ -43,21 +43,29 @@ static inline bf16_t f32_to_bf16(float f) {  /* round to nearest even, NaN kept 
     return (bf16_t)(u >> 16);
 }
 
+/* e^x = 2^n * e^r with n = round(x log2 e): r from x and n (ln 2 in two parts), then e^r by its polynomial. The
+ * same steps for a float and for 16 lanes (exp_neg, vexp_neg); p starts at EXP_P5. */
+#define EXP_P5 1.9875691500e-4f
+#define EXP_POLY(x, n, r, p)                 \
+    do {                                     \
+        r = x - n * 0.693359375f;            \
+        r = r - n * -2.12194440e-4f;         \
+        p = p * r + 1.3981999507e-3f;        \
+        p = p * r + 8.3334519073e-3f;        \
+        p = p * r + 4.1665795894e-2f;        \
+        p = p * r + 1.6666665459e-1f;        \
+        p = p * r + 5.0000001201e-1f;        \
+        p = p * r * r + r + 1.0f;            \
+    } while (0)
+
 /* e^x for x <= 0 (a score minus a running maximum), vectorisable: 2^n * p(r), |rel. error| < 2e-7.
  * Arguments below -87 give a tiny positive number where e^x would be ~0: always multiplied into sums
  * that it cannot change at float precision. */
 static inline float exp_neg(float x) {
     x = x < -87.0f ? -87.0f : x;
     float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float r, p = EXP_P5;
+    EXP_POLY(x, n, r, p);
     int32_t e = ((int32_t)n + 127) << 23;
     float s;
     memcpy(&s, &e, 4);
@@ -286,15 +294,8 @@ static inline vf vexp_neg(vf x) {
     const vf lowest = x * 0.0f - 87.0f;
     x = vselect(x < lowest, lowest, x);
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = r * 0.0f + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vf r, p = x * 0.0f + EXP_P5;
+    EXP_POLY(x, n, r, p);
     const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)e;
 }
