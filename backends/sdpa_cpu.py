@@ -1,8 +1,11 @@
-"""Paged attention on CPU: decodes through the native kernel, the rest through ``scaled_dot_product_attention``.
+"""Paged attention on CPU: the native kernels where they apply, the rest through ``scaled_dot_product_attention``.
 
-Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s kernel,
-which reads the blocks in place; it also writes the cache. Where it is not built (no C compiler) or turned off
-(``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel).
+Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s decode
+kernel, which reads the blocks in place; it also writes the cache. Prefills without a bias, cap, sinks, chunks or
+position program go to its prefill kernel: a step's fresh prompts in one call over the step's own keys, a chunk
+after cached keys over its gathered blocks. Where the kernels are not built (no C compiler) or turned off
+(``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel) and
+prefills SDPA's own.
 
 Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V). A gather of
 whole blocks is a run of contiguous copies, and ``[B, L, Hkv, D]`` transposed to ``[B, Hkv, L, D]``
@@ -146,13 +149,23 @@ class SdpaCpuBackend(SplitKVBackend):
         if split.single:
             self._decode(out, query, kv_cache, metadata.block_tables, split, params, fixed=key is None)
         fresh, rest = split.fresh, split.rest
+        lib = _native_prefill_lib(query, kv_cache, params) if fresh or rest else None
+        if lib is not None and fresh and native.prefill_usable(query, key, value, params.num_kv_heads):
+            items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh])  # [n, 6]
+            _prefill(lib, out, query, key, value, items, params)
+            fresh = ()
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
             self._one(out, query, s, k, v, 0, params)
         for s in rest:
             k0, k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s, params)
-            self._one(out, query, s, k, v, k0, params)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
+            if lib is not None and native.prefill_usable(query, k, v, params.num_kv_heads):
+                _prefill(lib, out, query, k, v, torch.tensor([(s.start, s.q_len, s.context_len, 0, len(k), k0)]),
+                         params)
+            else:
+                self._one(out, query, s, k.transpose(0, 1), v.transpose(0, 1), k0, params)
         return out
 
     @staticmethod
@@ -500,6 +513,22 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
         call = native.DecodeCall(lib, items, native.part_keys(total, threads, kv_cache.shape[2]), threads)
         found = plans[key] = (call, block_tables.to(torch.int32).contiguous())
     return found
+
+
+def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams):
+    """The native kernel's library where it attends this call's prefills (every query's visible keys one run from
+    the first key or a window's start, no bias, cap or sinks), else None."""
+    plain = (params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None and not params.position_mod
+             and not params.chunk and (params.causal or not params.window))
+    if not plain or params.head_size_v != query.shape[-1] or kv_cache.device.type != "cpu":
+        return None
+    return native.library()
+
+
+def _prefill(lib, out: Tensor, query: Tensor, key: Tensor, value: Tensor, items: Tensor,
+             params: AttentionParams) -> None:
+    native.prefill(lib, out, query, key, value, items, scale=params.scale, causal=params.causal,
+                   window=params.window, num_threads=torch.get_num_threads())
 
 
 def _step_plans(block_tables: Tensor) -> dict:

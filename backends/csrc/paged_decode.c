@@ -1,4 +1,5 @@
-/* Paged decode attention on the CPU: one query token per sequence, read straight from the paged cache.
+/* Attention on the CPU: paged decode (one query token per sequence, read straight from the paged cache), the cache
+ * write, and prefill over a sequence's own keys (at the end of this file).
  *
  * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in
  * seconds; OpenMP threads are torch's own, the runtime torch already loaded). Semantics are
@@ -262,6 +263,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 #define VL 16
+#define VEC_MAX_NV 16  /* the vector path's head sizes are at most 256 */
 
 static inline vf vload(const float *p) {
     vf v;
@@ -316,21 +318,69 @@ static inline __attribute__((always_inline)) vf vload_as_float(const char *p, co
     return __builtin_convertvector(h, vf);
 }
 
-/* B heads' sums (B a constant: their chunks stay in registers), rescaled by alpha, plus each key's weight times its
- * value row: acc[b] [D] += sum over t < n of p[b][t] * v[t]. Each value chunk is loaded (and widened) once for
- * the B heads */
-static inline __attribute__((always_inline)) void accumulate(float *acc, const vf *p, const float *alpha,
+/* the maximum and the sum of a vector's 16 lanes (a tree of halvings, no lane-by-lane loop) */
+static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                             {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                             {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                             {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+
+static inline float hmax16(vf x) {
+    for (int i = 0; i < 4; i++) {
+        const vf y = __builtin_shuffle(x, HALVES[i]);
+        x = vselect(x > y, x, y);
+    }
+    return x[0];
+}
+
+static inline float hadd16(vf x) {
+    for (int i = 0; i < 4; i++) x += __builtin_shuffle(x, HALVES[i]);
+    return x[0];
+}
+
+/* B heads' sums rescaled by alpha, plus each key's weight times its value row: acc[b] [D] = alpha[b] * acc[b] +
+ * sum over t < n of p[b][t] * v[t], with p [B][16]. B and D constants with B * D / 16 at most 24: every sum stays
+ * in a register over the tile, each value row is loaded (and widened) once and each weight broadcast once */
+static inline __attribute__((always_inline)) void accumulate(float *acc, const float *p, const float *alpha,
                                                              const char *const *v, int n, const int D, const int DT,
                                                              const int B) {
+    const int NV = D / VL;
     const int64_t esz = DT == 0 ? 4 : 2;
-    for (int c = 0; c < D / VL; c++) {
-        vf x[B];
-        for (int b = 0; b < B; b++) x[b] = vload(acc + (int64_t)b * D + c * VL) * alpha[b];
-        for (int t = 0; t < n; t++) {
-            const vf vt = vload_as_float(v[t] + c * VL * esz, DT);
-            for (int b = 0; b < B; b++) x[b] += p[b][t] * vt;
+    vf x[6][VEC_MAX_NV];  /* fixed sizes, not NV and B: a variable-length array would live in memory */
+    for (int b = 0; b < B; b++)
+        for (int c = 0; c < NV; c++) x[b][c] = vload(acc + (int64_t)b * D + c * VL) * alpha[b];
+    for (int t = 0; t < n; t++) {
+        vf vt[VEC_MAX_NV];
+        for (int c = 0; c < NV; c++) vt[c] = vload_as_float(v[t] + c * VL * esz, DT);
+        for (int b = 0; b < B; b++) {
+            const vf pb = (vf){} + p[b * VL + t];
+            for (int c = 0; c < NV; c++) x[b][c] += pb * vt[c];
         }
-        for (int b = 0; b < B; b++) vstore(acc + (int64_t)b * D + c * VL, x[b]);
+    }
+    for (int b = 0; b < B; b++)
+        for (int c = 0; c < NV; c++) vstore(acc + (int64_t)b * D + c * VL, x[b][c]);
+}
+
+/* the most heads accumulate() takes at once for head size D: 24 vector sums */
+#define ACC_HEADS(D) ((D) <= 64 ? 6 : (D) <= 128 ? 3 : 1)
+
+/* accumulate() over a group's G heads, ACC_HEADS(D) at a time (p [G][16], alpha [G]) */
+static inline __attribute__((always_inline)) void accumulate_group(float *acc, const float *p, const float *alpha,
+                                                                   const char *const *v, int n, const int D,
+                                                                   const int DT, int G) {
+    const int most = ACC_HEADS(D);
+    for (int g = 0; g < G;) {
+        const int b = G - g < most ? G - g : most;
+        float *ag = acc + (int64_t)g * D;
+        const float *pg = p + g * VL, *al = alpha + g;
+        switch (b) {  /* the cases above `most` are never taken for this D: folded away */
+            case 6: if (most >= 6) accumulate(ag, pg, al, v, n, D, DT, 6); break;
+            case 5: if (most >= 5) accumulate(ag, pg, al, v, n, D, DT, 5); break;
+            case 4: if (most >= 4) accumulate(ag, pg, al, v, n, D, DT, 4); break;
+            case 3: if (most >= 3) accumulate(ag, pg, al, v, n, D, DT, 3); break;
+            case 2: if (most >= 2) accumulate(ag, pg, al, v, n, D, DT, 2); break;
+            default: accumulate(ag, pg, al, v, n, D, DT, 1);
+        }
+        g += b;
     }
 }
 
@@ -345,8 +395,8 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
     float *zero = slope + H;  /* a row of D zero floats (zero in every dtype): a short tile's missing keys */
     const char *kr[VL], *vr[VL];  /* the tile's rows of one KV head, in the cache's dtype */
-    vf part_dots[MAX_GROUP][VL], pvs[MAX_GROUP];
-    float alphas[MAX_GROUP];
+    vf part_dots[MAX_GROUP][VL];
+    float weights[MAX_GROUP * VL], alphas[MAX_GROUP];
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
@@ -371,7 +421,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             for (int t = 0; t < VL; t++) {  /* each key row once, against the group's G queries */
                 if (kvh == 0 && t < n && t0 + t + PREFETCH_KEYS < k1)
                     prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
-                vf kc[NV];
+                vf kc[VEC_MAX_NV];
                 for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kr[t] + c * VL * esz, DT);
                 for (int g = 0; g < G; g++) {
                     vf s = vload(qk + g * D) * kc[0];
@@ -391,22 +441,16 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
                     }
                     sc = vload(tmp);
                 }
-                float mx = m[h];
-                for (int t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+                sc = vselect(live, sc, (vf){} - INFINITY);  /* a short tile's missing keys */
+                const float top = hmax16(sc), mx = top > m[h] ? top : m[h];
                 const float alpha = exp_neg(m[h] - mx);
-                const vf pv = (vf)((vi)vexp_neg(sc - mx) & live);  /* the short tile's missing keys weigh 0 */
-                float sum = 0.0f;
-                for (int t = 0; t < n; t++) sum += pv[t];
-                l[h] = l[h] * alpha + sum;
+                const vf pv = (vf)((vi)vexp_neg(sc - mx) & live);  /* they weigh 0 */
+                l[h] = l[h] * alpha + hadd16(pv);
                 m[h] = mx;
-                pvs[g] = pv;
+                vstore(weights + g * VL, pv);
                 alphas[g] = alpha;
             }
-            float *ak = acc + (int64_t)kvh * G * D;  /* the values, for up to 4 heads of the group at a time */
-            int g = 0;
-            for (; g + 4 <= G; g += 4) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 4);
-            for (; g + 2 <= G; g += 2) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 2);
-            for (; g < G; g++) accumulate(ak + (int64_t)g * D, pvs + g, alphas + g, vr, n, D, DT, 1);
+            accumulate_group(acc + (int64_t)kvh * G * D, weights, alphas, vr, n, D, DT, G);
         }
         t0 += n;
     }
@@ -551,4 +595,258 @@ int pagedattn_write_kv(const write_args *a) {
         }
     }
     return 0;
+}
+
+/* ---- prefill: the queries of a run of a sequence over that sequence's own keys (K/V rows of a tensor, not the
+ * paged cache): causal, optionally within a window, or not causal; float32 sums over any of the three dtypes.
+ *
+ * The keys are first transposed, per item and KV head, into tiles of [D][16] floats: a tile's scores for one query
+ * row are then D fused multiply-adds on 16 keys at once, the row's query element broadcast. A unit is (item, KV head,
+ * heads of its group, block of query positions): PM query rows whose score vectors stay in registers over a tile,
+ * then, per 16-float chunk of the head, PM weighted sums in registers over the tile's value rows. Head sizes that are
+ * multiples of 16, up to 256. */
+#define PM 24  /* query rows of a unit */
+
+typedef struct {
+    const void *query;
+    int64_t q_row, q_head;
+    const void *key;
+    int64_t k_row, k_head;
+    const void *value;
+    int64_t v_row, v_head;
+    void *out;
+    int64_t o_row, o_head;
+    /* per item: first query row, queries, position of the first query, first key row, keys, position of the first
+     * key. A causal query at position p sees the item's keys at positions [p - window + 1, p] ([.., p] without a
+     * window); a non-causal query sees all of them */
+    const int64_t *items;
+    int64_t num_items;
+    int32_t num_heads, num_kv_heads, head_size, causal, window, dtype;
+    float scale;
+    float *scratch;  /* the transposed keys: sum over items of ceil(keys / 16) * Hkv * D * 16 floats */
+    int32_t num_threads;
+    int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
+} prefill_args;
+
+static inline void store_dt(int DT, void *dst, int64_t i, float x) {
+    if (DT == 0) ((float *)dst)[i] = x;
+    else if (DT == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
+    else ((_Float16 *)dst)[i] = (_Float16)x;
+}
+
+/* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi) */
+static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, int64_t *klo, int64_t *khi) {
+    int64_t lo = 0, hi = it[4];
+    if (a->causal) {
+        hi = qpos - it[5] + 1;
+        if (a->window > 0) lo = qpos - a->window + 1 - it[5];
+    }
+    *klo = lo > 0 ? lo : 0;
+    *khi = hi < it[4] ? hi : it[4];
+}
+
+/* one unit: row r is position qb * QB + r / hb of the item's queries, head g0 + r % hb of KV head kvh's group;
+ * rows past the queries, the block or the group are padding (zero queries, nothing written) */
+static inline __attribute__((always_inline)) void prefill_unit(const prefill_args *a, float *buf, const float *kt,
+                                                               int64_t item, int kvh, int g0, int hb, int64_t qb,
+                                                               const int D, const int DT) {
+    const int NV = D / VL;
+    const int64_t *it = a->items + 6 * item;
+    const int64_t nq = it[1];
+    const int G = a->num_heads / a->num_kv_heads, QB = PM / hb;
+    const int64_t esz = DT == 0 ? 4 : 2;
+    float *q = buf, *acc = q + PM * D, *p = acc + PM * D, *l = p + PM * VL, *m = l + PM * VL;
+    int64_t klo[PM], khi[PM], first = it[4], last = 0;  /* each row's keys; the keys of any row */
+    for (int r = 0; r < PM; r++) {
+        const int64_t i = qb * QB + r / hb;
+        const int h = kvh * G + g0 + r % hb;
+        m[r] = -INFINITY;
+        vstore(l + r * VL, (vf){});
+        for (int d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+        klo[r] = khi[r] = 0;
+        if (r / hb >= QB || i >= nq || g0 + r % hb >= G) {
+            for (int d = 0; d < D; d++) q[r * D + d] = 0.0f;
+            continue;
+        }
+        const char *qp[1] = {(const char *)a->query + ((it[0] + i) * a->q_row + h * a->q_head) * esz};
+        load_rows(q + r * D, qp, 1, D, DT);
+        for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
+        prefill_seen(a, it, it[2] + i, &klo[r], &khi[r]);
+        if (klo[r] < khi[r]) {
+            first = klo[r] < first ? klo[r] : first;
+            last = khi[r] > last ? khi[r] : last;
+        }
+    }
+    vi lane;
+    for (int t = 0; t < VL; t++) lane[t] = t;
+    for (int64_t j0 = first - first % VL; j0 < last; j0 += VL) {
+        const float *tile = kt + (j0 / VL) * (int64_t)D * VL;  /* [D][16] */
+        vf s[PM];
+#pragma GCC unroll 24
+        for (int r = 0; r < PM; r++) s[r] = (vf){};
+        for (int d = 0; d < D; d++) {
+            const vf k = vload(tile + d * VL);
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) s[r] += q[r * D + d] * k;
+        }
+        const vi key = lane + (int)j0;
+        for (int r = 0; r < PM; r++) {
+            const vi seen = (key >= (int)klo[r]) & (key < (int)khi[r]);
+            const vf sc = vselect(seen, s[r], (vf){} - INFINITY);
+            const float top = hmax16(sc);
+            if (top == -INFINITY) {  /* none of the tile's keys (a padding row's: it sees none) */
+                vstore(p + r * VL, (vf){});
+                continue;
+            }
+            const vf pv = (vf)((vi)vexp_neg(sc - (top > m[r] ? top : m[r])) & seen);
+            if (top > m[r]) {  /* a new maximum: the sums so far scaled down to it */
+                const float alpha = exp_neg(m[r] - top);
+                m[r] = top;
+                vstore(l + r * VL, vload(l + r * VL) * alpha);
+                for (int c = 0; c < NV; c++) vstore(acc + r * D + c * VL, vload(acc + r * D + c * VL) * alpha);
+            }
+            vstore(l + r * VL, vload(l + r * VL) + pv);  /* the normaliser's lanes, added up at the end */
+            vstore(p + r * VL, pv);
+        }
+        const int n = it[4] - j0 < VL ? (int)(it[4] - j0) : VL;
+        const char *vrow = (const char *)a->value + ((it[3] + j0) * a->v_row + kvh * a->v_head) * esz;
+        for (int c = 0; c < NV; c++) {
+            vf x[PM];
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) x[r] = vload(acc + r * D + c * VL);
+            for (int t = 0; t < n; t++) {
+                const vf v = vload_as_float(vrow + (t * a->v_row + c * VL) * esz, DT);
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) x[r] += p[r * VL + t] * v;
+            }
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) vstore(acc + r * D + c * VL, x[r]);
+        }
+    }
+    for (int r = 0; r < PM; r++) {
+        if (klo[r] >= khi[r]) continue;  /* padding (a real row sees at least its own key) */
+        const int64_t i = qb * QB + r / hb;
+        const int h = kvh * G + g0 + r % hb;
+        char *dst = (char *)a->out + ((it[0] + i) * a->o_row + h * a->o_head) * esz;
+        const float inv = 1.0f / hadd16(vload(l + r * VL));
+        for (int d = 0; d < D; d++) store_dt(DT, dst, d, acc[r * D + d] * inv);
+    }
+}
+
+/* an item's keys of one KV head as tiles [ceil(keys / 16)][D][16] of floats (zeros past the last key) */
+static inline __attribute__((always_inline)) void prefill_transpose(const prefill_args *a, float *kt, int64_t item,
+                                                                    int kvh, int64_t tile, const int D,
+                                                                    const int DT) {
+    const int64_t *it = a->items + 6 * item;
+    const int64_t esz = DT == 0 ? 4 : 2;
+    float *dst = kt + tile * (int64_t)D * VL;
+    for (int t = 0; t < VL; t++) {
+        const int64_t j = tile * VL + t;
+        if (j >= it[4]) {
+            for (int d = 0; d < D; d++) dst[d * VL + t] = 0.0f;
+            continue;
+        }
+        const char *src = (const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * esz;
+        for (int d = 0; d < D; d++) {
+            float x;
+            if (DT == 0) memcpy(&x, src + d * 4, 4);
+            else if (DT == 1) {
+                bf16_t u;
+                memcpy(&u, src + d * 2, 2);
+                x = bf16_to_f32(u);
+            } else {
+                _Float16 h;
+                memcpy(&h, src + d * 2, 2);
+                x = (float)h;
+            }
+            dst[d * VL + t] = x;
+        }
+    }
+}
+
+#define PREFILL_DTYPES(F, D, ...)                                                                              \
+    do {                                                                                                       \
+        if (a->dtype == 0) F(__VA_ARGS__, D, 0);                                                               \
+        else if (a->dtype == 1) F(__VA_ARGS__, D, 1);                                                          \
+        else F(__VA_ARGS__, D, 2);                                                                             \
+    } while (0)
+
+#define PREFILL_SIZES(F, ...)                                                                                  \
+    do {                                                                                                       \
+        switch (a->head_size) {                                                                                \
+            case 64: PREFILL_DTYPES(F, 64, __VA_ARGS__); break;                                                \
+            case 128: PREFILL_DTYPES(F, 128, __VA_ARGS__); break;                                              \
+            case 32: PREFILL_DTYPES(F, 32, __VA_ARGS__); break;                                                \
+            case 16: PREFILL_DTYPES(F, 16, __VA_ARGS__); break;                                                \
+            case 256: PREFILL_DTYPES(F, 256, __VA_ARGS__); break;                                              \
+            default: PREFILL_DTYPES(F, 16 * ((a->head_size + 15) / 16), __VA_ARGS__);                         \
+        }                                                                                                      \
+    } while (0)
+
+/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows) */
+static int prefill_check(const prefill_args *a) {
+    const int D = a->head_size;
+    if (D <= 0 || D > 256 || D % VL || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 1;
+    for (int64_t i = 0; i < a->num_items; i++) {
+        const int64_t *it = a->items + 6 * i;
+        if (it[0] < 0 || it[1] < 0 || it[0] + it[1] > a->num_q_rows) return 2;
+        if (it[3] < 0 || it[4] < 0 || it[3] + it[4] > a->num_k_rows) return 2;
+    }
+    return 0;
+}
+
+int pagedattn_prefill(const prefill_args *a) {
+    const int bad = prefill_check(a);
+    if (bad) return bad;
+    const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, D = a->head_size;
+    const int hb = G < PM ? G : PM, QB = PM / hb, hblocks = (G + hb - 1) / hb;
+    const int64_t n = a->num_items;
+    /* per item: its first tile in the scratch (tiles of every KV head) and its first unit */
+    int64_t *tiles = malloc(sizeof(int64_t) * 2 * (n + 1));
+    if (!tiles) return 5;
+    int64_t *units = tiles + n + 1;
+    tiles[0] = units[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *it = a->items + 6 * i;
+        tiles[i + 1] = tiles[i] + Hkv * ((it[4] + VL - 1) / VL);
+        units[i + 1] = units[i] + (int64_t)Hkv * hblocks * ((it[1] + QB - 1) / QB);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < tiles[n]; tt++) {
+            int64_t lo = 0, hi = n;  /* the item holding tile tt */
+            while (hi - lo > 1) {
+                int64_t mid = (lo + hi) / 2;
+                if (tiles[mid] <= tt) lo = mid; else hi = mid;
+            }
+            const int64_t per_head = (a->items[6 * lo + 4] + VL - 1) / VL, k = tt - tiles[lo];
+            float *kt = a->scratch + (tiles[lo] + (k / per_head) * per_head) * (int64_t)D * VL;
+            PREFILL_SIZES(prefill_transpose, a, kt, lo, (int)(k / per_head), k % per_head);
+        }
+        float *buf = malloc(sizeof(float) * (2 * PM * D + 2 * PM * VL + PM));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the last units first: a causal item's later query blocks see the most keys */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = units[n] - 1; u >= 0; u--) {
+            if (!buf) continue;
+            int64_t lo = 0, hi = n;
+            while (hi - lo > 1) {
+                int64_t mid = (lo + hi) / 2;
+                if (units[mid] <= u) lo = mid; else hi = mid;
+            }
+            const int64_t blocks = (a->items[6 * lo + 1] + QB - 1) / QB, k = u - units[lo];
+            const int kvh = (int)(k / (hblocks * blocks)), g0 = (int)((k / blocks) % hblocks) * hb;
+            const int64_t per_head = (a->items[6 * lo + 4] + VL - 1) / VL;
+            const float *kt = a->scratch + (tiles[lo] + kvh * per_head) * (int64_t)D * VL;
+            PREFILL_SIZES(prefill_unit, a, buf, kt, lo, kvh, g0, hb, k % blocks);
+        }
+        free(buf);
+    }
+    free(tiles);
+    return failed ? 5 : 0;
 }

@@ -220,3 +220,79 @@ def test_block_tables_of_another_dtype_are_refused():
     call = native.DecodeCall(native.load(), torch.tensor([(0, 0, 0, 21)]), 64, 1)
     with pytest.raises(ValueError, match="int32 block tables"):
         call(torch.zeros_like(b.query), b.query, b.kv_cache, b.meta.block_tables.long(), 0.125, 0.0, None, None)
+
+
+def _dense_prefill(q, k, v, q_pos0, k_pos0, scale, causal, window):
+    """The reference over one item's rows: ``q [Q, Hq, D]``, ``k``/``v [L, Hkv, D]`` at the given positions."""
+    from pagedattn.backends import AttentionParams, reference
+
+    p = AttentionParams(scale, causal, window, 0.0, None, k.shape[1], v.shape[2])
+    q_pos = torch.arange(q_pos0, q_pos0 + q.shape[0])[None]
+    k_pos = torch.arange(k_pos0, k_pos0 + k.shape[0])[None]
+    o = reference.dense_attention(q.transpose(0, 1)[None].double(), k.transpose(0, 1)[None].double(),
+                                  v.transpose(0, 1)[None].double(), p, q_pos, k_pos, exact=True)
+    return o[0].transpose(0, 1)  # [Q, Hq, D]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 70)), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_size=st.sampled_from([16, 48, 64, 128, 256]),
+    group=st.sampled_from([1, 2, 3, 5, 8, 30]),
+    feature=st.sampled_from([{}, {"window": 7}, {"window": 40}, {"causal": False}]),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, threads, seed):
+    # items of (queries, cached keys before them): each item's queries are the last of its keys, as a fresh prefill
+    # (no cached keys) or a chunk after cached ones; a group of 30 heads is more rows than a unit holds (24)
+    g = torch.Generator().manual_seed(seed)
+    hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
+    nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
+    query = torch.randn(nq, group * hkv, head_size, generator=g).to(dtype)
+    key = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    value = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    items, qr, kr = [], 0, 0
+    for q, c in runs:
+        items.append((qr, q, c, kr, q + c, 0))
+        qr, kr = qr + q, kr + q + c
+    out = torch.full_like(query, float("nan"))
+    scale = head_size ** -0.5
+    assert native.prefill_usable(query, key, value, hkv)
+    native.prefill(native.load(), out, query, key, value, torch.tensor(items), scale=scale, causal=causal,
+                   window=window, num_threads=threads)
+    for q0, q, c, k0, n, _ in items:
+        ref = _dense_prefill(query[q0:q0 + q], key[k0:k0 + n], value[k0:k0 + n], c, 0, scale, causal, window)
+        torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_a_prefill_item_with_keys_from_a_later_position_sees_only_them():
+    # keys gathered from a window's first block on: positions start at k_pos0, not 0
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 32, generator=g) for n in (5, 45, 45))
+    out = torch.zeros_like(q)
+    native.prefill(native.load(), out, q, k, v, torch.tensor([(0, 5, 100, 0, 45, 60)]), scale=0.2, causal=True,
+                   window=30, num_threads=2)
+    ref = _dense_prefill(q, k, v, 100, 60, 0.2, True, 30)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_outside_the_tensors_are_refused_and_nothing_is_written():
+    q, k, v = torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    out = torch.zeros_like(q)
+    for bad in ((0, 5, 0, 0, 4, 0), (0, 4, 0, 1, 4, 0), (-1, 2, 0, 0, 2, 0)):
+        with pytest.raises(ValueError, match=r"^paged_attention: the native prefill refused the call \(an item's"):
+            native.prefill(native.load(), out, q, k, v, torch.tensor([bad]), scale=0.2, causal=True, window=0,
+                           num_threads=1)
+    assert torch.all(out == 0)
+
+
+def test_prefill_takes_only_tensors_it_reads_as_they_are():
+    q, k, v = torch.randn(4, 4, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    assert native.prefill_usable(q, k, v, 2)
+    assert not native.prefill_usable(q[..., :24], k[..., :24], v[..., :24], 2)  # not a multiple of 16
+    assert not native.prefill_usable(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 2)  # D not contiguous
+    assert not native.prefill_usable(q, k.double(), v, 2)
+    assert not native.prefill_usable(q, k, v[..., :16], 2)  # values of another head size
+    assert not native.prefill_usable(torch.randn(4, 3, 32), k, v, 2)  # not whole groups
