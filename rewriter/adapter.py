@@ -141,9 +141,12 @@ class ServableModel:
             kwargs = self.packed_inputs(ids, pos, rows, token_types)
         if self.values is not None:
             values = step_values(self.values, values, meta.num_seqs, self.device)
-        with torch.no_grad(), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
+        # inference mode, not just no_grad: every op of the step (the paged ops' Python kernels above all) skips
+        # the autograd dispatch layer, ~5 % of a small model's decode step (same-process A/B, llama16m and BART)
+        with torch.inference_mode(), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
             out = self.step(**kwargs)
-        return _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
+        logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
+        return logits.clone() if logits.is_inference() else logits  # callers may update it in place
 
     # --- row steps (recurrent state)
 

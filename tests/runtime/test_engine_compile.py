@@ -180,3 +180,29 @@ def test_padded_step_gives_the_same_logits(eager):
     torch.testing.assert_close(out, want[0])
     torch.testing.assert_close(out2, want[1])
     assert first_step(padded).shape == (2, sv.vocab_size)
+
+
+def test_a_step_runs_in_inference_mode_and_returns_logits_callers_may_update(compiled, monkeypatch):
+    from pagedattn.backends import get_backend
+
+    engine, _ = compiled
+    sv = engine.servable
+    cls = type(sv.backend or get_backend(torch.device("cpu")))
+    seen = []
+    real = cls.attend
+
+    def spy(self, *args):
+        seen.append(torch.is_inference_mode_enabled())
+        return real(self, *args)
+
+    caches = sv.allocate_kv_caches(4)
+    meta = build_metadata([(0, 5, [0, 1])], 4)
+    with monkeypatch.context() as m:
+        m.setattr(cls, "attend", spy)
+        logits = sv.run_packed(caches, meta, [3, 1, 4, 1, 5], list(range(5)), [4])
+    assert seen and all(seen)
+    assert not logits.is_inference()
+    logits.add_(1.0)  # an inference tensor would refuse this outside inference mode
+    before = graph_count()
+    engine.generate(prompts()[:2], max_new_tokens=3)
+    assert graph_count() == before  # start-up compiled the step in the mode it runs in: no recompile
