@@ -1,4 +1,4 @@
-"""Paged decode vs contiguous SDPA on CPU, and paged prefill throughput.
+"""Paged decode vs contiguous SDPA on CPU, and paged prefill throughput (native kernel, SDPA path, contiguous SDPA).
 
 Decode: batch of sequences with one new token each over contexts of 512-2048 tokens. The
 baseline holds the same K/V contiguously ([B, Hkv, L, D]) and calls plain SDPA with
@@ -60,9 +60,11 @@ def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, s
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
+    """Tokens per second of a paged prefill step (write + attend) through the native kernel and through SDPA
+    (``PAGEDATTN_NATIVE=0``), and of contiguous SDPA on the same tensors."""
     T, step, contiguous = paged_cases.prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, "cpu")
-    t, t_c = _time_all((step, contiguous), repeats)
-    return T / t, T / t_c
+    t, t_s, t_c = _time_all((step, _sdpa_path(step), contiguous), repeats)
+    return T / t, T / t_s, T / t_c
 
 
 def main(argv=None) -> None:
@@ -93,12 +95,17 @@ def main(argv=None) -> None:
             print(f"{str(dtype)[6:]:9} {ctx:>10} {tp * 1e3:9.2f} {ts * 1e3:13.2f} {tc * 1e3:10.2f} {tp / tc:6.2f} "
                   f"{nbytes / tp / 1e9:11.1f} {nbytes / tp / copy:8.0%} {nbytes / tc / 1e9:12.1f}")
     print()
-    print(f"{'dtype':9} {'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'contig/paged':>13}")
+    print("prefill steps (causal, every sequence fresh): tokens per second")
+    print(f"{'dtype':9} {'heads':>9} {'prefill':>14} {'paged tok/s':>12} {'sdpa-path tok/s':>16} "
+          f"{'contig tok/s':>13} {'paged/sdpa-path':>16} {'paged/contig':>13}")
+    shapes = [(a.heads, a.kv_heads, a.head_size), (6, 2, 64)]  # the default, and llama16m's (benchmarks/generate_cpu)
+    sizes = [(2, 128)] if a.quick else [(16, 64), (8, 256), (4, 512), (1, 1024)]
     for dtype in (torch.float32, torch.bfloat16):
-        n, L = (2, 128) if a.quick else (4, 512)
-        tps, tpc = prefill_case(n, L, a.heads, a.kv_heads, a.head_size, dtype, a.block_size, max(3, a.repeats // 4))
-        print(f"{str(dtype)[6:]:9} {f'{n} x {L}':>14} {tps:12.0f} {tpc:13.0f} {tpc / tps:13.2f}")
-
+        for hq, hkv, d in shapes:
+            for n, L in sizes:
+                tp, ts, tc = prefill_case(n, L, hq, hkv, d, dtype, a.block_size, max(3, a.repeats // 4))
+                print(f"{str(dtype)[6:]:9} {f'{hq}/{hkv}x{d}':>9} {f'{n} x {L}':>14} {tp:12.0f} {ts:16.0f} "
+                      f"{tc:13.0f} {tp / ts:16.2f} {tp / tc:13.2f}")
 
 if __name__ == "__main__":
     main()
