@@ -141,9 +141,7 @@ class ServableModel:
             kwargs = self.packed_inputs(ids, pos, rows, token_types)
         if self.values is not None:
             values = step_values(self.values, values, meta.num_seqs, self.device)
-        # inference mode, not just no_grad: every op of the step (the paged ops' Python kernels above all) skips
-        # the autograd dispatch layer, ~5 % of a small model's decode step (same-process A/B, llama16m and BART)
-        with torch.inference_mode(), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
+        with _step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
             out = self.step(**kwargs)
         logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
         return logits.clone() if logits.is_inference() else logits  # callers may update it in place
@@ -185,6 +183,14 @@ def step_values(spec: position_mod.ValueSpec, values: Optional[torch.Tensor], nu
     rest = position_mod.default_values(spec, num_seqs - have)
     out = rest if values is None else torch.cat((values.to("cpu", torch.long), rest))
     return out.to(device)
+
+
+def _step_mode(device):
+    """The grad mode a packed step runs in. On the CPU, inference mode, not just no_grad: every op of the step (the
+    paged ops' Python kernels above all) skips the autograd dispatch layer, ~5 % of a small model's decode step
+    (same-process A/B, llama16m and BART). Elsewhere no_grad: torch_xla's functionalization sets version counters,
+    which inference tensors refuse."""
+    return torch.inference_mode() if torch.device(device).type == "cpu" else torch.no_grad()
 
 
 def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
