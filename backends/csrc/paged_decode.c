@@ -178,10 +178,11 @@ static inline __attribute__((always_inline)) void unit_finish(const decode_args 
 }
 
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
- * converted keys and values, a tile of scores per head of a group */
+ * converted keys and values, a tile of scores per head of a group (the scalar path); a zero row, and for the vector
+ * path every head's 16 keys' partial sums, its 16 weights and its rescaling (plus room to align) */
 static int64_t state_floats(const decode_args *a) {
     const int64_t H = a->num_heads, D = a->head_size, G = a->num_heads / a->num_kv_heads;
-    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D;
+    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D + H * 16 * 16 + H * 16 + H + 16;
 }
 
 /* one unit: an item's keys [k0, k1) for every head, a tile at a time (a tile's keys and values are read once for
@@ -385,7 +386,9 @@ static inline __attribute__((always_inline)) void accumulate_group(float *acc, c
 }
 
 /* run_unit for D a multiple of 16 and the cache's dtype DT (constants where inlined): keys scored 16 at a time,
- * each key row loaded once for the group's heads; the heads' sums stay in vectors over a tile's values */
+ * each key's row read once and in order, every KV head's slice against its group's queries (walking one head's
+ * slices of the tile's rows, then the next head's, reads ~12 % slower from DRAM); the heads' sums stay in vectors
+ * over a tile's values */
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
                                                                int64_t item, int part, const int D, const int DT) {
     const int NV = D / VL;
@@ -394,9 +397,9 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     const int64_t esz = DT == 0 ? 4 : 2;
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
     float *zero = slope + H;  /* a row of D zero floats (zero in every dtype): a short tile's missing keys */
-    const char *kr[VL], *vr[VL];  /* the tile's rows of one KV head, in the cache's dtype */
-    vf part_dots[MAX_GROUP][VL];
-    float weights[MAX_GROUP * VL], alphas[MAX_GROUP];
+    float *dots = (float *)(((uintptr_t)(zero + D) + 63) & ~(uintptr_t)63);  /* [H][16 keys][16] partial sums */
+    float *wts = dots + H * VL * VL, *alph = wts + H * VL;  /* [H][16], [H] */
+    const char *vr[VL];  /* the tile's value rows of one KV head, in the cache's dtype */
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
@@ -411,46 +414,49 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
         n = n < VL ? n : VL;
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
         const vi live = lane < n;
+        /* scores: each key's row read once, all its KV heads in turn (the row's lines in order) */
+        for (int t = 0; t < VL; t++) {
+            if (t < n && t0 + t + PREFETCH_KEYS < k1)
+                prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
+            const char *krow = t < n ? ck + base + t * a->c_token * esz : NULL;
+            for (int kvh = 0; kvh < Hkv; kvh++) {
+                const char *kp = krow ? krow + kvh * a->c_head * esz : (const char *)zero;
+                const float *qk = q + (int64_t)kvh * G * D;
+                vf kc[VEC_MAX_NV];
+                for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kp + c * VL * esz, DT);
+                for (int g = 0; g < G; g++) {
+                    vf sv = vload(qk + g * D) * kc[0];
+                    for (int c = 1; c < NV; c++) sv += vload(qk + g * D + c * VL) * kc[c];
+                    vstore(dots + ((kvh * G + g) * VL + t) * VL, sv);
+                }
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            vf sc = hsum16((const vf *)(dots + h * VL * VL));
+            if (a->softcap > 0.0f || a->alibi_slopes) {
+                float tmp[VL];
+                vstore(tmp, sc);
+                for (int t = 0; t < VL; t++) {
+                    if (a->softcap > 0.0f) tmp[t] = a->softcap * tanhf(tmp[t] / a->softcap);
+                    if (a->alibi_slopes) tmp[t] += slope[h] * (float)(t0 + t - (hi - 1));
+                }
+                sc = vload(tmp);
+            }
+            sc = vselect(live, sc, (vf){} - INFINITY);  /* a short tile's missing keys */
+            const float top = hmax16(sc), mx = top > m[h] ? top : m[h];
+            const float alpha = exp_neg(m[h] - mx);
+            const vf pv = (vf)((vi)vexp_neg(sc - mx) & live);  /* they weigh 0 */
+            l[h] = l[h] * alpha + hadd16(pv);
+            m[h] = mx;
+            vstore(wts + h * VL, pv);
+            alph[h] = alpha;
+        }
         for (int kvh = 0; kvh < Hkv; kvh++) {
             for (int t = 0; t < VL; t++) {
                 const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
-                kr[t] = t < n ? ck + off : (const char *)zero;
                 vr[t] = t < n ? cv + off : (const char *)zero;
             }
-            const float *qk = q + (int64_t)kvh * G * D;
-            for (int t = 0; t < VL; t++) {  /* each key row once, against the group's G queries */
-                if (kvh == 0 && t < n && t0 + t + PREFETCH_KEYS < k1)
-                    prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
-                vf kc[VEC_MAX_NV];
-                for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kr[t] + c * VL * esz, DT);
-                for (int g = 0; g < G; g++) {
-                    vf s = vload(qk + g * D) * kc[0];
-                    for (int c = 1; c < NV; c++) s += vload(qk + g * D + c * VL) * kc[c];
-                    part_dots[g][t] = s;
-                }
-            }
-            for (int g = 0; g < G; g++) {
-                const int h = kvh * G + g;
-                vf sc = hsum16(part_dots[g]);
-                if (a->softcap > 0.0f || a->alibi_slopes) {
-                    float tmp[VL];
-                    vstore(tmp, sc);
-                    for (int t = 0; t < VL; t++) {
-                        if (a->softcap > 0.0f) tmp[t] = a->softcap * tanhf(tmp[t] / a->softcap);
-                        if (a->alibi_slopes) tmp[t] += slope[h] * (float)(t0 + t - (hi - 1));
-                    }
-                    sc = vload(tmp);
-                }
-                sc = vselect(live, sc, (vf){} - INFINITY);  /* a short tile's missing keys */
-                const float top = hmax16(sc), mx = top > m[h] ? top : m[h];
-                const float alpha = exp_neg(m[h] - mx);
-                const vf pv = (vf)((vi)vexp_neg(sc - mx) & live);  /* they weigh 0 */
-                l[h] = l[h] * alpha + hadd16(pv);
-                m[h] = mx;
-                vstore(weights + g * VL, pv);
-                alphas[g] = alpha;
-            }
-            accumulate_group(acc + (int64_t)kvh * G * D, weights, alphas, vr, n, D, DT, G);
+            accumulate_group(acc + (int64_t)kvh * G * D, wts + kvh * G * VL, alph + kvh * G, vr, n, D, DT, G);
         }
         t0 += n;
     }
