@@ -323,7 +323,14 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
     key row, keys, position of the first key). A causal query at position p sees its item's keys at positions
     ``[p - window + 1, p]`` (from the first without a window); a non-causal one all of them. Rows of ``out`` that
     no item covers are left as they are (:func:`prefill_usable` says whether tensors qualify)."""
+    if not prefill_usable(query, key, value, key.shape[1] if key.dim() == 3 else 0) or out.dtype != query.dtype \
+            or out.dim() != 3 or out.shape[1:] != query.shape[1:] or out.stride(-1) != 1 or out.device != query.device:
+        raise ValueError("paged_attention: the native prefill takes query/out [T, Hq, D] and key/value [T, Hkv, D] "
+                         f"alike (D contiguous), got {tuple(query.shape)}, {tuple(out.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}; check prefill_usable first")
     items = items.to(torch.int64).contiguous()
+    if items.dim() != 2 or items.shape[1] != 6:
+        raise ValueError(f"paged_attention: the native prefill's items are [n, 6], got {tuple(items.shape)}")
     hkv, d = key.shape[1], key.shape[2]
     tiles = int(((items[:, 4] + 15) // 16).sum()) * hkv if len(items) else 0
     scratch = torch.empty(max(1, tiles * d * 16), dtype=torch.float32)

@@ -296,3 +296,14 @@ def test_prefill_takes_only_tensors_it_reads_as_they_are():
     assert not native.prefill_usable(q, k.double(), v, 2)
     assert not native.prefill_usable(q, k, v[..., :16], 2)  # values of another head size
     assert not native.prefill_usable(torch.randn(4, 3, 32), k, v, 2)  # not whole groups
+
+
+def test_prefill_refuses_tensors_that_do_not_match_before_running():
+    q, k, v = torch.randn(4, 4, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    items = torch.tensor([(0, 4, 0, 0, 4, 0)])
+    for out in (torch.zeros(4, 2, 32), torch.zeros(4, 4, 32, dtype=torch.float64), torch.zeros(4, 4, 16)):
+        with pytest.raises(ValueError, match=r"^paged_attention: the native prefill takes query/out"):
+            native.prefill(native.load(), out, q, k, v, items, scale=0.2, causal=True, window=0, num_threads=1)
+    with pytest.raises(ValueError, match=r"items are \[n, 6\]"):
+        native.prefill(native.load(), torch.zeros_like(q), q, k, v, items[:, :5], scale=0.2, causal=True, window=0,
+                       num_threads=1)
