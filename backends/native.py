@@ -39,8 +39,8 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall", "DTYPE_CODES",
-           "MAX_HEAD_SIZE", "MAX_GROUP"]
+__all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall",
+           "prefill", "prefill_usable", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -107,6 +107,9 @@ _ERRORS = {
     4: "a block table entry is not a block of the cache",
     5: "out of memory for the kernel's per-thread state",
 }
+# pagedattn_prefill's
+_PREFILL_ERRORS = {1: "head size or head counts outside its bounds", 2: "an item's rows outside the tensors",
+                   5: "out of memory for its per-thread state"}
 
 
 def enabled() -> bool:
@@ -343,6 +346,3 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
     if bad:
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")
 
-
-_PREFILL_ERRORS = {1: "head size or head counts outside its bounds", 2: "an item's rows outside the tensors",
-                   5: "out of memory for its per-thread state"}

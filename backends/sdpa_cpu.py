@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -57,6 +57,7 @@ class _Split:
     fresh: tuple[_Seq, ...]
     rest: tuple[_Seq, ...]
     single_key: tuple  # the decodes, as the decode plan's memo key
+    fresh_items: Tensor = field(compare=False)  # [len(fresh), 6]: the fresh prefills as native.prefill's items
 
 
 def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
@@ -74,7 +75,9 @@ def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
     fresh = tuple(s for s in seqs if has_key and s.q_len > 1 and s.kv_len == s.q_len)
     fresh_ids = {s.index for s in fresh}
     rest = tuple(s for s in seqs if s.q_len > 1 and s.index not in fresh_ids)
-    split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single))
+    items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh], dtype=torch.int64)
+    split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single),
+                   items.reshape(-1, 6))
     memo.insert(0, (query_start_loc, seq_lens, versions, has_key, split))
     del memo[_MEMO_TABLES:]
     return split
@@ -151,8 +154,7 @@ class SdpaCpuBackend(SplitKVBackend):
         fresh, rest = split.fresh, split.rest
         lib = _native_prefill_lib(query, kv_cache, params) if fresh or rest else None
         if lib is not None and fresh and native.prefill_usable(query, key, value, params.num_kv_heads):
-            items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh])  # [n, 6]
-            _prefill(lib, out, query, key, value, items, params)
+            _prefill(lib, out, query, key, value, split.fresh_items, params)
             fresh = ()
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]

@@ -480,9 +480,10 @@ static void unit_any(const decode_args *a, float *state, int64_t unit, int64_t i
     }
 }
 
-static inline void store(const decode_args *a, void *dst, int64_t i, float x) {
-    if (a->dtype == 0) ((float *)dst)[i] = x;
-    else if (a->dtype == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
+/* element i of a row of dtype DT (0 float32, 1 bfloat16, 2 float16) set to x */
+static inline void store_dt(int DT, void *dst, int64_t i, float x) {
+    if (DT == 0) ((float *)dst)[i] = x;
+    else if (DT == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
     else ((_Float16 *)dst)[i] = (_Float16)x;
 }
 
@@ -562,7 +563,7 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
             }
             char *dst = (char *)a->out + (row * a->o_row + h * a->o_head) * esz;
             const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-            for (int d = 0; d < D; d++) store(a, dst, d, o[d] * inv);
+            for (int d = 0; d < D; d++) store_dt(a->dtype, dst, d, o[d] * inv);
         }
     }
     return failed ? 5 : 0;
@@ -633,12 +634,6 @@ typedef struct {
     int32_t num_threads;
     int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
 } prefill_args;
-
-static inline void store_dt(int DT, void *dst, int64_t i, float x) {
-    if (DT == 0) ((float *)dst)[i] = x;
-    else if (DT == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
-    else ((_Float16 *)dst)[i] = (_Float16)x;
-}
 
 /* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi) */
 static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, int64_t *klo, int64_t *khi) {
@@ -752,21 +747,10 @@ static inline __attribute__((always_inline)) void prefill_transpose(const prefil
             for (int d = 0; d < D; d++) dst[d * VL + t] = 0.0f;
             continue;
         }
-        const char *src = (const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * esz;
-        for (int d = 0; d < D; d++) {
-            float x;
-            if (DT == 0) memcpy(&x, src + d * 4, 4);
-            else if (DT == 1) {
-                bf16_t u;
-                memcpy(&u, src + d * 2, 2);
-                x = bf16_to_f32(u);
-            } else {
-                _Float16 h;
-                memcpy(&h, src + d * 2, 2);
-                x = (float)h;
-            }
-            dst[d * VL + t] = x;
-        }
+        const char *src[1] = {(const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * esz};
+        float row[MAX_HEAD];
+        load_rows(row, src, 1, D, DT);
+        for (int d = 0; d < D; d++) dst[d * VL + t] = row[d];
     }
 }
 
@@ -785,7 +769,7 @@ static inline __attribute__((always_inline)) void prefill_transpose(const prefil
             case 32: PREFILL_DTYPES(F, 32, __VA_ARGS__); break;                                                \
             case 16: PREFILL_DTYPES(F, 16, __VA_ARGS__); break;                                                \
             case 256: PREFILL_DTYPES(F, 256, __VA_ARGS__); break;                                              \
-            default: PREFILL_DTYPES(F, 16 * ((a->head_size + 15) / 16), __VA_ARGS__);                         \
+            default: PREFILL_DTYPES(F, a->head_size, __VA_ARGS__); /* other multiples of 16 */                 \
         }                                                                                                      \
     } while (0)
 

@@ -307,3 +307,21 @@ def test_prefill_refuses_tensors_that_do_not_match_before_running():
     with pytest.raises(ValueError, match=r"items are \[n, 6\]"):
         native.prefill(native.load(), torch.zeros_like(q), q, k, v, items[:, :5], scale=0.2, causal=True, window=0,
                        num_threads=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 256])
+def test_long_prefills_match_the_reference(dtype, window):
+    # lengths well past the hypothesis test's: a 1000-token prompt, and a 300-token chunk after 700 cached keys
+    g = torch.Generator().manual_seed(1)
+    hkv, group, d = 2, 3, 64
+    query = torch.randn(1300, group * hkv, d, generator=g).to(dtype)
+    key = torch.randn(2000, hkv, d, generator=g).to(dtype)
+    value = torch.randn(2000, hkv, d, generator=g).to(dtype)
+    items = [(0, 1000, 0, 0, 1000, 0), (1000, 300, 700, 1000, 1000, 0)]
+    out = torch.full_like(query, float("nan"))
+    native.prefill(native.load(), out, query, key, value, torch.tensor(items), scale=d ** -0.5, causal=True,
+                   window=window, num_threads=2)
+    for q0, q, c, k0, n, _ in items:
+        ref = _dense_prefill(query[q0:q0 + q], key[k0:k0 + n], value[k0:k0 + n], c, 0, d ** -0.5, True, window)
+        torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
