@@ -272,7 +272,8 @@ class SdpaCpuBackend(SplitKVBackend):
             if not fresh:
                 ws = kept.groups[i]
             elif kept is not None:  # gathered once into a buffer of its own, read again by later steps
-                ws = kv_cache.new_empty((2 * g * n, *kv_cache.shape[2:]))
+                with torch.inference_mode(False):  # an ordinary tensor: later calls may run outside inference mode
+                    ws = kv_cache.new_empty((2 * g * n, *kv_cache.shape[2:]))
                 kept.groups.append(ws)
             else:
                 ws = _workspace(kv_cache, 2 * g * n)
@@ -628,13 +629,17 @@ _LOCAL = threading.local()  # per-thread workspaces: concurrent calls must not s
 
 def _workspace(kv_cache: Tensor, num_blocks: int) -> Tensor:
     """A reused ``[num_blocks, block_size, Hkv, D]`` gather buffer: fresh large allocations cost
-    page faults on every call."""
+    page faults on every call.
+
+    It is an ordinary tensor even when made under ``torch.inference_mode`` (the engine's CPU step): an
+    inference tensor could not be written by a later call outside that mode on the same thread."""
     spaces = _LOCAL.__dict__.setdefault("spaces", {})
     key = (kv_cache.dtype, kv_cache.device, tuple(kv_cache.shape[2:]))
     ws = spaces.get(key)
     if ws is None or ws.shape[0] < num_blocks:
         size = max(num_blocks, 2 * ws.shape[0] if ws is not None else 0)
-        ws = spaces[key] = torch.empty((size, *key[2]), dtype=kv_cache.dtype, device=kv_cache.device)
+        with torch.inference_mode(False):
+            ws = spaces[key] = torch.empty((size, *key[2]), dtype=kv_cache.dtype, device=kv_cache.device)
     return ws[:num_blocks]
 
 

@@ -378,3 +378,36 @@ def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_change
     gc.collect()
     assert ref() is None  # the memo does not keep a cache alive, and lets its buffers go with it
     assert not sdpa_cpu._LOCAL.__dict__.get("kept")
+
+
+@pytest.mark.parametrize("decode_path", ["sdpa"], indirect=True)  # the SDPA path's reused buffers
+def test_buffers_made_in_inference_mode_serve_later_calls_outside_it():
+    # the engine's CPU step runs under torch.inference_mode; the same thread may then attend outside it (onnx
+    # verification, eager checks, a query that requires grad): the gather workspace made in the first call is
+    # written again by the second, and cross-attention's kept gathers are read by it
+    from pagedattn.backends import build_cross_metadata
+
+    b = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2)
+    with torch.inference_mode():
+        run_step(b, 0.25)
+    b.query.requires_grad_()
+    out = run_step(b, 0.25)
+    assert not torch.is_inference(out) and out.requires_grad
+    n = sum(b.q_lens)
+    torch.testing.assert_close(out[:n].detach().double(), reference_step(b, 0.25), atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+
+    cache = torch.randn(2, 10, 8, 2, 16)
+    meta = build_cross_metadata([[0, 1], [2, 3, 4, 5], [6, 7, 8]], [5, 23, 17], 8)
+    qsl = torch.arange(4, dtype=torch.int32)
+    p = AttentionParams(0.25, False, 0, 0.0, None, 2, 16)
+    q = torch.randn(3, 4, 16)
+
+    def cross(query):
+        return torch.ops.pagedattn.paged_attention(query, None, None, cache, meta.block_tables, meta.seq_lens, qsl,
+                                                   *p.args())
+
+    with torch.inference_mode():
+        first = cross(q)
+    again = cross(q.clone().requires_grad_())
+    assert not torch.is_inference(again) and torch.equal(again.detach(), first)
