@@ -13,15 +13,23 @@ Semantics are :mod:`pagedattn.backends.reference`'s, through :func:`reference.de
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
-from pagedattn.backends import reference
+from pagedattn.backends import reference, triton_paged
 from pagedattn.backends.base import SplitKVBackend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
 __all__ = ["write", "attend", "padding_repeats_a_write", "StaticPagedBackend"]
+
+log = logging.getLogger("pagedattn")
+
+# how far the Triton kernel's output may be from the gather path's on its first call of a kind (float32 math in
+# the kernel; SDPA rounds probabilities to the operands' dtype): a kernel compiled wrong is off by far more
+_AGREE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def padding_repeats_a_write(slots: Tensor, rows: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,13 +87,15 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
 class StaticPagedBackend(SplitKVBackend):
     """``base``'s cache layout, checks and block moves, with :func:`write` and :func:`attend` for the paged ops:
     the backend a captured decode step binds (``runtime.cuda_graphs``). ``base`` keeps the split-KV layout
-    (``sdpa_cpu``, ``xformers_cuda``)."""
+    (``sdpa_cpu``, ``xformers_cuda``). Its attention is :func:`pagedattn.backends.triton_paged.attend` where that
+    kernel applies (CUDA with Triton), else :func:`attend`."""
 
     def __init__(self, base: SplitKVBackend):
         if not isinstance(base, SplitKVBackend):
             raise ValueError(f"{base.name} does not keep the split-KV cache layout the static paged ops read")
         self.base = base
         self.name, self.device_type, self.dtypes = f"{base.name}+static", base.device_type, base.dtypes
+        self._kernel_verdicts: dict[tuple, bool] = {}  # triton_paged.variant -> the kernel agreed on it
 
     def cache_geometry(self, kv_cache):
         return self.base.cache_geometry(kv_cache)
@@ -97,4 +107,25 @@ class StaticPagedBackend(SplitKVBackend):
         write(key, value, kv_cache, slot_mapping)
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+        # on CUDA, the Triton kernel reads the blocks in place where it applies (no gather of whole table rows)
+        if triton_paged.usable(query, kv_cache, params) and self._kernel_agrees(query, kv_cache, metadata, params):
+            return triton_paged.attend(query, kv_cache, metadata, params)
         return attend(query, kv_cache, metadata, params)
+
+    def _kernel_agrees(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams) -> bool:
+        """Whether the Triton kernel gave :func:`attend`'s result on the first call of this kind
+        (:func:`triton_paged.variant`), checked then, eagerly: a kernel that a Triton or driver version compiles
+        wrong is not used again, and the log says so. A kind first seen while a CUDA graph is being captured (no
+        host read possible) takes :func:`attend`."""
+        kind = triton_paged.variant(query, kv_cache, params)
+        verdict = self._kernel_verdicts.get(kind)
+        if verdict is None:
+            if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return False
+            got = triton_paged.attend(query, kv_cache, metadata, params).float()
+            diff = float((got - attend(query, kv_cache, metadata, params).float()).abs().max()) if got.numel() else 0.0
+            verdict = self._kernel_verdicts[kind] = diff <= _AGREE[query.dtype]
+            if not verdict:
+                log.warning("pagedattn: the Triton paged attention kernel differs from the gather path by %.3g on %s: "
+                            "this process uses the gather path for such calls", diff, kind)
+        return verdict

@@ -149,21 +149,23 @@ def _params(b, window=0, softcap=0.0, alibi=None):
     return batch_params(b, 0.125, window=window, softcap=softcap, alibi=alibi)
 
 
-def _tiny_llama(device="cpu", dtype=torch.float32):
+def tiny_llama(device="cpu", dtype=torch.float32):
     model = _from_config("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     return model.to(device, dtype)
 
 
-def _greedy_through_graphs(sv, caches, ps, new: int, inside_step, capture: bool) -> tuple[list, DecodeGraphs]:
+def greedy_through_graphs(sv, caches, ps, new: int, inside_step, capture: bool, block_size: int = 4
+                          ) -> tuple[list, DecodeGraphs]:
     """Prompts prefilled in one eager packed step (the CPU or CUDA backend), then every decode step through
     :class:`DecodeGraphs` (buffers of the next capture size), ``inside_step`` around each step's run."""
+    bs = block_size
     tables, start = [], 0
     for p in ps:
-        need = -(-(len(p) + new) // 4)
+        need = -(-(len(p) + new) // bs)
         tables.append(list(range(start, start + need)))
         start += need
-    meta = build_metadata([(0, len(p), t) for p, t in zip(ps, tables)], 4, device=sv.device)
+    meta = build_metadata([(0, len(p), t) for p, t in zip(ps, tables)], bs, device=sv.device)
     ids = [t for p in ps for t in p]
     pos = [i for p in ps for i in range(len(p))]
     rows = list(itertools.accumulate(len(p) for p in ps))
@@ -173,7 +175,7 @@ def _greedy_through_graphs(sv, caches, ps, new: int, inside_step, capture: bool)
     out = [[t] for t in last]
     lens = [len(p) for p in ps]
     for _ in range(new - 1):
-        slots = [t[L // 4] * 4 + L % 4 for t, L in zip(tables, lens)]
+        slots = [t[L // bs] * bs + L % bs for t, L in zip(tables, lens)]
         with inside_step():
             logits = graphs.run([o[-1] for o in out], lens, slots, tables, [L + 1 for L in lens])
         assert logits.shape == (len(ps), VOCAB)
@@ -187,10 +189,10 @@ def _greedy_through_graphs(sv, caches, ps, new: int, inside_step, capture: bool)
 def test_decode_steps_over_padded_buffers_equal_hf_generate(n, checks_as_on_cuda):
     """Every decode step through the buffers of the next capture size (3 -> 4, 5 -> 8 sequences) with the static
     write and attention: no host read inside a step, and the greedy tokens of Hugging Face generate."""
-    model = _tiny_llama()
+    model = tiny_llama()
     sv = prepare_model(model, target="cpu", block_size=4)
     ps = prompts(lengths=(5, 17, 9, 30, 2))[:n]
-    out, graphs = _greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 6, no_host_reads, capture=False)
+    out, graphs = greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 6, no_host_reads, capture=False)
     assert out == hf_generate(model, ps, 6)
     assert graphs.stats["eager"] == 5 and graphs.buffers.size == 8
 
@@ -203,7 +205,7 @@ def test_captured_decode_steps_replay_without_host_syncs_and_equal_hf_generate()
     pytest.importorskip("xformers", reason="xformers is not installed (pip install 'pagedattn[cuda]')")
     set_validation(False)
     try:
-        model = _tiny_llama("cuda", torch.float16)
+        model = tiny_llama("cuda", torch.float16)
         sv = prepare_model(model, target="cuda", block_size=4)
         ps = prompts(lengths=(5, 17, 9))
 
@@ -217,7 +219,7 @@ def test_captured_decode_steps_replay_without_host_syncs_and_equal_hf_generate()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-        out, graphs = _greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 8, no_sync, capture=True)
+        out, graphs = greedy_through_graphs(sv, sv.allocate_kv_caches(64), ps, 8, no_sync, capture=True)
     finally:
         set_validation(True)
     assert out == hf_generate(model, ps, 8)
@@ -229,7 +231,7 @@ def test_the_engine_runs_its_decode_steps_through_the_graphs_buffers():
     as off CUDA): greedy tokens equal generate's, prefills and mixed steps still run the packed step."""
     from pagedattn import PagedEngine
 
-    model = _tiny_llama()
+    model = tiny_llama()
     engine = PagedEngine(model, block_size=4, num_blocks=96, max_num_seqs=8, compile=False, progress=False)
     assert engine.decode_graphs is None  # the CPU has no CUDA graphs
     with pytest.raises(ValueError, match="cuda_graphs=True: the device is not CUDA"):
@@ -251,7 +253,7 @@ def test_a_failed_capture_leaves_the_engine_on_its_eager_steps(caplog):
         def run(self, *args):
             raise CaptureFailed("capturing the decode step at 8 sequences failed: RuntimeError: for the test")
 
-    model = _tiny_llama()
+    model = tiny_llama()
     engine = PagedEngine(model, block_size=4, num_blocks=96, max_num_seqs=8, compile=False, progress=False)
     engine.decode_graphs = Failing(engine.servable, engine.kv_caches, 8, engine.num_blocks, capture=False)
     ps = prompts(lengths=(5, 17, 9))

@@ -1,0 +1,192 @@
+"""A paged attention kernel in Triton that reads the block tables itself and reads no value on the host.
+
+The attention a captured decode step binds (:class:`~pagedattn.backends.static_paged.StaticPagedBackend`) on CUDA,
+where the kernel applies (:func:`usable`). The portable static attention gathers each token's whole block-table
+row and runs a masked dense attention over it: on an H100 that took 1.46 ms of a 64-sequence decode step whose KV
+reads need 0.26 ms, in ~70 launches a layer (``benchmarks/RESULTS.md``, issue 17). Here one launch attends every
+token, and a second pass merges the splits:
+
+- grid ``(tokens, KV heads, splits)``: a program takes one token, one KV head with all its query heads (K/V are read
+  once per KV head, not once per query head) and one split of the token's block-table row (flash-decoding: long
+  rows are cut so that a small batch still fills the GPU);
+- a program reads only the blocks that hold keys its token may see (``[first visible, last visible]``, from the
+  sequence's length, the causal bound, a window or chunk), block numbers straight from the table, and keeps an
+  online softmax (running maximum and sum) in float32;
+- the splits' partial sums are merged by their maxima, with the sink logits (if any) in the normaliser.
+
+Every shape follows from the input shapes (the split count from the table's width), so a CUDA graph captures it.
+Semantics are :mod:`pagedattn.backends.reference`'s: scale, soft-cap, ALiBi, causal / window / chunk visibility,
+bidirectional attention over the sequence's keys, sinks, grouped-query heads; a token that sees no key, and a
+padding token, gets zeros. Position programs are not covered (:func:`usable` says so): they keep the static path.
+
+Triton is imported on first use. In a process started with ``TRITON_INTERPRET=1`` the kernel runs in Triton's
+interpreter on CPU tensors, which is how the tests check it without a GPU (``tests/backends/triton_cases.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from pagedattn.backends import reference
+from pagedattn.backends.metadata import AttentionMetadata
+from pagedattn.backends.params import AttentionParams
+
+__all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "split_plan", "MAX_HEAD_SIZE", "MAX_SPLITS",
+           "TARGET_PROGRAMS"]
+
+MAX_HEAD_SIZE = 256
+MAX_SPLITS = 16  # a row of W blocks is cut into at most this many splits
+TARGET_PROGRAMS = 512  # ~4 per streaming multiprocessor of an H100 (132)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _interpret() -> bool:
+    """Triton's interpreter is on (for the whole process: Triton reads it when it is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - missing or broken: the static path serves
+        return None
+    return triton.__version__
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the kernel can run on ``device``: Triton importable, and a CUDA device (or any device under
+    ``TRITON_INTERPRET=1``, Triton's interpreter)."""
+    if _triton_version() is None:
+        return False
+    return torch.device(device).type == "cuda" or _interpret()
+
+
+def unusable_reasons(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> list[str]:
+    """Why the kernel does not attend this call (empty: it does)."""
+    reasons = []
+    if not available(query.device):
+        reasons.append("Triton is not installed" if _triton_version() is None else "not a CUDA device")
+    if params.position_mod:
+        reasons.append("a position program (the static path evaluates it)")
+    if kv_cache.dim() != 5 or kv_cache.stride(-1) != 1 or query.stride(-1) != 1:
+        reasons.append("head dimensions not contiguous")
+        return reasons
+    _, _, bs, hkv, d = kv_cache.shape
+    if query.dtype not in _DTYPES or kv_cache.dtype not in _DTYPES:
+        reasons.append(f"dtype {query.dtype}/{kv_cache.dtype}")
+    if bs < 16 or bs & (bs - 1):
+        reasons.append(f"block size {bs} (the kernel's tiles need a power of two >= 16)")
+    if query.shape[-1] != d or d > MAX_HEAD_SIZE:
+        reasons.append(f"head size {query.shape[-1]} over a cache of {d} (at most {MAX_HEAD_SIZE})")
+    if query.shape[1] % hkv:
+        reasons.append(f"{query.shape[1]} query heads over {hkv} KV heads")
+    return reasons
+
+
+def usable(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> bool:
+    """Whether :func:`attend` takes this call (see :func:`unusable_reasons`)."""
+    return not unusable_reasons(query, kv_cache, params)
+
+
+def variant(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> tuple:
+    """What decides which kernel a call compiles and which of its branches run: dtypes, head sizes, query heads
+    per KV head, block size, and the site's kinds of score terms and visibility."""
+    return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
+            kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
+            params.causal, params.window > 0, params.chunk > 0)
+
+
+def split_plan(width: int, rows: int) -> tuple[int, int]:
+    """``(splits, blocks per split)`` for block-table rows of ``width`` blocks attended by ``rows`` programs
+    (tokens x KV heads): enough splits that about ``TARGET_PROGRAMS`` programs share the GPU, at most
+    ``MAX_SPLITS`` and one block each at least, of equal size. Each split writes its partial output (float32, a
+    head's size per query head), so a large batch takes few. Shapes only: a captured graph keeps it."""
+    want = -(-TARGET_PROGRAMS // max(1, rows))
+    splits = max(1, min(width, MAX_SPLITS, want))
+    per = -(-width // splits)
+    return -(-width // per), per
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel():
+    from pagedattn.backends import triton_kernels  # imports Triton
+
+    return triton_kernels.paged_split
+
+
+def _token_bounds(metadata: AttentionMetadata, params: AttentionParams, num_tokens: int, device
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per token: its sequence, position, the keys ``[lo, hi)`` it may see, and whether it is real (padding
+    tokens belong to no sequence and see nothing). Device ops only: no value reaches the host."""
+    qsl, tables = metadata.query_start_loc, metadata.block_tables
+    S = tables.shape[0]
+    t = torch.arange(num_tokens, device=device)
+    seq = (t[:, None] >= qsl[None, 1:]).sum(1)  # [T] the token's sequence; S for padding tokens
+    real = seq < S
+    seq = seq.clamp(max=S - 1)
+    kv_len = metadata.seq_lens.long().index_select(0, seq)  # [T]
+    ends = qsl[1:].long().index_select(0, seq)
+    q_pos = kv_len - (ends - t)  # [T]
+    if params.causal:
+        lo = reference.earliest_visible_key(q_pos, params).clamp(min=0)
+        hi = q_pos + 1
+    else:
+        lo, hi = torch.zeros_like(kv_len), kv_len
+    real = real & (kv_len > 0) & (q_pos >= 0)
+    hi = torch.where(real, torch.minimum(hi, kv_len), lo)  # padding: an empty run
+    return seq.to(torch.int32), q_pos, lo, hi, real
+
+
+def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams) -> Tensor:
+    """Every token of ``query`` ``[T, Hq, D]`` over its sequence's cached keys (its own K/V already written):
+    ``[T, Hq, Dv]`` in the query's dtype; padding tokens and tokens that see no key get zeros. Call only where
+    :func:`usable` holds."""
+    T, hq, d = query.shape
+    _, _, bs, hkv, dv = kv_cache.shape
+    dev = query.device
+    tables = metadata.block_tables
+    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    num_splits, per = split_plan(tables.shape[1], T * hkv)
+    seq, q_pos, lo, hi, real = _token_bounds(metadata, params, T, dev)
+    group = hq // hkv
+    o_part = torch.empty((T, hq, num_splits, dv), dtype=torch.float32, device=dev)
+    m_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
+    l_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
+    slopes = params.alibi_slopes
+    slopes = (slopes.to(dev, torch.float32).contiguous() if slopes is not None
+              else torch.zeros(1, dtype=torch.float32, device=dev))
+    k, v = kv_cache[0], kv_cache[1]
+    if T:
+        _kernel()[(T, hkv, num_splits)](
+            query, k, v, tables, seq, q_pos, lo, hi, slopes, o_part, m_part, l_part,
+            query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), tables.stride(0), group, d, dv, per, num_splits, float(params.scale), float(params.softcap),
+            BS=bs, G_PAD=max(16, _pow2(group)), D_PAD=max(16, _pow2(d)), DV_PAD=max(16, _pow2(dv)),
+            HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=params.alibi_slopes is not None)
+    return _merge(o_part, m_part, l_part, params.sinks, real).to(query.dtype)
+
+
+def _merge(o_part: Tensor, m_part: Tensor, l_part: Tensor, sinks: Optional[Tensor], real: Tensor) -> Tensor:
+    """``[T, Hq, Dv]`` from the splits' unnormalised sums ``[T, Hq, splits, Dv]``, maxima and sums ``[T, Hq,
+    splits]`` (a split that saw nothing: maximum -inf, sum 0), the sinks as one more logit per head."""
+    m = m_part.amax(-1)  # [T, Hq]
+    sink = None if sinks is None else sinks.to(m_part.device, torch.float32)[None, :]  # [1, Hq]
+    if sink is not None:
+        m = torch.maximum(m, sink)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a token that sees nothing
+    w = torch.exp(m_part - m[..., None])  # [T, Hq, splits]; 0 for empty splits
+    denom = (l_part * w).sum(-1)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
+    out = (o_part * w[..., None]).sum(-2) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+    return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -1,0 +1,81 @@
+"""The Triton paged attention kernel's plan, refusals and place in the static backend; its numerics run from
+``triton_cases.py`` in Triton's interpreter (a process of their own, see there) and on CUDA
+(``test_triton_paged_gpu.py``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedattn.backends import AttentionParams, get_backend, static_paged, triton_paged
+
+from ..support import SHAPES, batch_params, make_batch
+
+
+def test_the_kernel_matches_the_reference_in_tritons_interpreter():
+    pytest.importorskip("triton", reason="Triton is not installed (pip install 'pagedattn[test]')")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                          "tests/backends/triton_cases.py"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize("width, rows, splits, per", [(1, 1, 1, 1), (7, 4, 7, 1), (16, 4, 16, 1), (17, 4, 9, 2),
+                                                      (64, 4, 16, 4), (100, 4, 15, 7), (64, 256, 2, 32),
+                                                      (64, 512, 1, 64), (64, 4096, 1, 64), (5, 100, 5, 1)])
+def test_split_plan_covers_the_row_in_equal_splits_as_the_batch_needs(width, rows, splits, per):
+    assert triton_paged.split_plan(width, rows) == (splits, per)
+    assert splits <= triton_paged.MAX_SPLITS and (splits - 1) * per < width <= splits * per
+
+
+def test_calls_it_does_not_take_say_why(monkeypatch):
+    monkeypatch.setattr(triton_paged, "available", lambda device: True)
+    q = torch.randn(3, 4, 64)
+    p = AttentionParams(0.125, True, 0, 0.0, None, 2, 64)
+    assert triton_paged.usable(q, torch.zeros(2, 4, 16, 2, 64), p)
+    assert "block size 8" in triton_paged.unusable_reasons(q, torch.zeros(2, 4, 8, 2, 64), p)[0]
+    assert "block size 24" in triton_paged.unusable_reasons(q, torch.zeros(2, 4, 24, 2, 64), p)[0]
+    assert "head size" in triton_paged.unusable_reasons(torch.randn(3, 4, 320), torch.zeros(2, 4, 16, 2, 320),
+                                                        p)[0]
+    prog = AttentionParams(0.125, False, 0, 0.0, None, 2, 64, position_mod='{"version": 1}')
+    assert "position program" in triton_paged.unusable_reasons(q, torch.zeros(2, 4, 16, 2, 64), prog)[0]
+    monkeypatch.undo()
+    if triton_paged.available("cpu"):
+        pytest.skip("this process runs Triton's interpreter")
+    assert triton_paged.unusable_reasons(q, torch.zeros(2, 4, 16, 2, 64), p)[0] in (
+        "Triton is not installed", "not a CUDA device")
+
+
+def test_the_static_backend_takes_the_kernel_where_it_applies_once_it_agrees(monkeypatch, caplog):
+    # the captured step's backend: the kernel where usable and where its first call of a kind gave the gather
+    # path's result; a kernel compiled wrong (here a stand-in off by 1) is dropped for that kind, with a warning
+    b = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2)
+    p = batch_params(b, 0.125)
+    static_paged.write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    plain = static_paged.attend(b.query, b.kv_cache, b.meta, p)
+
+    def run(offset):
+        calls = []
+        monkeypatch.setattr(triton_paged, "attend", lambda *a: calls.append(1) or plain + offset)
+        backend = static_paged.StaticPagedBackend(get_backend("cpu"))
+        outs = [backend.attend(b.query, None, None, b.kv_cache, b.meta, p) for _ in range(3)]
+        return outs, len(calls)
+
+    monkeypatch.setattr(triton_paged, "available", lambda device: False)
+    outs, calls = run(0.0)
+    assert calls == 0 and all(torch.equal(o, plain) for o in outs)
+    monkeypatch.setattr(triton_paged, "available", lambda device: True)
+    outs, calls = run(1e-5)
+    assert calls == 4 and all(torch.equal(o, plain + 1e-5) for o in outs)  # checked once, then used
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        outs, calls = run(1.0)
+    assert calls == 1 and all(torch.equal(o, plain) for o in outs)
+    assert "differs from the gather path by 1" in caplog.text
+    program = batch_params(b, 0.125, causal=False, mod=('{"version": 1}', None))
+    assert not triton_paged.usable(b.query, b.kv_cache, program)  # a position program keeps the static path

@@ -1,0 +1,183 @@
+"""The Triton paged attention kernel (backends/triton_paged.py) against the reference's exact math.
+
+Not collected by itself: Triton's interpreter must be on when Triton is imported, for the whole process, so
+``test_triton_paged.py`` runs this file in a process started with ``TRITON_INTERPRET=1`` (CPU tensors), and
+``test_triton_paged_gpu.py`` collects the same cases on CUDA, compiled."""
+
+import math
+
+import pytest
+import torch
+
+from pagedattn.backends import AttentionParams, static_paged, triton_paged
+
+from ..support import ALIBI8, SHAPES, SINKS8, TOL, batch_params, make_batch, reference_step
+
+pytest.importorskip("triton", reason="Triton is not installed (the CUDA static path's kernel)")
+
+# the interpreter runs a kernel program by program in numpy: long rows of many tokens take it seconds, so there it
+# checks the same features on shorter sequences (still several splits a row) and fewer layouts
+INTERPRETED = triton_paged.available("cpu")
+SHORT = [(100, 1), (40, 3), (33, 1), (0, 5), (5, 1)]
+
+
+@pytest.fixture
+def device():
+    """CPU tensors, for Triton's interpreter (``test_triton_paged_gpu.py`` overrides it)."""
+    if not triton_paged.available("cpu"):
+        pytest.skip("Triton's interpreter is off: test_triton_paged.py runs this file with TRITON_INTERPRET=1")
+    return "cpu"
+
+
+def _to(b, device):
+    meta = b.meta
+    fields = {f: getattr(meta, f) for f in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")}
+    moved = type(meta)(**{k: v.to(device) for k, v in fields.items()}, block_size=meta.block_size)
+    return b.query.to(device), b.key.to(device), b.value.to(device), b.kv_cache.to(device), moved
+
+
+def _check(b, device, dtype, **kw):
+    scale = kw.pop("scale", 1 / math.sqrt(b.query.shape[-1]))
+    q, k, v, cache, meta = _to(b, device)
+    torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+    p = batch_params(b, scale, **kw)
+    moved = {f: getattr(p, f).to(device) for f in ("alibi_slopes", "sinks") if getattr(p, f) is not None}
+    p = AttentionParams(**{**p.__dict__, **moved}) if moved else p
+    assert triton_paged.usable(q, cache, p), triton_paged.unusable_reasons(q, cache, p)
+    out = triton_paged.attend(q, cache, meta, p).cpu()
+    ref = reference_step(b, scale, **kw)
+    n = ref.shape[0]
+    torch.testing.assert_close(out[:n].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(out[n:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("shape", ["all_decode", "mixed"] + ([] if INTERPRETED else ["many_blocks"]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batch_shapes(device, shape, dtype):
+    _check(make_batch(SHAPES[shape], dtype=dtype, pad_tokens=3), device, dtype)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (8, 1), (24, 1)], ids=["mha", "gqa4", "gqa8", "mqa8",
+                                                                                   "mqa24"])
+@pytest.mark.parametrize("head_size", [64, 80] if INTERPRETED else [64, 80, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_layouts(device, heads, head_size, block_size):
+    nh, nkv = heads
+    b = make_batch(SHAPES["all_decode"], num_heads=nh, num_kv_heads=nkv, head_size=head_size, block_size=block_size)
+    _check(b, device, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"window": 8},
+        {"window": 1},
+        {"window": 20},  # a window that starts inside a block, splits after the row's first
+        {"softcap": 5.0},
+        {"softcap": 3.0, "window": 13},
+        {"alibi": True},
+        {"alibi": True, "window": 10},
+        {"causal": False},
+        {"scale": 0.3},
+        {"sinks": True},
+        {"sinks": True, "window": 8},
+        {"sinks": True, "softcap": 5.0},
+        {"sinks": True, "alibi": True},
+        {"sinks": True, "causal": False},
+    ],
+    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_features(device, feature, dtype):
+    feature = dict(feature)
+    seqs = SHORT if INTERPRETED else SHAPES["many_blocks"] + SHAPES["all_decode"]
+    b = make_batch(seqs, num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
+    if feature.pop("alibi", False):
+        feature["alibi"] = ALIBI8
+    if feature.pop("sinks", False):
+        feature["sinks"] = SINKS8
+    _check(b, device, dtype, **feature)
+
+
+def test_chunked_local_attention(device):
+    # Llama 4's chunks: a query sees only keys of its own chunk, from the chunk's first block on
+    b = make_batch([(300, 1), (47, 3), (64, 1), (15, 17)], num_heads=4, num_kv_heads=2)
+    q, k, v, cache, meta = _to(b, device)
+    torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+    p = AttentionParams(0.125, True, 0, 0.0, None, 2, 64, chunk_size=48)
+    out = triton_paged.attend(q, cache, meta, p).cpu()
+    ref = static_paged.attend(b.query, b.kv_cache, b.meta, p)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_sequences_of_length_zero_and_padding_tokens_get_zeros(device):
+    # a captured step's padding: sequences with no token and length 0, tokens past the last sequence
+    b = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2, pad_tokens=5)
+    q, k, v, cache, meta = _to(b, device)
+    torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+    S = meta.seq_lens.shape[0]
+    padded = type(meta)(meta.slot_mapping, torch.cat([meta.block_tables, meta.block_tables[:2]]),
+                        torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(2)]),
+                        torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].repeat(2)]), meta.block_size)
+    p = AttentionParams(0.125, True, 0, 0.0, None, 2, 64, sinks=SINKS8[:4].to(device))
+    out = triton_paged.attend(q, cache, padded, p).cpu()
+    n = int(meta.query_start_loc[-1])
+    assert S == n and torch.all(out[n:] == 0) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, static_paged.attend(b.query, b.kv_cache, b.meta, p.__class__(
+        **{**p.__dict__, "sinks": SINKS8[:4]})), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+def test_a_wrong_kernel_would_be_seen(device):
+    # the comparison above can fail: another scale gives another answer
+    b = make_batch(SHAPES["all_decode"], num_heads=4, num_kv_heads=2)
+    q, k, v, cache, meta = _to(b, device)
+    torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+    out = triton_paged.attend(q, cache, meta, batch_params(b, 0.2)).cpu()
+    assert not torch.allclose(out.double(), reference_step(b, 0.125), atol=1e-3)
+
+
+
+
+def test_the_captured_steps_backend_checks_the_kernel_and_uses_it(device, monkeypatch, caplog):
+    from pagedattn.backends import get_backend
+
+    calls = []
+    real = triton_paged.attend
+    monkeypatch.setattr(triton_paged, "attend", lambda *a: calls.append(1) or real(*a))
+    b = make_batch(SHAPES["all_decode"], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, pad_tokens=1)
+    q, k, v, cache, meta = _to(b, device)
+    backend = static_paged.StaticPagedBackend(get_backend(device))
+    backend.write(k, v, cache, meta.slot_mapping)
+    p = batch_params(b, 0.125, window=30)
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        outs = [backend.attend(q, None, None, cache, meta, p).cpu() for _ in range(2)]
+    assert len(calls) == 3 and not caplog.text  # the first call checked against the gather path, then used
+    ref = reference_step(b, 0.125, window=30)
+    for out in outs:
+        torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+def test_decode_steps_through_the_kernel_equal_hf_generate(device, monkeypatch):
+    # a tiny Llama's decode steps over the capture path's padded buffers (captured as graphs on CUDA), the
+    # attention through the kernel: Hugging Face generate's tokens
+    import contextlib
+
+    from pagedattn.adapter import prepare_model
+    from pagedattn.backends import set_validation
+
+    from ..runtime.test_cuda_graphs import greedy_through_graphs, tiny_llama
+    from ..support import hf_generate, prompts
+
+    calls = []
+    real = triton_paged.attend
+    monkeypatch.setattr(triton_paged, "attend", lambda *a: calls.append(1) or real(*a))
+    model = tiny_llama(device, torch.float16 if device == "cuda" else torch.float32)
+    sv = prepare_model(model, target=device, block_size=16)
+    ps = prompts(lengths=(5, 17, 9, 30))
+    set_validation(False)  # as the engine's captured steps run
+    try:
+        out, _ = greedy_through_graphs(sv, sv.allocate_kv_caches(16), ps, 6, contextlib.nullcontext,
+                                       capture=device == "cuda", block_size=16)
+    finally:
+        set_validation(True)
+    assert len(calls) > 5 and out == hf_generate(model, ps, 6)  # not only the first call's check: used
