@@ -87,8 +87,9 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
 class StaticPagedBackend(SplitKVBackend):
     """``base``'s cache layout, checks and block moves, with :func:`write` and :func:`attend` for the paged ops:
     the backend a captured decode step binds (``runtime.cuda_graphs``). ``base`` keeps the split-KV layout
-    (``sdpa_cpu``, ``xformers_cuda``). Its attention is :func:`pagedattn.backends.triton_paged.attend` where that
-    kernel applies (CUDA with Triton), else :func:`attend`."""
+    (``sdpa_cpu``, ``xformers_cuda``). Its write and attention are :mod:`pagedattn.backends.triton_paged`'s
+    kernels where they apply (CUDA with Triton) and their first call of a kind agreed with :func:`write` /
+    :func:`attend`; else those."""
 
     def __init__(self, base: SplitKVBackend):
         if not isinstance(base, SplitKVBackend):
@@ -104,7 +105,31 @@ class StaticPagedBackend(SplitKVBackend):
         return self.base.supports(config)
 
     def write(self, key, value, kv_cache, slot_mapping):
+        # on CUDA, one Triton launch (slots below 0 skipped in the kernel) instead of the padding-safe scatter's ~10
+        if triton_paged.write_usable(key, value, kv_cache) and self._write_agrees(key, value, kv_cache, slot_mapping):
+            triton_paged.write(key, value, kv_cache, slot_mapping)
+            return
         write(key, value, kv_cache, slot_mapping)
+
+    def _write_agrees(self, key, value, kv_cache, slot_mapping) -> bool:
+        """Whether the Triton write stored exactly the rows it was given on its first call of this kind (dtypes and
+        cache geometry), checked then, eagerly, as :meth:`_kernel_agrees` checks the attention."""
+        kind = ("write", key.dtype, value.dtype, kv_cache.dtype, *kv_cache.shape[2:])
+        verdict = self._kernel_verdicts.get(kind)
+        if verdict is None:
+            if kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return False
+            triton_paged.write(key, value, kv_cache, slot_mapping)  # the step's own write: rewritten below
+            _, nb, bs, hkv, d = kv_cache.shape
+            slots = slot_mapping.long()
+            real = slots >= 0
+            stored = kv_cache.view(2, nb * bs, hkv, d)[:, slots[real]]  # [2, n, Hkv, D]
+            verdict = self._kernel_verdicts[kind] = bool(
+                torch.equal(stored[0], key[real].to(kv_cache.dtype)) and torch.equal(stored[1], value[real].to(kv_cache.dtype)))
+            if not verdict:
+                log.warning("pagedattn: the Triton cache write stored other values than it was given on %s: this "
+                            "process uses the scatter for such writes", kind)
+        return verdict
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         # on CUDA, the Triton kernel reads the blocks in place where it applies (no gather of whole table rows)

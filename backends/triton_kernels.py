@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["paged_split"]
+__all__ = ["paged_split", "write_slots"]
 
 
 @triton.jit
@@ -70,3 +70,20 @@ def paged_split(Q, KC, VC, TABLES, SEQ, QPOS, LO, HI, SLOPES, O_PART, M_PART, L_
     tl.store(O_PART + row[:, None] * head_size_v + dv[None, :], acc,
              mask=g_ok[:, None] & (dv < head_size_v)[None, :])
 
+
+
+@triton.jit
+def write_slots(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_cb, stride_ct, stride_vcb, stride_vct, block_size,
+                row_size, BLOCK: tl.constexpr):
+    """Token ``t``'s K and V rows (``row_size`` contiguous elements: every KV head) into cache slot ``SLOTS[t]``;
+    a slot below 0 (padding) writes nothing. Grid ``(tokens,)``."""
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < tl.where(slot >= 0, row_size, 0)  # padding: no element
+    blk = slot // block_size
+    off = slot % block_size
+    k = tl.load(K + t * stride_kt + i, mask=ok)
+    v = tl.load(V + t * stride_vt + i, mask=ok)
+    tl.store(KC + blk * stride_cb + off * stride_ct + i, k.to(KC.dtype.element_ty), mask=ok)
+    tl.store(VC + blk * stride_vcb + off * stride_vct + i, v.to(VC.dtype.element_ty), mask=ok)

@@ -36,7 +36,7 @@ from pagedattn.backends import reference
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "split_plan", "MAX_HEAD_SIZE", "MAX_SPLITS",
+__all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "split_plan", "write", "write_usable", "MAX_HEAD_SIZE", "MAX_SPLITS",
            "TARGET_PROGRAMS"]
 
 MAX_HEAD_SIZE = 256
@@ -117,10 +117,33 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel():
+def _kernels():
     from pagedattn.backends import triton_kernels  # imports Triton
 
-    return triton_kernels.paged_split
+    return triton_kernels
+
+
+def write_usable(key: Tensor, value: Tensor, kv_cache: Tensor) -> bool:
+    """Whether :func:`write` takes these tensors: the kernel runs here, a cache ``[2, nb, bs, Hkv, D]`` whose
+    slots are contiguous rows (every head), K and V of the cache's head sizes."""
+    return (available(kv_cache.device) and kv_cache.dim() == 5 and key.dim() == 3 and value.dim() == 3
+            and kv_cache.dtype in _DTYPES and key.dtype in _DTYPES and value.dtype in _DTYPES
+            and kv_cache[0, 0].is_contiguous() and kv_cache.shape[-1] == key.shape[-1] == value.shape[-1]
+            and kv_cache.shape[3] == key.shape[1] == value.shape[1])
+
+
+def write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` ``[T]`` (-1: padding, not
+    written), one launch, no value read on the host. Call only where :func:`write_usable` holds."""
+    T = key.shape[0]
+    if not T:
+        return
+    key = key if key[0].is_contiguous() else key.contiguous()
+    value = value if value[0].is_contiguous() else value.contiguous()
+    k, v = kv_cache[0], kv_cache[1]
+    row = key.shape[1] * key.shape[2]
+    _kernels().write_slots[(T,)](key, value, k, v, slot_mapping, key.stride(0), value.stride(0), k.stride(0),
+                                 k.stride(1), v.stride(0), v.stride(1), kv_cache.shape[2], row, BLOCK=_pow2(row))
 
 
 def _token_bounds(metadata: AttentionMetadata, params: AttentionParams, num_tokens: int, device
@@ -167,7 +190,7 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
               else torch.zeros(1, dtype=torch.float32, device=dev))
     k, v = kv_cache[0], kv_cache[1]
     if T:
-        _kernel()[(T, hkv, num_splits)](
+        _kernels().paged_split[(T, hkv, num_splits)](
             query, k, v, tables, seq, q_pos, lo, hi, slopes, o_part, m_part, l_part,
             query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), tables.stride(0), group, d, dv, per, num_splits, float(params.scale), float(params.softcap),

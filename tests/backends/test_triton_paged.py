@@ -79,3 +79,27 @@ def test_the_static_backend_takes_the_kernel_where_it_applies_once_it_agrees(mon
     assert "differs from the gather path by 1" in caplog.text
     program = batch_params(b, 0.125, causal=False, mod=('{"version": 1}', None))
     assert not triton_paged.usable(b.query, b.kv_cache, program)  # a position program keeps the static path
+
+
+def test_the_static_backend_takes_the_kernel_write_once_it_stored_what_it_was_given(monkeypatch, caplog):
+    # the same for the cache write: checked on its first call of a kind (the rows read back), then used; a write
+    # that stores nothing (a stand-in) is dropped with a warning, and the scatter writes the step
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, pad_tokens=3)
+    want = b.kv_cache.clone()
+    static_paged.write(b.key, b.value, want, b.meta.slot_mapping)
+    monkeypatch.setattr(triton_paged, "write_usable", lambda *a: True)
+
+    def run(kernel):
+        calls = []
+        monkeypatch.setattr(triton_paged, "write", lambda *a: calls.append(1) or kernel(*a))
+        backend = static_paged.StaticPagedBackend(get_backend("cpu"))
+        cache = b.kv_cache.clone()
+        for _ in range(3):
+            backend.write(b.key, b.value, cache, b.meta.slot_mapping)
+        return cache, len(calls)
+
+    cache, calls = run(static_paged.write)
+    assert calls == 4 and torch.equal(cache, want)
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        cache, calls = run(lambda *a: None)
+    assert calls == 1 and torch.equal(cache, want) and "stored other values" in caplog.text

@@ -141,9 +141,10 @@ def test_a_wrong_kernel_would_be_seen(device):
 def test_the_captured_steps_backend_checks_the_kernel_and_uses_it(device, monkeypatch, caplog):
     from pagedattn.backends import get_backend
 
-    calls = []
-    real = triton_paged.attend
+    calls, writes = [], []
+    real, real_write = triton_paged.attend, triton_paged.write
     monkeypatch.setattr(triton_paged, "attend", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_paged, "write", lambda *a: writes.append(1) or real_write(*a))
     b = make_batch(SHAPES["all_decode"], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, pad_tokens=1)
     q, k, v, cache, meta = _to(b, device)
     backend = static_paged.StaticPagedBackend(get_backend(device))
@@ -151,7 +152,7 @@ def test_the_captured_steps_backend_checks_the_kernel_and_uses_it(device, monkey
     p = batch_params(b, 0.125, window=30)
     with caplog.at_level("WARNING", logger="pagedattn"):
         outs = [backend.attend(q, None, None, cache, meta, p).cpu() for _ in range(2)]
-    assert len(calls) == 3 and not caplog.text  # the first call checked against the gather path, then used
+    assert len(calls) == 3 and len(writes) == 2 and not caplog.text  # first calls checked, then used
     ref = reference_step(b, 0.125, window=30)
     for out in outs:
         torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
@@ -181,3 +182,23 @@ def test_decode_steps_through_the_kernel_equal_hf_generate(device, monkeypatch):
     finally:
         set_validation(True)
     assert len(calls) > 5 and out == hf_generate(model, ps, 6)  # not only the first call's check: used
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, head_size", [(2, 64), (4, 80), (1, 8)])
+def test_the_write_stores_each_real_token_and_skips_padding(device, dtype, heads, head_size):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 6, 16, heads, head_size, generator=g).to(dtype)
+    key = torch.randn(7, heads, head_size, generator=g).to(dtype)
+    value = torch.randn(7, heads, head_size, generator=g).to(dtype)
+    slots = torch.tensor([5, 17, -1, 40, 95, -1, 0])
+    want = cache.clone()
+    static_paged.write(key, value, want, slots)
+    got = cache.to(device)
+    assert triton_paged.write_usable(key.to(device), value.to(device), got)
+    triton_paged.write(key.to(device), value.to(device), got, slots.to(device))
+    assert torch.equal(got.cpu(), want)
+    strided = torch.randn(7, heads, 2 * head_size, generator=g).to(dtype)[..., :head_size]  # rows not contiguous
+    triton_paged.write(strided.to(device), value.to(device), got, slots.to(device))
+    static_paged.write(strided, value, want, slots)
+    assert torch.equal(got.cpu(), want)
