@@ -15,6 +15,9 @@ Generation: a random-weight Llama (~160 M parameters, bfloat16), prompts of 64-5
     python benchmarks/attention_cuda.py            # the figures in benchmarks/RESULTS.md
     python benchmarks/attention_cuda.py --compile  # also PagedEngine's default (compiled), not only compile=False
     python benchmarks/attention_cuda.py --quick    # a smoke run
+
+Also: the attention a captured decode step runs (``StaticPagedBackend``), its portable gather-and-mask path
+against the Triton kernel (``backends/triton_paged.py``) on the same decode cases, GPU time only.
 """
 
 from __future__ import annotations
@@ -93,6 +96,23 @@ def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, s
     paths = sorted({f"{k}:{o}" for k, o in backend.paths})
     backend.paths.clear()
     return t_paged, t_contig, g_paged, g_contig, kv_bytes, paths
+
+
+def captured_decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, repeats, seed=0):
+    """The attention a captured decode step runs (``StaticPagedBackend``): the portable gather-and-mask path
+    against the Triton kernel on the same step. GPU seconds of each, the K+V bytes, the largest difference."""
+    from pagedattn.backends import AttentionParams, static_paged, triton_paged
+
+    lens, cache, paged, _ = paged_cases.decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, "cuda", seed)
+    q, meta, scale = paged.inputs
+    p = AttentionParams(scale, True, 0, 0.0, None, hkv, d)
+    if not triton_paged.usable(q, cache, p):
+        raise SystemExit(f"the Triton kernel does not take this case: {triton_paged.unusable_reasons(q, cache, p)}")
+    gather = lambda: static_paged.attend(q, cache, meta, p)  # noqa: E731
+    kernel = lambda: triton_paged.attend(q, cache, meta, p)  # noqa: E731
+    diff = float((gather().float() - kernel().float()).abs().max())
+    kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
+    return gpu_seconds(gather, repeats), gpu_seconds(kernel, repeats), kv_bytes, diff
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
@@ -248,6 +268,16 @@ def main(argv=None) -> None:
             print(f"{batch:5d} {ctx:>10} {bs:5d} {tp * 1e3:9.3f} {tc * 1e3:10.3f} {gp * 1e3:13.3f} {gc * 1e3:14.3f} "
                   f"{gp / gc:10.2f} {nbytes / gp / 1e9:11.0f} {nbytes / gc / 1e9:12.0f} {nbytes / gp / bw:11.2f}  "
                   f"{','.join(paths)}")
+    print()
+    print("captured decode step's attention (StaticPagedBackend): the gather path against the Triton kernel, GPU time")
+    print(f"{'batch':>5} {'context':>10} {'gather ms':>10} {'Triton ms':>10} {'speed-up':>9} {'Triton GB/s':>12} "
+          f"{'of copy':>8} {'max diff':>9}")
+    for batch, lo, hi in cases:
+        tg, tt, nbytes, diff = captured_decode_case(batch, lo, hi, a.heads, a.kv_heads, a.head_size, torch.bfloat16,
+                                                    16, a.repeats)
+        ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        print(f"{batch:5d} {ctx:>10} {tg * 1e3:10.3f} {tt * 1e3:10.3f} {tg / tt:9.2f} {nbytes / tt / 1e9:12.0f} "
+              f"{nbytes / tt / bw:8.2f} {diff:9.2g}")
     print()
     print(f"{'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'paged GPU tok/s':>16} {'contig GPU tok/s':>17}")
     n, L = (2, 256) if a.quick else (4, 2048)
