@@ -8,15 +8,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["paged_split", "write_slots"]
+__all__ = ["token_run", "paged_split", "merge_splits", "write_slots"]
 
 
 @triton.jit
-def paged_split(Q, KC, VC, TABLES, SEQ, QPOS, LO, HI, SLOPES, O_PART, M_PART, L_PART,
+def token_run(QSL, SEQ_LENS, t, num_seqs, window, chunk, S_PAD: tl.constexpr, CAUSAL: tl.constexpr):
+    """Token ``t``'s sequence, position and the keys ``[lo, hi)`` it may see (the reference's visibility: causal
+    with a window or chunk, or every key of the sequence). A padding token (past the last sequence's rows), a
+    sequence of length 0 or a token before its sequence's first position sees none (``hi == lo``)."""
+    i = tl.arange(0, S_PAD)
+    ends = tl.load(QSL + 1 + i, mask=i < num_seqs, other=2147483647)  # [S_PAD] each sequence's end row
+    seq = tl.sum((ends <= t).to(tl.int32), 0)  # sequences that end at or before t
+    real = seq < num_seqs
+    seq = tl.minimum(seq, num_seqs - 1)
+    kv_len = tl.load(SEQ_LENS + seq).to(tl.int64)
+    end = tl.load(QSL + 1 + seq).to(tl.int64)
+    q_pos = kv_len - (end - t)
+    if CAUSAL:
+        lo = tl.zeros_like(q_pos)
+        if window > 0:
+            lo = tl.maximum(lo, q_pos - window + 1)
+        if chunk > 0:
+            lo = tl.maximum(lo, q_pos - q_pos % chunk)
+        hi = q_pos + 1
+    else:
+        lo = tl.zeros_like(q_pos)
+        hi = kv_len
+    seen = real & (kv_len > 0) & (q_pos >= 0)
+    hi = tl.where(seen, tl.minimum(hi, kv_len), lo)
+    return seq, q_pos, lo, hi
+
+
+@triton.jit
+def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_tab, group, head_size, head_size_v, blocks_per_split, num_splits, scale, softcap,
-                BS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                stride_tab, num_seqs, group, head_size, head_size_v, blocks_per_split, num_splits, scale, softcap,
+                window, chunk, BS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+                S_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """One token's attention for one KV head (all its query heads, ``[G_PAD]`` rows) over one split of its
     block-table row: the split's unnormalised output ``O_PART[t, heads, s, :]``, maximum and sum (online softmax
     in float32). Grid ``(tokens, KV heads, splits)``; see ``triton_paged`` for the arguments' meaning."""
@@ -30,10 +58,7 @@ def paged_split(Q, KC, VC, TABLES, SEQ, QPOS, LO, HI, SLOPES, O_PART, M_PART, L_
     r = tl.arange(0, BS)
     heads = h * group + g  # [G_PAD] the KV head's query heads
     g_ok = g < group
-    seq = tl.load(SEQ + t)
-    q_pos = tl.load(QPOS + t)
-    lo = tl.load(LO + t)  # keys [lo, hi) may be seen; hi <= lo: none
-    hi = tl.load(HI + t)
+    seq, q_pos, lo, hi = token_run(QSL, SEQ_LENS, t, num_seqs, window, chunk, S_PAD, CAUSAL)
     q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & (d < head_size)[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
     if HAS_ALIBI:
@@ -70,6 +95,35 @@ def paged_split(Q, KC, VC, TABLES, SEQ, QPOS, LO, HI, SLOPES, O_PART, M_PART, L_
     tl.store(O_PART + row[:, None] * head_size_v + dv[None, :], acc,
              mask=g_ok[:, None] & (dv < head_size_v)[None, :])
 
+
+@triton.jit
+def merge_splits(O_PART, M_PART, L_PART, SINKS, OUT, stride_ot, stride_oh, num_splits, head_size_v,
+                 NS_PAD: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Token ``t``, query head ``h``: the splits' partial sums weighted by their maxima, over the sum of their
+    normalisers (and the head's sink logit, which takes probability and adds no value), in ``OUT``'s dtype. A
+    token that saw no key gets zeros. Grid ``(tokens, query heads)``."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    num_hq = tl.num_programs(1)
+    i = tl.arange(0, NS_PAD)
+    dv = tl.arange(0, DV_PAD)
+    row = (t * num_hq + h) * num_splits + i  # [NS_PAD]
+    ok = i < num_splits
+    m = tl.load(M_PART + row, mask=ok, other=float("-inf"))
+    l_s = tl.load(L_PART + row, mask=ok, other=0.0)
+    top = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a token that sees nothing
+    w = tl.exp(m - top)  # [NS_PAD]; 0 for splits that saw nothing
+    denom = tl.sum(l_s * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - top)
+    o = tl.load(O_PART + row[:, None] * head_size_v + dv[None, :], mask=ok[:, None] & (dv < head_size_v)[None, :],
+                other=0.0)  # [NS_PAD, DV_PAD]
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(OUT + t * stride_ot + h * stride_oh + dv, out.to(OUT.dtype.element_ty), mask=dv < head_size_v)
 
 
 @triton.jit

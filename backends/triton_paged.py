@@ -4,15 +4,16 @@ The attention a captured decode step binds (:class:`~pagedattn.backends.static_p
 where the kernel applies (:func:`usable`). The portable static attention gathers each token's whole block-table
 row and runs a masked dense attention over it: on an H100 that took 1.46 ms of a 64-sequence decode step whose KV
 reads need 0.26 ms, in ~70 launches a layer (``benchmarks/RESULTS.md``, issue 17). Here one launch attends every
-token, and a second pass merges the splits:
+token, and a second one merges the splits (plus one for the cache write, :func:`write`):
 
 - grid ``(tokens, KV heads, splits)``: a program takes one token, one KV head with all its query heads (K/V are read
   once per KV head, not once per query head) and one split of the token's block-table row (flash-decoding: long
   rows are cut so that a small batch still fills the GPU);
-- a program reads only the blocks that hold keys its token may see (``[first visible, last visible]``, from the
-  sequence's length, the causal bound, a window or chunk), block numbers straight from the table, and keeps an
-  online softmax (running maximum and sum) in float32;
-- the splits' partial sums are merged by their maxima, with the sink logits (if any) in the normaliser.
+- a program finds its token's sequence and position from ``query_start_loc`` and ``seq_lens`` itself, reads only
+  the blocks that hold keys the token may see (``[first visible, last visible]``: the sequence's length, the causal
+  bound, a window or chunk), block numbers straight from the table, and keeps an online softmax (running maximum
+  and sum) in float32;
+- the merge weighs the splits' partial sums by their maxima, with the sink logits (if any) in the normaliser.
 
 Every shape follows from the input shapes (the split count from the table's width), so a CUDA graph captures it.
 Semantics are :mod:`pagedattn.backends.reference`'s: scale, soft-cap, ALiBi, causal / window / chunk visibility,
@@ -32,7 +33,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pagedattn.backends import reference
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
@@ -146,70 +146,38 @@ def write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) ->
                                  k.stride(1), v.stride(0), v.stride(1), kv_cache.shape[2], row, BLOCK=_pow2(row))
 
 
-def _token_bounds(metadata: AttentionMetadata, params: AttentionParams, num_tokens: int, device
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Per token: its sequence, position, the keys ``[lo, hi)`` it may see, and whether it is real (padding
-    tokens belong to no sequence and see nothing). Device ops only: no value reaches the host."""
-    qsl, tables = metadata.query_start_loc, metadata.block_tables
-    S = tables.shape[0]
-    t = torch.arange(num_tokens, device=device)
-    seq = (t[:, None] >= qsl[None, 1:]).sum(1)  # [T] the token's sequence; S for padding tokens
-    real = seq < S
-    seq = seq.clamp(max=S - 1)
-    kv_len = metadata.seq_lens.long().index_select(0, seq)  # [T]
-    ends = qsl[1:].long().index_select(0, seq)
-    q_pos = kv_len - (ends - t)  # [T]
-    if params.causal:
-        lo = reference.earliest_visible_key(q_pos, params).clamp(min=0)
-        hi = q_pos + 1
-    else:
-        lo, hi = torch.zeros_like(kv_len), kv_len
-    real = real & (kv_len > 0) & (q_pos >= 0)
-    hi = torch.where(real, torch.minimum(hi, kv_len), lo)  # padding: an empty run
-    return seq.to(torch.int32), q_pos, lo, hi, real
-
-
 def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams) -> Tensor:
     """Every token of ``query`` ``[T, Hq, D]`` over its sequence's cached keys (its own K/V already written):
-    ``[T, Hq, Dv]`` in the query's dtype; padding tokens and tokens that see no key get zeros. Call only where
-    :func:`usable` holds."""
+    ``[T, Hq, Dv]`` in the query's dtype; padding tokens and tokens that see no key get zeros. Two launches: the
+    splits (each token's visible run found from ``query_start_loc`` and ``seq_lens`` in the kernel), then their
+    merge. Call only where :func:`usable` holds."""
     T, hq, d = query.shape
     _, _, bs, hkv, dv = kv_cache.shape
     dev = query.device
-    tables = metadata.block_tables
-    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
-        tables = tables.to(torch.int32).contiguous()
+    tables, qsl, seq_lens = metadata.block_tables, metadata.query_start_loc, metadata.seq_lens
+    S = tables.shape[0]
+    out = torch.empty((T, hq, dv), dtype=query.dtype, device=dev)
+    if T == 0 or S == 0:
+        return out.zero_()
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
     num_splits, per = split_plan(tables.shape[1], T * hkv)
-    seq, q_pos, lo, hi, real = _token_bounds(metadata, params, T, dev)
-    group = hq // hkv
     o_part = torch.empty((T, hq, num_splits, dv), dtype=torch.float32, device=dev)
     m_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
-    slopes = params.alibi_slopes
-    slopes = (slopes.to(dev, torch.float32).contiguous() if slopes is not None
-              else torch.zeros(1, dtype=torch.float32, device=dev))
+    slopes, sinks = params.alibi_slopes, params.sinks
     k, v = kv_cache[0], kv_cache[1]
-    if T:
-        _kernels().paged_split[(T, hkv, num_splits)](
-            query, k, v, tables, seq, q_pos, lo, hi, slopes, o_part, m_part, l_part,
-            query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), tables.stride(0), group, d, dv, per, num_splits, float(params.scale), float(params.softcap),
-            BS=bs, G_PAD=max(16, _pow2(group)), D_PAD=max(16, _pow2(d)), DV_PAD=max(16, _pow2(dv)),
-            HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=params.alibi_slopes is not None)
-    return _merge(o_part, m_part, l_part, params.sinks, real).to(query.dtype)
-
-
-def _merge(o_part: Tensor, m_part: Tensor, l_part: Tensor, sinks: Optional[Tensor], real: Tensor) -> Tensor:
-    """``[T, Hq, Dv]`` from the splits' unnormalised sums ``[T, Hq, splits, Dv]``, maxima and sums ``[T, Hq,
-    splits]`` (a split that saw nothing: maximum -inf, sum 0), the sinks as one more logit per head."""
-    m = m_part.amax(-1)  # [T, Hq]
-    sink = None if sinks is None else sinks.to(m_part.device, torch.float32)[None, :]  # [1, Hq]
-    if sink is not None:
-        m = torch.maximum(m, sink)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a token that sees nothing
-    w = torch.exp(m_part - m[..., None])  # [T, Hq, splits]; 0 for empty splits
-    denom = (l_part * w).sum(-1)
-    if sink is not None:
-        denom = denom + torch.exp(sink - m)
-    out = (o_part * w[..., None]).sum(-2) / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
-    return torch.where(real[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    kernels = _kernels()
+    kernels.paged_split[(T, hkv, num_splits)](
+        query, k, v, tables, qsl, seq_lens, o_part if slopes is None else slopes.to(dev, torch.float32).contiguous(),
+        o_part, m_part, l_part, query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), tables.stride(0), S, hq // hkv, d, dv, per, num_splits,
+        float(params.scale), float(params.softcap), params.window if params.causal else 0,
+        params.chunk if params.causal else 0, BS=bs, G_PAD=max(16, _pow2(hq // hkv)), D_PAD=max(16, _pow2(d)),
+        DV_PAD=max(16, _pow2(dv)), S_PAD=_pow2(S), CAUSAL=bool(params.causal), HAS_SOFTCAP=params.softcap > 0,
+        HAS_ALIBI=slopes is not None)
+    kernels.merge_splits[(T, hq)](
+        o_part, m_part, l_part, m_part if sinks is None else sinks.to(dev, torch.float32).contiguous(), out,
+        out.stride(0), out.stride(1), num_splits, dv, NS_PAD=_pow2(num_splits), DV_PAD=_pow2(dv),
+        HAS_SINKS=sinks is not None)
+    return out
