@@ -3,7 +3,7 @@
 The attention a captured decode step binds (:class:`~pagedattn.backends.static_paged.StaticPagedBackend`) on CUDA,
 where the kernel applies (:func:`usable`). The portable static attention gathers each token's whole block-table
 row and runs a masked dense attention over it: on an H100 that took 1.46 ms of a 64-sequence decode step whose KV
-reads need 0.26 ms, in ~70 launches a layer (``benchmarks/RESULTS.md``, issue 17). Here one launch attends every
+reads need 0.26 ms, in a step of 68 launches a layer (``benchmarks/RESULTS.md``, issue 17). Here one launch attends every
 token, and a second one merges the splits (plus one for the cache write, :func:`write`):
 
 - grid ``(tokens, KV heads, splits)``: a program takes one token, one KV head with all its query heads (K/V are read
