@@ -25,7 +25,10 @@ and pads each step up to the next one; the same here:
 
 Off CUDA (tests), :class:`DecodeGraphs` runs the same buffers eagerly (``capture=False``), which checks
 everything but the capture itself; :func:`no_host_reads` makes a host read inside a step raise, as capture would.
-Prefill and mixed steps, encoder-decoders and models with recurrent state run eagerly.
+An encoder-decoder's decode steps take their cross-attention blocks and encoder lengths from buffers too
+(``DecodeBuffers.cross_metadata``: a power-of-two number of cross columns, padding sequences with no encoder keys);
+its encoder runs eagerly at admission. Prefill and mixed steps, and models with recurrent state or per-request
+mask values, run eagerly.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from pagedattn.backends import AttentionMetadata, validation_enabled
+from pagedattn.backends import AttentionMetadata, CrossMetadata, validation_enabled
 from pagedattn.backends.static_paged import StaticPagedBackend
 from pagedattn.runtime.context import paged_context
 
@@ -90,19 +93,28 @@ class DecodeBuffers:
     starts: Tensor  # [size + 1] query_start_loc: one token per real sequence, none per padding one
     rows: Tensor  # [size] logits rows, constant
     block_size: int
-    staging: Tensor  # [size * (4 + width) + size + 1] pinned host copy of a step's values: one transfer a step
+    staging: Tensor  # a pinned host copy of a step's values (see ``load``): one transfer a step
     copied: Optional["torch.cuda.Event"] = None  # recorded after a step's transfer out of ``staging``
+    # an encoder-decoder's cross-attention blocks and encoder lengths (padding: no blocks, length 0)
+    cross_tables: Optional[Tensor] = None  # [size, width] int32
+    cross_lens: Optional[Tensor] = None  # [size] int32
 
     @classmethod
-    def allocate(cls, size: int, width: int, block_size: int, device: torch.device | str) -> "DecodeBuffers":
+    def allocate(cls, size: int, width: int, block_size: int, device: torch.device | str,
+                 cross: bool = False) -> "DecodeBuffers":
+        """Buffers for steps of up to ``size`` sequences of up to ``width`` blocks (``cross``: and as many cross
+        blocks each)."""
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         pin = torch.device(device).type == "cuda"
-        staging = torch.zeros(size * (5 + width) + 1, dtype=torch.long, pin_memory=pin)
+        staging = torch.zeros(size * (5 + width) + 1 + (size * (1 + width) if cross else 0), dtype=torch.long,
+                              pin_memory=pin)
+        cross_tables, cross_lens = (zeros(size, width, dtype=torch.int32), zeros(size, dtype=torch.int32)) if cross \
+            else (None, None)
         return cls(zeros(size), zeros(size), zeros(size), zeros(size, width, dtype=torch.int32),
                    zeros(size, dtype=torch.int32), torch.arange(size + 1, dtype=torch.int32, device=device),
-                   torch.arange(size, device=device), block_size, staging)
+                   torch.arange(size, device=device), block_size, staging, None, cross_tables, cross_lens)
 
     @property
     def size(self) -> int:
@@ -113,13 +125,17 @@ class DecodeBuffers:
         return self.tables.shape[1]
 
     def load(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-             tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int, width: Optional[int] = None) -> None:
+             tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int, width: Optional[int] = None,
+             cross_tables: Optional[Sequence[Sequence[int]]] = None, cross_lens: Optional[Sequence[int]] = None,
+             cross_width: Optional[int] = None) -> None:
         """Write a decode step of ``len(ids)`` sequences into the first ``n_rows`` rows and ``width`` block-table
-        columns (default: all), the rest padding. A longer block table is a ValueError (the step must run
-        eagerly)."""
+        columns (default: all), the rest padding; an encoder-decoder's step also its cross blocks and encoder
+        lengths (``cross_width`` columns). A longer block table is a ValueError (the step must run eagerly)."""
         n, W = len(ids), self.width if width is None else width
         if not n <= n_rows <= self.size or W > self.width:
             raise ValueError(f"a decode step of {n} sequences does not fit {n_rows} of {self.size} rows")
+        if (cross_tables is None) != (self.cross_tables is None):
+            raise ValueError("an encoder-decoder's decode step loads its cross blocks, a decoder-only step none")
         rows = []
         for tok, pos, slot, table, length in zip(ids, positions, slots, tables, seq_lens):
             if len(table) > W:
@@ -129,6 +145,14 @@ class DecodeBuffers:
         # with no token and length 0
         rows += [[0, 0, -1, 0] + [0] * W] * (n_rows - n)
         flat = [v for row in rows for v in row] + [min(i, n) for i in range(n_rows + 1)]
+        CW = 0
+        if cross_tables is not None:
+            CW = self.width if cross_width is None else cross_width
+            if CW > self.width or any(len(t) > CW for t in cross_tables):
+                raise ValueError(f"a cross block table is wider than the captured {CW}")
+            for table, length in zip(cross_tables, cross_lens):
+                flat += [length, *table, *[0] * (CW - len(table))]
+            flat += [0] * ((n_rows - n) * (1 + CW))  # padding sequences: no encoder keys
         if self.copied is not None and not self.copied.query():  # the previous step's copy out of the staging
             self.copied.synchronize()  # buffer must be done before it is overwritten; it long is, so no wait
         host = self.staging[:len(flat)]
@@ -141,7 +165,12 @@ class DecodeBuffers:
         self.slots[:n_rows].copy_(table[:, 2])
         self.seq_lens[:n_rows].copy_(table[:, 3])
         self.tables[:n_rows, :W].copy_(table[:, 4:])
-        self.starts[:n_rows + 1].copy_(on_dev[n_rows * (4 + W):])
+        at = n_rows * (4 + W)
+        self.starts[:n_rows + 1].copy_(on_dev[at:at + n_rows + 1])
+        if CW:
+            cross = on_dev[at + n_rows + 1:at + n_rows + 1 + n_rows * (1 + CW)].view(n_rows, 1 + CW)
+            self.cross_lens[:n_rows].copy_(cross[:, 0])
+            self.cross_tables[:n_rows, :CW].copy_(cross[:, 1:])
         if dev.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
@@ -152,6 +181,10 @@ class DecodeBuffers:
         return AttentionMetadata(self.slots[:n_rows], self.tables[:n_rows, :width], self.seq_lens[:n_rows],
                                  self.starts[:n_rows + 1], self.block_size)
 
+    def cross_metadata(self, n_rows: int, width: Optional[int] = None) -> CrossMetadata:
+        """An encoder-decoder step's cross metadata over the first ``n_rows`` rows and ``width`` columns."""
+        return CrossMetadata(self.cross_tables[:n_rows, :width], self.cross_lens[:n_rows])
+
 
 class DecodeGraphs:
     """A servable model's decode-only steps run at capture sizes over persistent buffers: captured as CUDA
@@ -159,9 +192,8 @@ class DecodeGraphs:
 
     def __init__(self, servable, kv_caches: Sequence[Tensor], max_num_seqs: int, width: int,
                  capture: Optional[bool] = None):
-        if servable.state is not None or servable.seq2seq is not None or servable.values is not None:
-            raise ValueError("decode graphs serve packed decoder-only steps (no recurrent state, no encoder, no "
-                             "per-request mask values)")
+        if servable.state is not None or servable.values is not None:
+            raise ValueError("decode graphs serve packed steps (no recurrent state, no per-request mask values)")
         self.servable, self.kv_caches = servable, list(kv_caches)
         self.backend = StaticPagedBackend(servable.backend)  # the write and attention a capture can take
         self.sizes = capture_sizes(max_num_seqs)
@@ -170,65 +202,91 @@ class DecodeGraphs:
         if self.capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.widths = width_buckets(width)
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], width, servable.block_size, device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # (size, width) ->
+        # an encoder-decoder's step reads the cross blocks filled at admission; its encoder-states input is a
+        # placeholder (the paged graph reads the caches), one tensor for every step
+        self.seq2seq_inputs = None if servable.seq2seq is None else \
+            servable.seq2seq.step_inputs([0], [0], device)
+        self.buffers = DecodeBuffers.allocate(self.sizes[-1], width, servable.block_size, device,
+                                              cross=servable.seq2seq is not None)
+        # (size, width, cross width) ->
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
 
-    def fits(self, num_seqs: int, widest: int) -> bool:
-        """Whether a decode step of ``num_seqs`` sequences, the longest holding ``widest`` blocks, runs here."""
-        return bucket(num_seqs, self.sizes) is not None and widest <= self.buffers.width
+    def fits(self, num_seqs: int, widest: int, widest_cross: int = 0) -> bool:
+        """Whether a decode step of ``num_seqs`` sequences, the longest holding ``widest`` blocks (and
+        ``widest_cross`` cross-attention blocks), runs here."""
+        return bucket(num_seqs, self.sizes) is not None and max(widest, widest_cross) <= self.buffers.width
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            tables: Sequence[Sequence[int]], seq_lens: Sequence[int]) -> Tensor:
-        """One decode step (a token per sequence): ``[n, V]`` logits of its ``n`` sequences."""
+            tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+            cross_tables: Optional[Sequence[Sequence[int]]] = None,
+            cross_lens: Optional[Sequence[int]] = None) -> Tensor:
+        """One decode step (a token per sequence): ``[n, V]`` logits of its ``n`` sequences. An
+        encoder-decoder's step gives each sequence's cross-attention blocks and encoder length."""
         n = len(ids)
         size = bucket(n, self.sizes)
         if size is None:
             raise ValueError(f"a decode step of {n} sequences is above the largest capture size {self.sizes[-1]}")
-        width = bucket(max(map(len, tables)), self.widths)
-        if width is None:
-            raise ValueError(f"a block table of {max(map(len, tables))} blocks is wider than the captured "
-                             f"{self.widths[-1]}")
-        self.buffers.load(ids, positions, slots, tables, seq_lens, size, width)
+        width = self._width(tables)
+        cross_width = 0 if cross_tables is None else self._width(cross_tables)
+        self.buffers.load(ids, positions, slots, tables, seq_lens, size, width, cross_tables, cross_lens,
+                          cross_width or None)
+        shape = (size, width, cross_width)
         if not self.capture or validation_enabled():  # full validation reads metadata on the host: eager
             self.stats["eager"] += 1
-            return self._step(size, width)[:n]
-        entry = self.graphs.get((size, width))
+            return self._step(shape)[:n]
+        entry = self.graphs.get(shape)
         if entry is None:
-            out = self._step(size, width)  # compiles and warms up at this size; this step's result
-            self._capture(size, width, out)
+            out = self._step(shape)  # compiles and warms up at this size; this step's result
+            self._capture(shape, out)
             return out[:n].clone()
         graph, out = entry
         graph.replay()
         self.stats["replays"] += 1
         return out[:n].clone()  # the next replay overwrites ``out``
 
-    def _step(self, size: int, width: int) -> Tensor:
+    def _width(self, tables: Sequence[Sequence[int]]) -> int:
+        width = bucket(max(map(len, tables)), self.widths)
+        if width is None:
+            raise ValueError(f"a block table of {max(map(len, tables))} blocks is wider than the captured "
+                             f"{self.widths[-1]}")
+        return width
+
+    def _step(self, shape: tuple[int, int, int]) -> Tensor:
         """The model's packed step over the first ``size`` rows and ``width`` block-table columns of the
-        buffers: ``[size, V]`` logits."""
+        buffers (and ``cross_width`` cross-attention columns): ``[size, V]`` logits."""
+        size, width, cross_width = shape
         b, sv = self.buffers, self.servable
         kwargs = {"input_ids": b.ids[:size][None]}
-        if "position_ids" in sv.input_names:
-            kwargs["position_ids"] = b.positions[:size][None]
-        if "use_cache" in sv.input_names:
-            kwargs["use_cache"] = False
-        if "logits_to_keep" in sv.input_names:
-            kwargs["logits_to_keep"] = b.rows[:size]
-        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size, width), self.backend):
+        cross = None
+        if self.seq2seq_inputs is not None:  # the decoder step's inputs, as Seq2SeqServing.step_inputs gives them
+            kwargs = {**self.seq2seq_inputs, **kwargs}
+            if "position_ids" in kwargs:
+                kwargs["position_ids"] = b.positions[:size][None]
+            cross = b.cross_metadata(size, cross_width)
+        else:
+            if "position_ids" in sv.input_names:
+                kwargs["position_ids"] = b.positions[:size][None]
+            if "use_cache" in sv.input_names:
+                kwargs["use_cache"] = False
+            if "logits_to_keep" in sv.input_names:
+                kwargs["logits_to_keep"] = b.rows[:size]
+        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size, width), self.backend, cross=cross):
             out = sv.step(**kwargs)
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
         return logits[0]  # [size, V]: every row completes its sequence
 
-    def _capture(self, size: int, width: int, eager: Tensor) -> None:
+    def _capture(self, shape: tuple[int, int, int], eager: Tensor) -> None:
         """Capture the step at this shape, then replay it once on the same buffers (its cache writes repeat the
         same K/V into the same slots) and compare with ``eager``, the step's own logits: a graph that does not
         reproduce them is never used (:class:`CaptureFailed`)."""
+        size, width, cross_width = shape
         try:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._step(size, width)
+                out = self._step(shape)
             graph.replay()
             ok = reproduces(out, eager)
         except Exception as e:  # noqa: BLE001 -- whatever capture trips on, the engine goes on without graphs
@@ -238,9 +296,10 @@ class DecodeGraphs:
             raise CaptureFailed(f"the decode step captured at {size} sequences gave other logits than the step "
                                 "itself (max difference "
                                 f"{(out.float() - eager.float()).abs().max().item():.3g})")
-        self.graphs[(size, width)] = (graph, out)
+        self.graphs[shape] = (graph, out)
         self.stats["captures"] += 1
-        log.info("captured the decode step at %d sequences of up to %d blocks as a CUDA graph", size, width)
+        log.info("captured the decode step at %d sequences of up to %d blocks%s as a CUDA graph", size, width,
+                 f" (and {cross_width} cross-attention blocks)" if cross_width else "")
 
 
 def reproduces(replayed: Tensor, eager: Tensor, ulps: int = 8) -> bool:

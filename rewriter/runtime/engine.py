@@ -110,8 +110,9 @@ class PagedEngine:
     On CUDA, decode-only steps (a token per sequence) run as CUDA graphs by default (``cuda_graphs=None``;
     :mod:`pagedattn.runtime.cuda_graphs`): padded to the next capture size (1, 2, 4, then multiples of 8 up to
     ``max_num_seqs``, at most 256) and a power-of-two number of block-table columns, their inputs loaded into
-    persistent buffers in one transfer, each shape captured on its first step and replayed after. Prefill and
-    mixed steps, encoder-decoders and models with recurrent state run eagerly; ``cuda_graphs=False`` turns
+    persistent buffers in one transfer (an encoder-decoder's cross blocks and encoder lengths too), each shape
+    captured on its first step and replayed after. Prefill and mixed steps, the encoder, and models with
+    recurrent state or per-request mask values run eagerly; ``cuda_graphs=False`` turns
     the graphs off, ``True`` where they cannot run is an error naming why. ``decode_graphs`` holds them (None:
     every step eager).
     """
@@ -172,7 +173,6 @@ class PagedEngine:
         sv = self.servable
         why = ("the device is not CUDA" if self.device.type != "cuda" else
                "the model has recurrent state (its steps run as rows)" if sv.state is not None else
-               "encoder-decoders run their decoder steps eagerly" if sv.seq2seq is not None else
                "its masks read per-request values (prefix-LM spans)" if sv.values is not None else
                f"the {self.backend.name} backend's cache layout is not split K/V"
                if not isinstance(self.backend, SplitKVBackend) else None)
@@ -475,15 +475,19 @@ class PagedEngine:
         """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks. A decode-only
         step (one token per sequence, each completing it) runs in its CUDA graph where there is one."""
         graphs = self.decode_graphs
+        seq2seq = self._seq2seq is not None
         if graphs is not None and all(c.num_tokens == 1 and c.completes for c in plan) and \
-                graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan)):
+                graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan),
+                            max(len(c.request.cross_table.blocks) for c in plan) if seq2seq else 0):
             bs = self.block_size
             tables = [c.request.table.blocks for c in plan]
             slots = [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)]
+            cross_tables = [c.request.cross_table.blocks for c in plan] if seq2seq else None
+            cross_lens = [c.request.encoder_len for c in plan] if seq2seq else None
             t1 = time.perf_counter()
             try:
                 logits = graphs.run([c.request.tokens[c.start] for c in plan], [c.start for c in plan], slots,
-                                    tables, [c.start + 1 for c in plan])
+                                    tables, [c.start + 1 for c in plan], cross_tables, cross_lens)
             except CaptureFailed as e:  # the step runs below, as every step from now on
                 log.warning("decode steps run without CUDA graphs: %s", e)
                 self.decode_graphs = None

@@ -263,3 +263,44 @@ def test_a_failed_capture_leaves_the_engine_on_its_eager_steps(caplog):
     assert [r.message for r in caplog.records].count(
         "decode steps run without CUDA graphs: capturing the decode step at 8 sequences failed: RuntimeError: "
         "for the test") == 1
+
+
+@pytest.mark.parametrize("arch", ["bart", "t5"])
+def test_encoder_decoder_decode_steps_through_the_graphs_buffers_equal_hf_generate(arch, checks_as_on_cuda):
+    """An encoder-decoder's decode steps over the capture path's buffers (cross-attention blocks and encoder
+    lengths loaded with the step; T5's relative bias through its position program): no host read inside a step,
+    Hugging Face generate's tokens, every block freed."""
+    from pagedattn import PagedEngine
+
+    from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
+
+    model = tiny_seq2seq(arch)
+    engine = PagedEngine(model, block_size=4, num_blocks=400, max_num_seqs=8, max_num_tokens=64, compile=False,
+                         progress=False)
+    assert engine.decode_graphs is None  # the CPU has no CUDA graphs
+    graphs = engine.decode_graphs = DecodeGraphs(engine.servable, engine.kv_caches, 8, engine.num_blocks,
+                                                 capture=False)
+    step = graphs._step
+
+    def guarded(shape):
+        assert shape[2] > 0  # cross-attention columns loaded
+        with no_host_reads():
+            return step(shape)
+
+    graphs._step = guarded
+    assert engine.generate(sources(), max_new_tokens=8) == hf_seq2seq_generate(model, sources(), 8)
+    assert graphs.stats["eager"] >= 6 and engine.blocks.num_free == engine.num_blocks
+
+
+def test_a_decoder_only_step_and_an_encoder_decoder_step_load_what_their_buffers_hold():
+    buffers = DecodeBuffers.allocate(4, 3, 4, "cpu", cross=True)
+    buffers.load([7, 8], [3, 9], [12, 37], [[3], [9, 2, 5]], [4, 10], 4, 3, [[1, 2], [4]], [6, 3], 2)
+    cross = buffers.cross_metadata(4, 2)
+    assert cross.block_tables.tolist() == [[1, 2], [4, 0], [0, 0], [0, 0]] and cross.seq_lens.tolist() == [6, 3, 0, 0]
+    assert buffers.metadata(4, 3).query_start_loc.tolist() == [0, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="cross blocks"):
+        buffers.load([7], [3], [12], [[3]], [4], 1, 1)
+    with pytest.raises(ValueError, match="cross blocks"):
+        DecodeBuffers.allocate(4, 3, 4, "cpu").load([7], [3], [12], [[3]], [4], 1, 1, [[1]], [2], 1)
+    with pytest.raises(ValueError, match="wider"):
+        buffers.load([7], [3], [12], [[3]], [4], 1, 1, [[1, 2, 3]], [9], 2)
