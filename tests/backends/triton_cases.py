@@ -202,3 +202,24 @@ def test_the_write_stores_each_real_token_and_skips_padding(device, dtype, heads
     triton_paged.write(strided.to(device), value.to(device), got, slots.to(device))
     static_paged.write(strided, value, want, slots)
     assert torch.equal(got.cpu(), want)
+
+
+def test_an_encoder_decoders_decode_steps_through_the_kernels_equal_hf_generate(device, monkeypatch):
+    # BART's decode steps over the capture path's buffers (captured on CUDA): self-attention causal, cross-attention
+    # bidirectional over the blocks filled at admission, both through the kernel
+    from pagedattn import PagedEngine
+    from pagedattn.runtime.cuda_graphs import DecodeGraphs
+
+    from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
+
+    kinds = []
+    real = triton_paged.attend
+    monkeypatch.setattr(triton_paged, "attend", lambda q, c, m, p: kinds.append(p.causal) or real(q, c, m, p))
+    model = tiny_seq2seq("bart").to(device)
+    engine = PagedEngine(model, target=device, block_size=16, num_blocks=64, max_num_seqs=8, compile=False,
+                         progress=False, cuda_graphs=False)
+    engine.decode_graphs = DecodeGraphs(engine.servable, engine.kv_caches, 8, engine.num_blocks,
+                                        capture=device == "cuda")
+    srcs = sources()[:3]
+    assert engine.generate(srcs, max_new_tokens=5) == hf_seq2seq_generate(tiny_seq2seq("bart"), srcs, 5)  # on CPU
+    assert kinds.count(True) > 2 and kinds.count(False) > 2  # both kinds used past their first call's check
