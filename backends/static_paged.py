@@ -119,7 +119,10 @@ class StaticPagedBackend(SplitKVBackend):
         if verdict is None:
             if kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return False
-            triton_paged.write(key, value, kv_cache, slot_mapping)  # the step's own write: rewritten below
+            try:
+                triton_paged.write(key, value, kv_cache, slot_mapping)  # the step's own write: rewritten below
+            except Exception as e:  # noqa: BLE001 - as for the attention
+                return self._refuse(kind, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             _, nb, bs, hkv, d = kv_cache.shape
             slots = slot_mapping.long()
             real = slots >= 0
@@ -127,8 +130,7 @@ class StaticPagedBackend(SplitKVBackend):
             verdict = self._kernel_verdicts[kind] = bool(
                 torch.equal(stored[0], key[real].to(kv_cache.dtype)) and torch.equal(stored[1], value[real].to(kv_cache.dtype)))
             if not verdict:
-                log.warning("pagedattn: the Triton cache write stored other values than it was given on %s: this "
-                            "process uses the scatter for such writes", kind)
+                self._refuse(kind, "stored other values than it was given")
         return verdict
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
@@ -147,10 +149,18 @@ class StaticPagedBackend(SplitKVBackend):
         if verdict is None:
             if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return False
-            got = triton_paged.attend(query, kv_cache, metadata, params).float()
+            try:
+                got = triton_paged.attend(query, kv_cache, metadata, params).float()
+            except Exception as e:  # noqa: BLE001 - a kernel that does not compile or launch here: the gather path
+                return self._refuse(kind, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             diff = float((got - attend(query, kv_cache, metadata, params).float()).abs().max()) if got.numel() else 0.0
             verdict = self._kernel_verdicts[kind] = diff <= _AGREE[query.dtype]
             if not verdict:
-                log.warning("pagedattn: the Triton paged attention kernel differs from the gather path by %.3g on %s: "
-                            "this process uses the gather path for such calls", diff, kind)
+                self._refuse(kind, f"differs from the gather path by {diff:.3g}")
         return verdict
+
+    def _refuse(self, kind: tuple, why: str) -> bool:
+        self._kernel_verdicts[kind] = False
+        log.warning("pagedattn: the Triton kernel %s on %s: this process uses the portable path for such calls",
+                    why, kind)
+        return False

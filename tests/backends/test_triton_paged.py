@@ -77,6 +77,16 @@ def test_the_static_backend_takes_the_kernel_where_it_applies_once_it_agrees(mon
         outs, calls = run(1.0)
     assert calls == 1 and all(torch.equal(o, plain) for o in outs)
     assert "differs from the gather path by 1" in caplog.text
+
+    def broken(*a):
+        raise RuntimeError("PassManager::run failed\nMLIR details")
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        monkeypatch.setattr(triton_paged, "attend", broken)
+        backend = static_paged.StaticPagedBackend(get_backend("cpu"))
+        out = backend.attend(b.query, None, None, b.kv_cache, b.meta, p)
+    assert torch.equal(out, plain) and "failed (RuntimeError: PassManager::run failed)" in caplog.text
     program = batch_params(b, 0.125, causal=False, mod=('{"version": 1}', None))
     assert not triton_paged.usable(b.query, b.kv_cache, program)  # a position program keeps the static path
 
@@ -103,3 +113,10 @@ def test_the_static_backend_takes_the_kernel_write_once_it_stored_what_it_was_gi
     with caplog.at_level("WARNING", logger="pagedattn"):
         cache, calls = run(lambda *a: None)
     assert calls == 1 and torch.equal(cache, want) and "stored other values" in caplog.text
+
+    def broken(*a):
+        raise RuntimeError("out of resources")
+
+    with caplog.at_level("WARNING", logger="pagedattn"):
+        cache, calls = run(broken)
+    assert torch.equal(cache, want) and "failed (RuntimeError: out of resources)" in caplog.text
