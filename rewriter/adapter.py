@@ -124,11 +124,12 @@ class ServableModel:
 
     def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
                    rows: Sequence[int], cross=None, values: Optional[torch.Tensor] = None,
-                   token_types: Optional[Sequence[int]] = None) -> torch.Tensor:
+                   token_types: Optional[Sequence[int]] = None, writable: bool = True) -> torch.Tensor:
         """One packed step; ``[len(rows), V]`` logits of the given token rows (``cross``: an encoder-decoder's
         ``CrossMetadata``, one row per sequence of ``meta``). A model whose masks read per-request values
         (``self.values``) takes each sequence's, ``values [S, count]`` (default: no span), and the tokens'
-        types (``token_types``, default: none inside a span)."""
+        types (``token_types``, default: none inside a span). ``writable=False``: the logits may be an inference
+        tensor (the CPU step runs in inference mode), which a caller that only reads them takes without a copy."""
         num_rows = len(rows)
         if self.min_step > 1:
             meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step,
@@ -144,7 +145,7 @@ class ServableModel:
         with _step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
             out = self.step(**kwargs)
         logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
-        return logits.clone() if logits.is_inference() else logits  # callers may update it in place
+        return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
 
     # --- row steps (recurrent state)
 

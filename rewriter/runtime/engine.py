@@ -524,7 +524,7 @@ class PagedEngine:
             cross = pad_cross(cross, meta.num_seqs, 1 << (width - 1).bit_length()).to(self.device)
         t1 = time.perf_counter()
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
-                                          token_types=types or None)
+                                          token_types=types or None, writable=False)  # only read: no copy
         return logits[:num_rows], num_tokens, t1  # [R, V]
 
     def _cross_metadata(self, plan: list[ScheduledChunk]) -> CrossMetadata:

@@ -203,6 +203,8 @@ def test_a_step_runs_in_inference_mode_and_returns_logits_callers_may_update(com
     assert seen and all(seen)
     assert not logits.is_inference()
     logits.add_(1.0)  # an inference tensor would refuse this outside inference mode
+    read_only = sv.run_packed(caches, meta, [3, 1, 4, 1, 5], list(range(5)), [4], writable=False)
+    assert read_only.is_inference() and torch.equal(read_only + 1.0, logits)  # the engine's own use: no copy
     before = graph_count()
     engine.generate(prompts()[:2], max_new_tokens=3)
     assert graph_count() == before  # start-up compiled the step in the mode it runs in: no recompile
