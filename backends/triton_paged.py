@@ -140,6 +140,7 @@ def write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) ->
         return
     key = key if key[0].is_contiguous() else key.contiguous()
     value = value if value[0].is_contiguous() else value.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads element t at offset t
     k, v = kv_cache[0], kv_cache[1]
     row = key.shape[1] * key.shape[2]
     _kernels().write_slots[(T,)](key, value, k, v, slot_mapping, key.stride(0), value.stride(0), k.stride(0),
@@ -154,7 +155,9 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
     T, hq, d = query.shape
     _, _, bs, hkv, dv = kv_cache.shape
     dev = query.device
-    tables, qsl, seq_lens = metadata.block_tables, metadata.query_start_loc, metadata.seq_lens
+    # the kernel reads the lengths and starts at offsets i, a table row at its stride and its blocks at offsets b
+    qsl, seq_lens = metadata.query_start_loc.contiguous(), metadata.seq_lens.contiguous()
+    tables = metadata.block_tables
     S = tables.shape[0]
     out = torch.empty((T, hq, dv), dtype=query.dtype, device=dev)
     if T == 0 or S == 0:

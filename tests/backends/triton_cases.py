@@ -223,3 +223,21 @@ def test_an_encoder_decoders_decode_steps_through_the_kernels_equal_hf_generate(
     srcs = sources()[:3]
     assert engine.generate(srcs, max_new_tokens=5) == hf_seq2seq_generate(tiny_seq2seq("bart"), srcs, 5)  # on CPU
     assert kinds.count(True) > 2 and kinds.count(False) > 2  # both kinds used past their first call's check
+
+
+def test_strided_metadata_is_read_as_its_values(device):
+    # slot mappings, lengths and starts that are views with strides (every other element of a longer tensor)
+    b = make_batch(SHAPES["mixed"], num_heads=4, num_kv_heads=2, pad_tokens=2)
+    q, k, v, cache, meta = _to(b, device)
+
+    def strided(t):
+        wide = torch.stack([t, torch.full_like(t, 7)], -1)  # [n, 2]: the values, then junk
+        return wide[..., 0]
+
+    triton_paged.write(k, v, cache, strided(meta.slot_mapping))
+    tables = torch.stack([meta.block_tables, meta.block_tables + 1], -1)[..., 0]  # a row's blocks at stride 2
+    moved = type(meta)(meta.slot_mapping, tables, strided(meta.seq_lens), strided(meta.query_start_loc),
+                       meta.block_size)
+    out = triton_paged.attend(q, cache, moved, batch_params(b, 0.125)).cpu()
+    ref = reference_step(b, 0.125)
+    torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
