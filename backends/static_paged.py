@@ -112,9 +112,11 @@ class StaticPagedBackend(SplitKVBackend):
         write(key, value, kv_cache, slot_mapping)
 
     def _write_agrees(self, key, value, kv_cache, slot_mapping) -> bool:
-        """Whether the Triton write stored exactly the rows it was given on its first call of this kind (dtypes and
-        cache geometry), checked then, eagerly, as :meth:`_kernel_agrees` checks the attention."""
-        kind = ("write", key.dtype, value.dtype, kv_cache.dtype, *kv_cache.shape[2:])
+        """Whether the Triton write stored exactly the rows it was given on its first call of this kind (dtypes,
+        cache geometry, strides as Triton specialises them), checked then, eagerly, as :meth:`_kernel_agrees` checks
+        the attention."""
+        kind = ("write", key.dtype, value.dtype, kv_cache.dtype, *kv_cache.shape[2:], key.stride(0) % 16 == 0,
+                value.stride(0) % 16 == 0, kv_cache.stride(1) % 16 == 0)  # as Triton specialises the strides
         verdict = self._kernel_verdicts.get(kind)
         if verdict is None:
             if kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -144,7 +146,7 @@ class StaticPagedBackend(SplitKVBackend):
         (:func:`triton_paged.variant`), checked then, eagerly: a kernel that a Triton or driver version compiles
         wrong is not used again, and the log says so. A kind first seen while a CUDA graph is being captured (no
         host read possible) takes :func:`attend`."""
-        kind = triton_paged.variant(query, kv_cache, params)
+        kind = triton_paged.variant(query, kv_cache, metadata, params)
         verdict = self._kernel_verdicts.get(kind)
         if verdict is None:
             if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -94,12 +94,17 @@ def usable(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> bool:
     return not unusable_reasons(query, kv_cache, params)
 
 
-def variant(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> tuple:
+def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams) -> tuple:
     """What decides which kernel a call compiles and which of its branches run: dtypes, head sizes, query heads
-    per KV head, block size, and the site's kinds of score terms and visibility."""
+    per KV head, block size, the site's kinds of score terms and visibility, and how Triton specialises the integer
+    arguments (a value of 1, a multiple of 16: each combination is compiled on its own)."""
+    num_splits, per = split_plan(metadata.block_tables.shape[1], query.shape[0] * kv_cache.shape[3])
+    ints = (metadata.block_tables.shape[0], per, num_splits, params.window, params.chunk, *query.stride()[:2],
+            *kv_cache.stride()[1:4], metadata.block_tables.stride(0))
     return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
             kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
-            params.causal, params.window > 0, params.chunk > 0)
+            params.causal, params.window > 0, params.chunk > 0, _pow2(metadata.block_tables.shape[0]),
+            tuple((v == 1, v % 16 == 0) for v in ints))
 
 
 def split_plan(width: int, rows: int) -> tuple[int, int]:
