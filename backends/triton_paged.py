@@ -103,7 +103,7 @@ def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params
             *kv_cache.stride()[1:4], metadata.block_tables.stride(0))
     return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
             kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
-            params.causal, params.window > 0, params.chunk > 0, _pow2(metadata.block_tables.shape[0]),
+            params.causal, params.window > 0, params.chunk > 0, _pow2(metadata.block_tables.shape[0]), _pow2(num_splits),
             tuple((v == 1, v % 16 == 0) for v in ints))
 
 
