@@ -45,6 +45,38 @@ SHAPES = {
 ALIBI8 = torch.tensor([2 ** (-8 * (h + 1) / 8) for h in range(8)])  # Press et al.'s slopes for 8 heads
 SINKS8 = torch.linspace(-2.0, 4.0, 8)  # large enough to take a real share of every row's probability
 
+# the sites' score terms and visibility every backend is checked under (8 query heads); ALiBi and sinks as flags,
+# made tensors by feature_kwargs
+FEATURES = [
+    {"window": 8},
+    {"window": 1},
+    {"softcap": 5.0},
+    {"softcap": 3.0, "window": 13},
+    {"alibi": True},
+    {"alibi": True, "window": 10},
+    {"causal": False},
+    {"scale": 0.3},
+    {"sinks": True},
+    {"sinks": True, "window": 8},
+    {"sinks": True, "softcap": 5.0},
+    {"sinks": True, "alibi": True},
+    {"sinks": True, "causal": False},
+]
+
+
+def feature_id(feature: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in feature.items())
+
+
+def feature_kwargs(feature: dict) -> dict:
+    """A ``FEATURES`` entry as keyword arguments of ``run_step`` / ``reference_step``."""
+    kw = dict(feature)
+    if kw.pop("alibi", False):
+        kw["alibi"] = ALIBI8
+    if kw.pop("sinks", False):
+        kw["sinks"] = SINKS8
+    return kw
+
 
 @dataclass
 class PagedBatch:

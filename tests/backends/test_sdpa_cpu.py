@@ -8,14 +8,15 @@ from hypothesis import strategies as st
 from pagedattn.backends import AttentionConfig, AttentionParams, get_backend
 
 from ..support import (
-    ALIBI8,
     BUCKET_BIAS_MOD,
     BUCKET_TABLE,
+    FEATURES,
     SHAPES,
-    SINKS8,
     SINKS_WINDOW_MOD,
     TOL,
     check_copy_and_swap,
+    feature_id,
+    feature_kwargs,
     make_batch,
     record_decode_masks,
     reference_step,
@@ -50,33 +51,10 @@ def test_layouts(block_size, heads, head_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "feature",
-    [
-        {"window": 8},
-        {"window": 1},
-        {"softcap": 5.0},
-        {"softcap": 3.0, "window": 13},
-        {"alibi": True},
-        {"alibi": True, "window": 10},
-        {"causal": False},
-        {"scale": 0.3},
-        {"sinks": True},
-        {"sinks": True, "window": 8},
-        {"sinks": True, "softcap": 5.0},
-        {"sinks": True, "alibi": True},
-        {"sinks": True, "causal": False},
-    ],
-    ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()),
-)
+@pytest.mark.parametrize("feature", FEATURES, ids=feature_id)
 def test_features(feature, dtype):
-    feature = dict(feature)
     b = make_batch(SHAPES["mixed"], num_heads=8, num_kv_heads=2, dtype=dtype)
-    if feature.pop("alibi", False):
-        feature["alibi"] = ALIBI8
-    if feature.pop("sinks", False):
-        feature["sinks"] = SINKS8
-    _check(b, dtype, **feature)
+    _check(b, dtype, **feature_kwargs(feature))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
