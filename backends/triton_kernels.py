@@ -59,7 +59,8 @@ def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART
     heads = h * group + g  # [G_PAD] the KV head's query heads
     g_ok = g < group
     seq, q_pos, lo, hi = token_run(QSL, SEQ_LENS, t, num_seqs, window, chunk, S_PAD, CAUSAL)
-    q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+    t64 = t.to(tl.int64)  # offsets in 64 bits: tokens x heads x splits x head size may pass 2**31
+    q = tl.load(Q + t64 * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & (d < head_size)[None, :], other=0.0).to(tl.float32)  # [G_PAD, D_PAD]
     if HAS_ALIBI:
         slope = tl.load(SLOPES + heads, mask=g_ok, other=0.0)  # [G_PAD]
@@ -89,7 +90,7 @@ def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART
                     mask=(dv < head_size_v)[None, :], other=0.0).to(tl.float32)  # [BS, DV_PAD]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
-    row = (t * num_hq + heads) * num_splits + s  # [G_PAD] rows of [T, Hq, splits]
+    row = (t64 * num_hq + heads) * num_splits + s  # [G_PAD] rows of [T, Hq, splits]
     tl.store(M_PART + row, m_i, mask=g_ok)
     tl.store(L_PART + row, l_i, mask=g_ok)
     tl.store(O_PART + row[:, None] * head_size_v + dv[None, :], acc,
@@ -102,7 +103,7 @@ def merge_splits(O_PART, M_PART, L_PART, SINKS, OUT, stride_ot, stride_oh, num_s
     """Token ``t``, query head ``h``: the splits' partial sums weighted by their maxima, over the sum of their
     normalisers (and the head's sink logit, which takes probability and adds no value), in ``OUT``'s dtype. A
     token that saw no key gets zeros. Grid ``(tokens, query heads)``."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # 64-bit offsets, as in paged_split
     h = tl.program_id(1)
     num_hq = tl.num_programs(1)
     i = tl.arange(0, NS_PAD)
@@ -131,7 +132,7 @@ def write_slots(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_cb, stride_ct,
                 row_size, BLOCK: tl.constexpr):
     """Token ``t``'s K and V rows (``row_size`` contiguous elements: every KV head) into cache slot ``SLOTS[t]``;
     a slot below 0 (padding) writes nothing. Grid ``(tokens,)``."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # 64-bit offsets: tokens x row size may pass 2**31
     slot = tl.load(SLOTS + t).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < tl.where(slot >= 0, row_size, 0)  # padding: no element
