@@ -27,8 +27,9 @@ __all__ = ["write", "attend", "padding_repeats_a_write", "StaticPagedBackend"]
 
 log = logging.getLogger("pagedattn")
 
-# how far the Triton kernel's output may be from the gather path's on its first call of a kind (float32 math in
-# the kernel; SDPA rounds probabilities to the operands' dtype): a kernel compiled wrong is off by far more
+# how far the Triton kernel's output may be from the gather path's on its first call of a kind, per unit of the
+# outputs' largest magnitude (float32 math in the kernel; SDPA rounds probabilities to the operands' dtype): a
+# kernel compiled wrong is off by far more
 _AGREE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -106,63 +107,65 @@ class StaticPagedBackend(SplitKVBackend):
 
     def write(self, key, value, kv_cache, slot_mapping):
         # on CUDA, one Triton launch (slots below 0 skipped in the kernel) instead of the padding-safe scatter's ~10
-        if triton_paged.write_usable(key, value, kv_cache) and self._write_agrees(key, value, kv_cache, slot_mapping):
-            triton_paged.write(key, value, kv_cache, slot_mapping)
-            return
+        if triton_paged.write_usable(key, value, kv_cache):
+            kind = triton_paged.write_variant(key, value, kv_cache)
+            verdict = self._kernel_verdicts.get(kind)
+            if verdict:
+                triton_paged.write(key, value, kv_cache, slot_mapping)
+                return
+            if verdict is None and not _capturing(kv_cache.device) and \
+                    self._first_call(kind, lambda: triton_paged.write(key, value, kv_cache, slot_mapping)):
+                # the rows it stored, read back: exactly those given, or the scatter below writes the step
+                _, nb, bs, hkv, d = kv_cache.shape
+                slots = slot_mapping.long()
+                real = slots >= 0
+                stored = kv_cache.view(2, nb * bs, hkv, d)[:, slots[real]]  # [2, n, Hkv, D]
+                if self._judge(kind, torch.equal(stored[0], key[real].to(kv_cache.dtype))
+                               and torch.equal(stored[1], value[real].to(kv_cache.dtype)),
+                               "stored other values than it was given"):
+                    return
         write(key, value, kv_cache, slot_mapping)
-
-    def _write_agrees(self, key, value, kv_cache, slot_mapping) -> bool:
-        """Whether the Triton write stored exactly the rows it was given on its first call of this kind (dtypes,
-        cache geometry, strides as Triton specialises them), checked then, eagerly, as :meth:`_kernel_agrees` checks
-        the attention."""
-        kind = ("write", key.dtype, value.dtype, kv_cache.dtype, *kv_cache.shape[2:], key.stride(0) % 16 == 0,
-                value.stride(0) % 16 == 0, kv_cache.stride(1) % 16 == 0)  # as Triton specialises the strides
-        verdict = self._kernel_verdicts.get(kind)
-        if verdict is None:
-            if kv_cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return False
-            try:
-                triton_paged.write(key, value, kv_cache, slot_mapping)  # the step's own write: rewritten below
-            except Exception as e:  # noqa: BLE001 - as for the attention
-                return self._refuse(kind, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            _, nb, bs, hkv, d = kv_cache.shape
-            slots = slot_mapping.long()
-            real = slots >= 0
-            stored = kv_cache.view(2, nb * bs, hkv, d)[:, slots[real]]  # [2, n, Hkv, D]
-            verdict = self._kernel_verdicts[kind] = bool(
-                torch.equal(stored[0], key[real].to(kv_cache.dtype)) and torch.equal(stored[1], value[real].to(kv_cache.dtype)))
-            if not verdict:
-                self._refuse(kind, "stored other values than it was given")
-        return verdict
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         # on CUDA, the Triton kernel reads the blocks in place where it applies (no gather of whole table rows)
-        if triton_paged.usable(query, kv_cache, params) and self._kernel_agrees(query, kv_cache, metadata, params):
-            return triton_paged.attend(query, kv_cache, metadata, params)
+        if triton_paged.usable(query, kv_cache, params):
+            kind = triton_paged.variant(query, kv_cache, metadata, params)
+            verdict = self._kernel_verdicts.get(kind)
+            if verdict:
+                return triton_paged.attend(query, kv_cache, metadata, params)
+            if verdict is None and not _capturing(query.device):
+                got = []
+                portable = attend(query, kv_cache, metadata, params)
+                if self._first_call(kind, lambda: got.append(triton_paged.attend(query, kv_cache, metadata, params))):
+                    diff, size = ((float((got[0].float() - portable.float()).abs().max()),
+                                   float(portable.float().abs().max())) if portable.numel() else (0.0, 0.0))
+                    # relative to the outputs' size: bf16's rounding grows with the values
+                    if self._judge(kind, diff <= _AGREE[query.dtype] * max(1.0, size),
+                                   f"differs from the gather path by {diff:.3g}"):
+                        return got[0]
+                return portable
         return attend(query, kv_cache, metadata, params)
 
-    def _kernel_agrees(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams) -> bool:
-        """Whether the Triton kernel gave :func:`attend`'s result on the first call of this kind
-        (:func:`triton_paged.variant`), checked then, eagerly: a kernel that a Triton or driver version compiles
-        wrong is not used again, and the log says so. A kind first seen while a CUDA graph is being captured (no
-        host read possible) takes :func:`attend`."""
-        kind = triton_paged.variant(query, kv_cache, metadata, params)
-        verdict = self._kernel_verdicts.get(kind)
-        if verdict is None:
-            if query.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return False
-            try:
-                got = triton_paged.attend(query, kv_cache, metadata, params).float()
-            except Exception as e:  # noqa: BLE001 - a kernel that does not compile or launch here: the gather path
-                return self._refuse(kind, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            diff = float((got - attend(query, kv_cache, metadata, params).float()).abs().max()) if got.numel() else 0.0
-            verdict = self._kernel_verdicts[kind] = diff <= _AGREE[query.dtype]
-            if not verdict:
-                self._refuse(kind, f"differs from the gather path by {diff:.3g}")
-        return verdict
+    def _first_call(self, kind: tuple, run) -> bool:
+        """Run a Triton kernel on the first call of its kind (``triton_paged.variant`` / ``write_variant``),
+        eagerly, for the caller to judge its result (:meth:`_judge`); False when it does not compile or launch
+        here. A kind first seen while a CUDA graph is being captured (no host read possible) is not tried: the
+        portable path serves it."""
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - whatever the kernel trips on, the portable path serves
+            return self._judge(kind, False, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return True
 
-    def _refuse(self, kind: tuple, why: str) -> bool:
-        self._kernel_verdicts[kind] = False
-        log.warning("pagedattn: the Triton kernel %s on %s: this process uses the portable path for such calls",
-                    why, kind)
-        return False
+    def _judge(self, kind: tuple, ok: bool, why: str) -> bool:
+        """Keep a kind's verdict: a kernel that a Triton or driver version compiles wrong is not used again, and the
+        log says so."""
+        self._kernel_verdicts[kind] = ok
+        if not ok:
+            log.warning("pagedattn: the Triton kernel %s on %s: this process uses the portable path for such calls",
+                        why, kind)
+        return ok
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -36,8 +36,8 @@ from torch import Tensor
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
-__all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "split_plan", "write", "write_usable", "MAX_HEAD_SIZE", "MAX_SPLITS",
-           "TARGET_PROGRAMS"]
+__all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "write_variant", "split_plan", "write",
+           "write_usable", "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16  # a row of W blocks is cut into at most this many splits
@@ -104,7 +104,21 @@ def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params
     return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
             kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
             params.causal, params.window > 0, params.chunk > 0, _pow2(metadata.block_tables.shape[0]), _pow2(num_splits),
-            tuple((v == 1, v % 16 == 0) for v in ints))
+            _specialised(ints))
+
+
+def write_variant(key: Tensor, value: Tensor, kv_cache: Tensor) -> tuple:
+    """As :func:`variant`, for :func:`write`: dtypes, the cache's slot geometry, and the strides as Triton
+    specialises them (those of the rows :func:`write` passes: contiguous copies where a token's are not)."""
+    row = key.shape[1] * key.shape[2]
+    ints = (key.stride(0) if key[0].is_contiguous() else row, value.stride(0) if value[0].is_contiguous() else row,
+            *kv_cache.stride()[1:3], kv_cache.shape[2], row)
+    return ("write", key.dtype, value.dtype, kv_cache.dtype, *kv_cache.shape[2:], _pow2(row), _specialised(ints))
+
+
+def _specialised(ints: tuple) -> tuple:
+    """How Triton specialises integer arguments: each compiled on its own when 1, or a multiple of 16."""
+    return tuple((v == 1, v % 16 == 0) for v in ints)
 
 
 def split_plan(width: int, rows: int) -> tuple[int, int]:
