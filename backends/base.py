@@ -39,6 +39,7 @@ __all__ = [
     "register_backend",
     "use_backend",
     "active_backend",
+    "argmax_rows",
 ]
 
 
@@ -90,6 +91,21 @@ class AttentionBackend:
         """``[T, Hq, Dv]``: each new token's attention over its sequence's cached keys (see ``ops``)."""
         raise NotImplementedError
 
+    def prepare_attend(self, query: torch.Tensor, key: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                       metadata: AttentionMetadata, params: AttentionParams
+                       ) -> Optional[Callable[..., torch.Tensor]]:
+        """A call ``run(query, key, value, kv_cache)`` doing what ``attend`` does for every later call with these
+        metadata tensors unchanged and operands of these shapes, strides, dtypes and devices (the other layers of
+        the step), with what ``attend`` derives from them done once here; None (the default): ``attend`` each
+        time. The op keeps it and checks that a call matches (``ops``)."""
+        return None
+
+    def prepare_write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> Optional[Callable[..., None]]:
+        """As :meth:`prepare_attend`, for ``write``: ``run(key, value, kv_cache)`` for later calls with this
+        ``slot_mapping`` unchanged and operands like these; None (the default): ``write`` each time."""
+        return None
+
     def copy_blocks(self, kv_cache: torch.Tensor, src_to_dst: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -134,6 +150,22 @@ class AttentionBackend:
 
     def sync(self) -> None:
         """End of a serving step; lazy-tensor devices run the step's graph here."""
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of ``logits [R, V]`` (greedy sampling), as ``torch.argmax`` gives it: the first
+        maximum, a row's first NaN where it holds one. Backends with a faster kernel for it override this."""
+        return argmax_rows(logits)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of ``logits [R, V]`` through ``torch.argmax``. Reduced-precision logits are widened first:
+    float32 holds them exactly, so the result is the same, and the CPU's bf16/fp16 argmax is ~5x slower than the
+    conversion plus a float32 one (0.9 against 0.18 ms over [32, 16000] bf16 logits on a 2-core EPYC)."""
+    if not logits.numel():
+        return []
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1).tolist()
 
 
 def common_reasons(config: AttentionConfig, dtypes: Sequence[torch.dtype]) -> list[str]:

@@ -39,8 +39,9 @@ from torch import Tensor
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "usable", "part_keys", "DecodeCall",
-           "prefill", "prefill_usable", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE"]
+__all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
+           "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
+           "PREFILL_MAX_HEAD_SIZE"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -216,6 +217,9 @@ def load() -> Optional[ctypes.CDLL]:
     lib.pagedattn_write_kv.restype = ctypes.c_int
     lib.pagedattn_prefill.argtypes = [ctypes.POINTER(_PrefillArgs)]
     lib.pagedattn_prefill.restype = ctypes.c_int
+    lib.pagedattn_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_int64, ctypes.c_void_p]
+    lib.pagedattn_argmax_rows.restype = ctypes.c_int
     return lib
 
 
@@ -238,6 +242,11 @@ class DecodeCall:
         self.parts_start = torch.cat([parts.new_zeros(1), parts.cumsum(0)])  # [n + 1]
         self.num_parts = int(self.parts_start[-1])
         self._scratch: Optional[Tensor] = None
+        # the arguments every layer of the step shares, set once; a call sets those of its own tensors
+        self._args = _Args(items=items.data_ptr(), num_items=items.shape[0], part_keys=part_keys,
+                           num_threads=num_threads)
+        self._args_ref = ctypes.byref(self._args)
+        self._parts_ptr = self.parts_start.data_ptr()
 
     def __call__(self, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables: Tensor, scale: float,
                  softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> None:
@@ -247,22 +256,28 @@ class DecodeCall:
         if block_tables.dtype != torch.int32 or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1):
             raise ValueError("paged_attention: the native kernel reads int32 block tables with contiguous rows, "
                              f"got {block_tables.dtype} with strides {block_tables.stride()}")
-        _, _, bs, hkv, d = kv_cache.shape
+        _, nb, bs, hkv, d = kv_cache.shape
         hq = query.shape[1]
         need = self.num_parts * hq * (d + 2)
         if self._scratch is None or self._scratch.numel() < need:  # the step's layers share it
             self._scratch = torch.empty(need, dtype=torch.float32)
         slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
         sink = None if sinks is None else sinks.float().contiguous()
-        k, v = kv_cache[0], kv_cache[1]
-        a = _Args(query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-                  k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                  block_tables.data_ptr(), block_tables.stride(0), self.items.data_ptr(), self.items.shape[0],
-                  hq, hkv, d, bs, scale, softcap,
-                  None if slopes is None else slopes.data_ptr(), None if sink is None else sink.data_ptr(),
-                  DTYPE_CODES[kv_cache.dtype], self.part_keys, self._scratch.data_ptr(), self.num_threads,
-                  kv_cache.shape[1], min(query.shape[0], out.shape[0]), block_tables.shape[0])
-        bad = self.lib.pagedattn_paged_decode(ctypes.byref(a), self.parts_start.data_ptr())
+        cs = kv_cache.stride()
+        k = kv_cache.data_ptr()  # K is kv_cache[0], V kv_cache[1]: addresses, not two select ops
+        a = self._args
+        a.query, a.q_row, a.q_head = query.data_ptr(), query.stride(0), query.stride(1)
+        a.out, a.o_row, a.o_head = out.data_ptr(), out.stride(0), out.stride(1)
+        a.k_cache, a.v_cache = k, k + cs[0] * kv_cache.element_size()
+        a.c_block, a.c_token, a.c_head = cs[1], cs[2], cs[3]
+        a.block_tables, a.table_width, a.num_seqs = block_tables.data_ptr(), block_tables.stride(0), \
+            block_tables.shape[0]
+        a.num_heads, a.num_kv_heads, a.head_size, a.block_size = hq, hkv, d, bs
+        a.scale, a.softcap, a.dtype = scale, softcap, DTYPE_CODES[kv_cache.dtype]
+        a.alibi_slopes = None if slopes is None else slopes.data_ptr()
+        a.sinks = None if sink is None else sink.data_ptr()
+        a.scratch, a.num_blocks, a.num_rows = self._scratch.data_ptr(), nb, min(query.shape[0], out.shape[0])
+        bad = self.lib.pagedattn_paged_decode(self._args_ref, self._parts_ptr)
         if bad:
             raise ValueError(f"paged_attention: {_ERRORS.get(bad, f'error {bad}')} (check the step's metadata)")
 
@@ -283,22 +298,30 @@ def part_keys(total_keys: int, num_threads: int, block_size: int) -> int:
     return max(64, -(-want // block_size) * block_size)
 
 
-def write(lib: ctypes.CDLL, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> bool:
-    """Write ``key``/``value [T, Hkv, D]`` into ``kv_cache [2, nb, bs, Hkv, D]`` at ``slot_mapping`` (-1 skipped) in
-    one call with no per-call tensor ops; False (nothing written) where the tensors do not suit it as they are: then
-    the caller writes another way. Slots outside the cache are a ``ValueError``, with nothing written."""
-    if not (key.dtype == value.dtype == kv_cache.dtype and kv_cache.dtype in DTYPE_CODES
-            and key.device.type == "cpu" and kv_cache.dim() == 5 and kv_cache.stride(-1) == 1
+def write_usable(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> bool:
+    """Whether :func:`write` takes these tensors as they are."""
+    return (key.dtype == value.dtype == kv_cache.dtype and kv_cache.dtype in DTYPE_CODES
+            and key.device.type == value.device.type == kv_cache.device.type == slot_mapping.device.type == "cpu"
+            and kv_cache.dim() == 5 and kv_cache.stride(-1) == 1
             and key.stride(-1) == 1 and value.stride(-1) == 1 and slot_mapping.dim() == 1
             and slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.stride(0) == 1
             and key.shape[0] == value.shape[0] == slot_mapping.shape[0]
-            and key.shape[1:] == value.shape[1:] == kv_cache.shape[3:]):
+            and key.shape[1:] == value.shape[1:] == kv_cache.shape[3:])
+
+
+def write(lib: ctypes.CDLL, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+          checked: bool = False) -> bool:
+    """Write ``key``/``value [T, Hkv, D]`` into ``kv_cache [2, nb, bs, Hkv, D]`` at ``slot_mapping`` (-1 skipped) in
+    one call with no per-call tensor ops; False (nothing written) where the tensors do not suit it as they are
+    (:func:`write_usable`): then the caller writes another way. ``checked``: the caller knows they suit it (tensors
+    alike those it checked). Slots outside the cache are a ``ValueError``, with nothing written."""
+    if not checked and not write_usable(key, value, kv_cache, slot_mapping):
         return False
-    k, v = kv_cache[0], kv_cache[1]
-    a = _WriteArgs(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                   k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                   slot_mapping.data_ptr(), slot_mapping.dtype == torch.int64, key.shape[0], kv_cache.shape[1],
-                   kv_cache.shape[3], kv_cache.shape[4], kv_cache.shape[2], kv_cache.element_size())
+    cs, ks, vs, shape = kv_cache.stride(), key.stride(), value.stride(), kv_cache.shape
+    k, esz = kv_cache.data_ptr(), kv_cache.element_size()  # K is kv_cache[0], V kv_cache[1]
+    a = _WriteArgs(key.data_ptr(), value.data_ptr(), ks[0], ks[1], vs[0], vs[1], k, k + cs[0] * esz, cs[1], cs[2],
+                   cs[3], slot_mapping.data_ptr(), slot_mapping.dtype == torch.int64, key.shape[0], shape[1],
+                   shape[3], shape[4], shape[2], esz)
     if lib.pagedattn_write_kv(ctypes.byref(a)):
         raise ValueError(f"write_kv_cache: a slot is outside the cache's {kv_cache.shape[1] * kv_cache.shape[2]} "
                          "slots (other than -1, padding); fix slot_mapping")
@@ -346,3 +369,17 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
     if bad:
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")
 
+
+
+def argmax_rows(lib: ctypes.CDLL, logits: Tensor) -> Optional[list[int]]:
+    """Each row's argmax of ``logits [R, V]``, as ``torch.argmax`` gives it (the first maximum; a row's first NaN
+    where it holds one), read in the logits' own dtype; None where the tensor does not suit the kernel as it is (not
+    a CPU matrix of a dtype it reads with contiguous rows): then the caller takes torch's."""
+    if not (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in DTYPE_CODES
+            and logits.shape[1] > 0 and (logits.stride(1) == 1 or logits.shape[1] == 1)):
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if lib.pagedattn_argmax_rows(logits.data_ptr(), DTYPE_CODES[logits.dtype], logits.shape[0], logits.shape[1],
+                                 logits.stride(0), out.data_ptr()):
+        return None
+    return out.tolist()

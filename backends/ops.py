@@ -16,6 +16,7 @@ Conventions shared by every backend:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_
 from pagedattn.backends.params import AttentionParams, params_schema
 
 __all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET",
-           "dropin_values"]
+           "dropin_values", "forget_prepared_calls"]
 
 _PARAMS = params_schema()
 # positional index of the first AttentionParams field in each op's arguments
@@ -45,11 +46,58 @@ _LIB.define("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor kv
             f"Tensor seq_lens, Tensor query_start_loc, {_PARAMS}) -> Tensor")
 
 
+# A serving step calls each paged op once per layer with the same metadata tensors, shapes and parameters, and what
+# a call derives from them (its parameters, its checks, the backend's plan) is the same at every layer: ~20 us of
+# Python a call against a decode kernel of ~50 us. A backend may hand back a prepared call for them
+# (``prepare_attend``, ``prepare_write``); it is kept per thread, keyed by the metadata tensors themselves (the
+# same objects, unchanged: their versions) and by everything the checks read (backend, shapes, strides, dtypes,
+# devices, parameters), and a later call that matches runs it directly. Parameters holding tensors are never
+# prepared (they would be compared by value). Full validation (``validation_enabled``) always takes the slow path.
+_PREPARED = threading.local()
+_PREPARED_ENTRIES = 4  # an encoder-decoder step alternates its self- and cross-attention metadata
+
+
+def _prepared(kind: str, tensors: tuple, signature: tuple):
+    for entry in getattr(_PREPARED, kind, ()):
+        if all(a is b for a, b in zip(entry[0], tensors)) and entry[1] == signature:
+            return entry[2]
+    return None
+
+
+def _keep_prepared(kind: str, tensors: tuple, signature: tuple, run) -> None:
+    memo = _PREPARED.__dict__.setdefault(kind, [])
+    memo.insert(0, (tensors, signature, run))
+    del memo[_PREPARED_ENTRIES:]
+
+
+def forget_prepared_calls() -> None:
+    """Drop this thread's prepared calls: later calls ask their backend again (for instrumentation that wraps a
+    backend's methods mid-run; serving never needs it)."""
+    _PREPARED.__dict__.clear()
+
+
+def _write_signature(backend, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> tuple:
+    return (backend, slot_mapping._version, slot_mapping.shape, slot_mapping.dtype, slot_mapping.device,
+            slot_mapping.stride(), key.shape, key.dtype, key.device, key.stride(), value.shape, value.dtype,
+            value.device, value.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.stride())
+
+
 def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
     backend = active_backend(kv_cache.device)
-    backend.check_write(key, value, kv_cache, slot_mapping, full=validation_enabled())
-    backend.write(key, value, kv_cache, slot_mapping)
+    full = validation_enabled()
+    signature = None if full else _write_signature(backend, key, value, kv_cache, slot_mapping)
+    run = None if full else _prepared("write", (slot_mapping,), signature)
+    if run is not None:
+        run(key, value, kv_cache)
+        return
+    backend.check_write(key, value, kv_cache, slot_mapping, full=full)
+    run = None if full else backend.prepare_write(key, value, kv_cache, slot_mapping)
+    if run is None:
+        backend.write(key, value, kv_cache, slot_mapping)
+        return
+    _keep_prepared("write", (slot_mapping,), signature, run)
+    run(key, value, kv_cache)
 
 
 def write_kv_cache_functional(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> Tensor:
@@ -70,11 +118,27 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     the fields of ``AttentionParams``. Returns ``[T, Hq, head_size_v]``; rows past
     ``query_start_loc[-1]`` (padding) are zero.
     """
-    p = AttentionParams.from_args(params)
     backend = active_backend(kv_cache.device)
+    full = validation_enabled()
+    tensors = (block_tables, seq_lens, query_start_loc)
+    signature = None if full else (
+        backend, block_tables._version, seq_lens._version, query_start_loc._version, block_tables.shape,
+        block_tables.dtype, block_tables.device, block_tables.stride(), seq_lens.shape, seq_lens.dtype,
+        seq_lens.device, query_start_loc.shape, query_start_loc.dtype, query_start_loc.device, query.shape,
+        query.dtype, query.device, query.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.stride(),
+        key is None, params)
+    run = None if full else _prepared("attend", tensors, signature)
+    if run is not None:
+        return run(query, key, value, kv_cache)
+    p = AttentionParams.from_args(params)
     meta = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, backend.cache_geometry(kv_cache)[1])
-    backend.check_attend(query, kv_cache, meta, p, full=validation_enabled())
-    return backend.attend(query, key, value, kv_cache, meta, p)
+    backend.check_attend(query, kv_cache, meta, p, full=full)
+    run = None if full or any(isinstance(a, Tensor) for a in params) else \
+        backend.prepare_attend(query, key, kv_cache, meta, p)
+    if run is None:
+        return backend.attend(query, key, value, kv_cache, meta, p)
+    _keep_prepared("attend", tensors, signature, run)
+    return run(query, key, value, kv_cache)
 
 
 class _InferenceOnly(torch.autograd.Function):

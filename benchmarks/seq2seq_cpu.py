@@ -21,6 +21,7 @@ compared.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import time
@@ -29,6 +30,7 @@ import torch
 from transformers import BartConfig, BartForConditionalGeneration
 
 import pagedattn
+from pagedattn.backends import ops
 
 log = logging.getLogger("seq2seq_cpu")
 
@@ -84,7 +86,7 @@ def decode_step_ms(engine, length: int, batch: int, steps: int, displace: int = 
         engine.step()
     engine.step()
     backend, spent = engine.backend, [0.0, 0.0]  # cross, self
-    attend = backend.attend
+    attend, prepare = backend.attend, backend.prepare_attend
 
     def timed(query, key, *rest):
         t0 = time.perf_counter()
@@ -92,7 +94,18 @@ def decode_step_ms(engine, length: int, batch: int, steps: int, displace: int = 
         spent[key is not None] += time.perf_counter() - t0  # self-attention passes the step's own K/V
         return out
 
-    backend.attend = timed
+    def prepared(query, key, *rest):  # the calls a step's later layers make (pagedattn.backends.ops)
+        run = prepare(query, key, *rest)
+        return None if run is None else functools.partial(timed_run, run)
+
+    def timed_run(run, query, key, *rest):
+        t0 = time.perf_counter()
+        out = run(query, key, *rest)
+        spent[key is not None] += time.perf_counter() - t0
+        return out
+
+    backend.attend, backend.prepare_attend = timed, prepared
+    ops.forget_prepared_calls()  # those made before the timers
     other = torch.ones(displace // 4) if displace else None
     try:
         dt = 0.0
@@ -103,7 +116,8 @@ def decode_step_ms(engine, length: int, batch: int, steps: int, displace: int = 
             engine.step()
             dt += (time.perf_counter() - t0) / steps
     finally:
-        del backend.attend
+        del backend.attend, backend.prepare_attend
+        ops.forget_prepared_calls()
     while engine.has_unfinished():
         engine.step()
     engine.collect()

@@ -604,6 +604,63 @@ int pagedattn_write_kv(const write_args *a) {
     return 0;
 }
 
+/* ---- each row's argmax, as torch.argmax: the first maximum, or a row's first NaN where it holds one (greedy
+ * sampling's last step; ATen's CPU argmax tracks an index per element and is ~8x slower than its max). Every lane keeps
+ * its largest value and the first column holding it, so the row's first maximum is the smallest column among the
+ * lanes holding the row's maximum. x [rows] rows of `cols` elements of dtype DT, `row_stride` elements apart. */
+#define ARGMAX_WAYS 4  /* independent running maxima: a compare-and-select chain per 16 lanes is latency-bound */
+static inline __attribute__((always_inline)) int64_t argmax_row(const char *x, int64_t cols, const int DT) {
+    const int64_t esz = DT == 0 ? 4 : 2, step = ARGMAX_WAYS * VL;
+    const int64_t body = cols - cols % step;
+    vi lane, nan = {};
+    for (int t = 0; t < VL; t++) lane[t] = t;
+    vf best[ARGMAX_WAYS];
+    vi at[ARGMAX_WAYS], col[ARGMAX_WAYS];
+    for (int w = 0; w < ARGMAX_WAYS; w++) best[w] = (vf){} - INFINITY, at[w] = col[w] = lane + w * VL;
+    for (int64_t c = 0; c < body; c += step)
+        for (int w = 0; w < ARGMAX_WAYS; w++) {
+            const vf v = vload_as_float(x + (c + w * VL) * esz, DT);
+            const vi more = v > best[w];
+            best[w] = vselect(more, v, best[w]);
+            at[w] = (more & col[w]) | (~more & at[w]);
+            nan |= v != v;
+            col[w] += (int32_t)step;  /* columns fit 32 bits: argmax_rows checks */
+        }
+    int any_nan = 0;
+    for (int t = 0; t < VL; t++) any_nan |= nan[t];
+    float top = -INFINITY;
+    int64_t arg = -1;
+    for (int w = 0; w < ARGMAX_WAYS && body; w++)
+        for (int t = 0; t < VL; t++)
+            if (arg < 0 || best[w][t] > top || (best[w][t] == top && at[w][t] < arg)) top = best[w][t], arg = at[w][t];
+    for (int64_t c = body; c < cols; c++) {  /* the tail, after every column of the body: ties keep the body's */
+        const float v = DT == 0 ? ((const float *)x)[c] : DT == 1 ? bf16_to_f32(((const bf16_t *)x)[c])
+                                                                  : (float)((const _Float16 *)x)[c];
+        any_nan |= v != v;
+        if (arg < 0 || v > top) top = v, arg = c;
+    }
+    if (any_nan)
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = DT == 0 ? ((const float *)x)[c] : DT == 1 ? bf16_to_f32(((const bf16_t *)x)[c])
+                                                                      : (float)((const _Float16 *)x)[c];
+            if (v != v) return c;
+        }
+    return arg;
+}
+
+/* 0, or 1 for a bad call (a dtype it does not read, no columns or 2^31 - 1 and more) with nothing written */
+int pagedattn_argmax_rows(const void *x, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                          int64_t *out) {
+    if (dtype < 0 || dtype > 2 || cols <= 0 || cols >= INT32_MAX || rows < 0) return 1;
+    const int64_t esz = dtype == 0 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * row_stride * esz;
+        out[r] = dtype == 0 ? argmax_row(row, cols, 0) : dtype == 1 ? argmax_row(row, cols, 1)
+                                                                     : argmax_row(row, cols, 2);
+    }
+    return 0;
+}
+
 /* ---- prefill: the queries of a run of a sequence over that sequence's own keys (K/V rows of a tensor, not the
  * paged cache): causal, optionally within a window, or not causal; float32 sums over any of the three dtypes.
  *

@@ -161,3 +161,14 @@ def test_allocate_caches_from_specs():
                                                           ((2, 3, 4, 1, 4), torch.bfloat16)]
     (c,) = get_backend("cpu").allocate_kv_caches(specs[1:], 3, 4, dtype=torch.float16)
     assert c.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_are_torchs_with_ties_to_the_first(dtype):
+    from pagedattn.backends.base import AttentionBackend, argmax_rows
+
+    logits = torch.randn(5, 300).to(dtype)
+    logits[2, 7] = logits[2, 200] = logits[2].max() + 1  # a tie: the first index wins, as argmax's
+    assert argmax_rows(logits) == logits.argmax(-1).tolist() and argmax_rows(logits)[2] == 7
+    assert argmax_rows(logits[:0]) == []
+    assert AttentionBackend().argmax_rows(logits) == argmax_rows(logits)

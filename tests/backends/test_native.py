@@ -325,3 +325,46 @@ def test_long_prefills_match_the_reference(dtype, window):
     for q0, q, c, k0, n, _ in items:
         ref = _dense_prefill(query[q0:q0 + q], key[k0:k0 + n], value[k0:k0 + n], c, 0, d ** -0.5, True, window)
         torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+_SPECIALS = st.sampled_from([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 3.5, 1e-30])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(0, 5),
+    cols=st.integers(1, 70),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), _SPECIALS), max_size=12),
+    pad=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed):
+    # ties (few distinct values), NaNs, infinities and signed zeros anywhere, every width around the 16-lane body,
+    # rows further apart than their width: the first maximum, or the first NaN, as torch.argmax
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randint(-3, 4, (rows, cols + pad), generator=g).to(dtype)
+    flat = wide.view(-1)
+    for at, value in specials if flat.numel() else ():
+        flat[at % flat.numel()] = value
+    logits = wide[:, :cols]
+    assert native.argmax_rows(native.load(), logits) == logits.float().argmax(-1).tolist()
+
+
+def test_argmax_rows_on_a_long_row_finds_a_maximum_in_every_lane_and_the_tail():
+    lib = native.load()
+    for col in (0, 5, 15, 16, 31, 4095, 4096, 4100):
+        logits = torch.zeros(2, 4101)
+        logits[1, col] = logits[1, -1] = 1.0  # the tail's equal maximum comes later: the earlier one wins
+        logits[0, col] = float("-inf")
+        assert native.argmax_rows(lib, logits) == [0 if col else 1, col]
+    assert native.argmax_rows(lib, torch.full((1, 40), float("-inf"))) == [0]
+
+
+def test_argmax_rows_leaves_tensors_it_does_not_read_to_torch():
+    lib = native.load()
+    assert native.argmax_rows(lib, torch.zeros(3, 4).t()) is None  # columns not contiguous
+    assert native.argmax_rows(lib, torch.zeros(3, 4, dtype=torch.float64)) is None
+    assert native.argmax_rows(lib, torch.zeros(3)) is None
+    assert native.argmax_rows(lib, torch.zeros(3, 0)) is None
+    assert sdpa_cpu.SdpaCpuBackend().argmax_rows(torch.tensor([[1.0, 3.0], [2.0, 0.0]], dtype=torch.float64)) == [1, 0]

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from pagedattn.backends import AttentionParams
+from pagedattn.backends import AttentionParams, set_validation
 from pagedattn.backends.reference import dense_attention
 
-from ..support import batch_params, make_batch
+from ..support import TOL, batch_params, make_batch, reference_step, run_step
 
 
 def _attn_args(b, window=0, softcap=0.0, alibi=None, sinks=None):
@@ -90,3 +90,80 @@ def test_opcheck_dropin_attention(params):
     out = torch.ops.pagedattn.attention.default(*args)
     assert out.shape == (2, 4, 5, 12)
     torch.testing.assert_close(out, dense_attention(q, k, v, params, key_present=padding != 0))
+
+
+# --- prepared calls: a step's later layers reuse what its first derived, never a stale or unchecked one. Only with
+# validation off (the default a user runs with; full validation never prepares)
+
+
+@pytest.fixture
+def hot_path():
+    set_validation(False)
+    yield
+    set_validation(None)
+
+
+def _decode_batch(**kw):
+    return make_batch([(9, 1), (20, 1), (0, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=16, block_size=4,
+                      **kw)
+
+
+def _close(out, b, **params):
+    expected = reference_step(b, 0.125, **params)
+    tol = TOL[b.query.dtype]
+    assert torch.allclose(out[:expected.shape[0]].double(), expected, atol=tol, rtol=tol)
+    assert torch.all(out[expected.shape[0]:] == 0)  # padding rows
+
+
+@pytest.mark.parametrize("pad_tokens", [0, 2])
+def test_a_decode_steps_layers_reuse_the_prepared_call_and_match_the_reference(hot_path, monkeypatch, pad_tokens):
+    from pagedattn.backends import native, sdpa_cpu
+
+    b = _decode_batch(pad_tokens=pad_tokens)
+    if pad_tokens:
+        b.query[-1] = float("nan")  # a padding row's query never reaches its (zero) output
+    prepared = []
+    original = sdpa_cpu.SdpaCpuBackend.prepare_attend
+    monkeypatch.setattr(sdpa_cpu.SdpaCpuBackend, "prepare_attend",
+                        lambda self, *a: prepared.append(original(self, *a)) or prepared[-1])
+    for _ in range(3):  # the same metadata, as every layer of a step passes it
+        _close(run_step(b, 0.125), b)
+    _close(run_step(b, 0.125, window=5), b, window=5)  # other parameters: prepared afresh
+    if native.library() is not None:
+        assert len(prepared) == 2 and all(prepared)
+
+
+def test_metadata_changed_in_place_is_never_served_a_stale_prepared_call(hot_path):
+    b = _decode_batch()
+    _close(run_step(b, 0.125), b)
+    # the last sequence now sees one key fewer: the same tensors, updated in place (as a persistent buffer is)
+    b.meta.seq_lens[3] -= 1
+    b.meta.slot_mapping[3] -= 1
+    b.full_k[3], b.full_v[3] = b.full_k[3][:-1].clone(), b.full_v[3][:-1].clone()
+    b.full_k[3][-1], b.full_v[3][-1] = b.key[3], b.value[3]
+    _close(run_step(b, 0.125), b)
+
+
+def test_a_prepared_call_still_refuses_what_the_checks_refuse(hot_path):
+    b = _decode_batch()
+    run_step(b, 0.125)
+    args = _attn_args(b)
+    with pytest.raises(ValueError, match="dtype"):
+        torch.ops.pagedattn.paged_attention(args[0].double(), *args[1:])
+    with pytest.raises(ValueError, match="kv heads"):
+        torch.ops.pagedattn.paged_attention(*args[:3], b.kv_cache[:, :, :, :1], *args[4:])
+    b.meta.seq_lens[1] = 10_000  # the same tensor, changed in place: checked again
+    with pytest.raises(ValueError, match="seq_len"):
+        torch.ops.pagedattn.paged_attention(*args)
+    bad = b.meta.slot_mapping.clone()
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, bad)
+    bad[0] = 10_000
+    with pytest.raises(ValueError, match="slot"):
+        torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, bad)
+
+
+def test_parameters_holding_tensors_are_not_prepared_and_stay_exact(hot_path):
+    b = _decode_batch()
+    alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    _close(run_step(b, 0.125, alibi=alibi), b, alibi=alibi)
+    _close(run_step(b, 0.125, alibi=alibi * 2), b, alibi=alibi * 2)  # other slopes, the same metadata

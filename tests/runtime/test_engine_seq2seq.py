@@ -64,6 +64,19 @@ def test_bart_tokens_equal_hf_generate(servable, reference, setting):
     assert engine.blocks.num_free == engine.num_blocks  # cross blocks freed with their requests
 
 
+@pytest.mark.parametrize("setting", ["whole", "recompute"])
+def test_bart_tokens_equal_hf_generate_on_the_hot_path(servable, reference, setting):
+    # validation off, as users run: each step's layers take the ops' prepared calls, self- and cross-attention
+    # alternating layer by layer (backends/ops.py)
+    from pagedattn.backends import set_validation
+
+    set_validation(False)
+    try:
+        assert PagedEngine(servable, **SETTINGS[setting]).generate(sources(), max_new_tokens=NEW) == reference
+    finally:
+        set_validation(True)
+
+
 def test_the_encoder_runs_once_per_request_batched_at_admission(servable, reference):
     engine = PagedEngine(servable, num_blocks=400, max_num_tokens=64)
     assert engine.generate(sources(), max_new_tokens=NEW) == reference
