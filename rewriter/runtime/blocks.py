@@ -4,7 +4,7 @@ and a host block pool that preempted sequences swap out to."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -139,16 +139,19 @@ class BlockManager:
         for _ in range(need):
             table.blocks.append(self._take())
 
-    def commit(self, table: BlockTable, tokens: Sequence[int], num_new: int) -> None:
+    def commit(self, table: BlockTable, tokens: Sequence[int] | Callable[[], Sequence[int]], num_new: int) -> None:
         """Record that ``num_new`` more tokens were written; register newly full blocks for reuse.
 
-        ``tokens`` is the sequence's whole token list so far (prompt and generated).
+        ``tokens`` is the sequence's whole token list so far (prompt and generated), or a function giving it:
+        called only when a block fills (a decode step's commits seldom need the list).
         """
         before = table.num_cached_tokens
         table.num_cached_tokens += num_new
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or before // bs == table.num_cached_tokens // bs:
+            return
+        if callable(tokens):
+            tokens = tokens()
         for i in range(before // bs, table.num_cached_tokens // bs):
             if i == 0:
                 parent = table.salt

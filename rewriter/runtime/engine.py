@@ -486,7 +486,8 @@ class PagedEngine:
             cross_lens = [c.request.encoder_len for c in plan] if seq2seq else None
             t1 = time.perf_counter()
             try:
-                logits = graphs.run([c.request.tokens[c.start] for c in plan], [c.start for c in plan], slots,
+                logits = graphs.run([c.request.token_slice(c.start, c.start + 1)[0] for c in plan],
+                                    [c.start for c in plan], slots,
                                     tables, [c.start + 1 for c in plan], cross_tables, cross_lens)
             except CaptureFailed as e:  # the step runs below, as every step from now on
                 log.warning("decode steps run without CUDA graphs: %s", e)
@@ -497,7 +498,7 @@ class PagedEngine:
         spec = self.servable.values
         types: list[int] = []
         for chunk in plan:
-            toks = chunk.request.tokens[chunk.start:chunk.start + chunk.num_tokens]
+            toks = chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens)
             ids.extend(toks)
             pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             if chunk.completes:
@@ -579,7 +580,7 @@ class PagedEngine:
             greedy = self.backend.argmax_rows(logits)
         for chunk in plan:
             req = chunk.request
-            self.blocks.commit(req.table, req.tokens, chunk.num_tokens)
+            self.blocks.commit(req.table, lambda req=req: req.tokens, chunk.num_tokens)
             req.num_computed += chunk.num_tokens
             if not chunk.completes:
                 continue

@@ -96,6 +96,15 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``tokens[start:stop]`` without joining the whole prompt and output first (a decode step's one token)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.output[start - p:stop - p]
+        if stop <= p:
+            return self.prompt[start:stop]
+        return self.prompt[start:] + self.output[:stop - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -238,7 +247,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted while making room for an older request
+            # preempted while making room for an older request (a list scan: only once this step preempted)
+            if self.num_preemptions != preemptions and req not in self.running:
                 continue
             n = req.chunk(min(budget, self.max_chunk))
             if n == 0:  # a span that does not fit what is left of the step: the next step
@@ -252,7 +262,7 @@ class Scheduler:
                     self._preempt(victim)
                     if victim is req:
                         break
-            if req not in self.running:
+            if self.num_preemptions != preemptions and req not in self.running:
                 continue
             plan.append(ScheduledChunk(req, req.num_computed, n))
             budget -= n

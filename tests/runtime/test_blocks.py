@@ -74,3 +74,20 @@ def test_fork_then_copy_on_write():
     assert src == a.blocks[1] and b.blocks[1] == dst != src
     assert bm.ref[src] == 1 and bm.ref[dst] == 1
     assert b.blocks[0] == a.blocks[0]  # full blocks stay shared
+
+
+def test_commit_asks_for_the_tokens_only_when_a_block_fills():
+    tokens, asked = list(range(11)), []
+
+    def give():
+        asked.append(1)
+        return tokens
+
+    lazy, eager = BlockManager(8, 4), BlockManager(8, 4)
+    a, b = BlockTable(), BlockTable()
+    for bm, t in ((lazy, a), (eager, b)):
+        bm.reserve(t, 11)
+    for n in (3, 1, 1, 2, 1, 3):  # blocks fill at 4 and 8 tokens
+        lazy.commit(a, give, n)
+        eager.commit(b, tokens, n)
+    assert len(asked) == 2 and a.hashes == b.hashes and len(a.hashes) == 2

@@ -229,3 +229,10 @@ def test_a_span_that_does_not_fit_the_step_waits_for_room():
     sched.finish(decode, "stop")
     plan = sched.schedule()
     assert [(c.request.id, c.start, c.num_tokens) for c in plan] == [(1, 0, 12)]
+
+
+def test_token_slice_is_the_slice_of_prompt_and_output():
+    req = Request(0, [1, 2, 3], SamplingParams(max_new_tokens=4), output=[4, 5])
+    for a in range(7):
+        for b in range(a, 8):
+            assert req.token_slice(a, b) == req.tokens[a:b]
