@@ -55,6 +55,8 @@ class AttentionBackend:
     # write (torch_xla's eager functionalization rejects it): graphs served eagerly there get
     # functional writes (pagedattn.passes.FunctionalCacheWrites); compiled ones need not
     functional_cache_writes: bool = False
+    # the ops may keep calls this backend prepares for a step's later layers (prepare_attend, prepare_write)
+    prepares_calls: bool = False
 
     # --- the cache
 
@@ -97,7 +99,7 @@ class AttentionBackend:
         """A call ``run(query, key, value, kv_cache)`` doing what ``attend`` does for every later call with these
         metadata tensors unchanged and operands of these shapes, strides, dtypes and devices (the other layers of
         the step), with what ``attend`` derives from them done once here; None (the default): ``attend`` each
-        time. The op keeps it and checks that a call matches (``ops``)."""
+        time. The op keeps it and checks that a call matches (``ops``). Asked only where ``prepares_calls``."""
         return None
 
     def prepare_write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -49,7 +49,7 @@ _LIB.define("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor kv
 # A serving step calls each paged op once per layer with the same metadata tensors, shapes and parameters, and what
 # a call derives from them (its parameters, its checks, the backend's plan) is the same at every layer: ~20 us of
 # Python a call against a decode kernel of ~50 us. A backend may hand back a prepared call for them
-# (``prepare_attend``, ``prepare_write``); it is kept per thread, keyed by the metadata tensors themselves (the
+# (``prepare_attend``, ``prepare_write``; only backends with ``prepares_calls`` are asked); it is kept per thread, keyed by the metadata tensors themselves (the
 # same objects, unchanged: their versions) and by everything the checks read (backend, shapes, strides, dtypes,
 # devices, parameters), and a later call that matches runs it directly. Parameters holding tensors are never
 # prepared (they would be compared by value). Full validation (``validation_enabled``) always takes the slow path.
@@ -86,13 +86,14 @@ def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: T
     """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
     backend = active_backend(kv_cache.device)
     full = validation_enabled()
-    signature = None if full else _write_signature(backend, key, value, kv_cache, slot_mapping)
-    run = None if full else _prepared("write", (slot_mapping,), signature)
+    prepare = backend.prepares_calls and not full
+    signature = _write_signature(backend, key, value, kv_cache, slot_mapping) if prepare else None
+    run = _prepared("write", (slot_mapping,), signature) if prepare else None
     if run is not None:
         run(key, value, kv_cache)
         return
     backend.check_write(key, value, kv_cache, slot_mapping, full=full)
-    run = None if full else backend.prepare_write(key, value, kv_cache, slot_mapping)
+    run = backend.prepare_write(key, value, kv_cache, slot_mapping) if prepare else None
     if run is None:
         backend.write(key, value, kv_cache, slot_mapping)
         return
@@ -120,21 +121,22 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     """
     backend = active_backend(kv_cache.device)
     full = validation_enabled()
+    prepare = backend.prepares_calls and not full
     tensors = (block_tables, seq_lens, query_start_loc)
-    signature = None if full else (
+    signature = None if not prepare else (
         backend, block_tables._version, seq_lens._version, query_start_loc._version, block_tables.shape,
         block_tables.dtype, block_tables.device, block_tables.stride(), seq_lens.shape, seq_lens.dtype,
         seq_lens.device, query_start_loc.shape, query_start_loc.dtype, query_start_loc.device, query.shape,
         query.dtype, query.device, query.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.stride(),
         key is None, params)
-    run = None if full else _prepared("attend", tensors, signature)
+    run = _prepared("attend", tensors, signature) if prepare else None
     if run is not None:
         return run(query, key, value, kv_cache)
     p = AttentionParams.from_args(params)
     meta = AttentionMetadata(None, block_tables, seq_lens, query_start_loc, backend.cache_geometry(kv_cache)[1])
     backend.check_attend(query, kv_cache, meta, p, full=full)
-    run = None if full or any(isinstance(a, Tensor) for a in params) else \
-        backend.prepare_attend(query, key, kv_cache, meta, p)
+    run = backend.prepare_attend(query, key, kv_cache, meta, p) \
+        if prepare and not any(isinstance(a, Tensor) for a in params) else None
     if run is None:
         return backend.attend(query, key, value, kv_cache, meta, p)
     _keep_prepared("attend", tensors, signature, run)

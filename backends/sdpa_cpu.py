@@ -133,6 +133,7 @@ class SdpaCpuBackend(SplitKVBackend):
     name = "sdpa_cpu"
     device_type = "cpu"
     dtypes = _SDPA_DTYPES
+    prepares_calls = True
 
     # --- the cache
 
@@ -142,15 +143,22 @@ class SdpaCpuBackend(SplitKVBackend):
         if lib is None or not native.write(lib, key, value, kv_cache, slot_mapping):
             super().write(key, value, kv_cache, slot_mapping)
 
+    def _overridden(self, name: str) -> bool:
+        """Whether ``name`` is not this class's own (a subclass's or an instance's): calls prepared from this class's
+        code would bypass it."""
+        return name in vars(self) or getattr(type(self), name) is not getattr(SdpaCpuBackend, name)
+
     def prepare_write(self, key, value, kv_cache, slot_mapping):
         lib = native.library()
-        if lib is None or not native.write_usable(key, value, kv_cache, slot_mapping):
+        if lib is None or self._overridden("write") or not native.write_usable(key, value, kv_cache, slot_mapping):
             return None
         return functools.partial(native.write, lib, slot_mapping=slot_mapping, checked=True)
 
     def prepare_attend(self, query, key, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         # a decode-only step (every sequence one new token) where the native kernel runs it: one kernel call a
         # layer, its plan made once for the step
+        if self._overridden("attend"):
+            return None
         split = _plan(metadata.query_start_loc, metadata.seq_lens, key is not None)
         if split.fresh or split.rest or not split.single:
             return None

@@ -167,3 +167,27 @@ def test_parameters_holding_tensors_are_not_prepared_and_stay_exact(hot_path):
     alibi = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     _close(run_step(b, 0.125, alibi=alibi), b, alibi=alibi)
     _close(run_step(b, 0.125, alibi=alibi * 2), b, alibi=alibi * 2)  # other slopes, the same metadata
+
+
+def test_a_backend_whose_attend_or_write_is_wrapped_is_never_bypassed(hot_path):
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    calls = []
+
+    class Counting(SdpaCpuBackend):
+        def attend(self, *a):
+            calls.append("attend")
+            return super().attend(*a)
+
+    b = _decode_batch()
+    with use_backend(Counting()):
+        for _ in range(3):
+            _close(run_step(b, 0.125), b)
+    assert calls == ["attend"] * 3
+    backend = SdpaCpuBackend()
+    backend.write = lambda *a: calls.append("write") or SdpaCpuBackend.write(backend, *a)
+    with use_backend(backend):
+        run_step(b, 0.125)
+        run_step(b, 0.125)
+    assert calls.count("write") == 2
