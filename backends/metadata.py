@@ -334,9 +334,13 @@ def _fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
 
-def _value_check(op: str, cond: torch.Tensor, msg: str) -> None:
-    """Raise when ``cond`` (a 0-d bool tensor) is false: on the host now, on CUDA asynchronously."""
-    if cond.device.type == "cpu":
+def _value_check(op: str, cond: "torch.Tensor | bool", msg: str) -> None:
+    """Raise when ``cond`` (a 0-d bool tensor, or a bool found on the host) is false: on the host now, on CUDA
+    asynchronously."""
+    if isinstance(cond, bool):
+        if not cond:
+            _fail(op, msg)
+    elif cond.device.type == "cpu":
         if not bool(cond):
             _fail(op, msg)
     elif cond.device.type == "cuda":
@@ -418,16 +422,28 @@ def check_attend_cheap(query: torch.Tensor, kv_heads: int, head_size: int, cache
     if n == 0 or qsl.device.type not in ("cpu", "cuda") or \
             _checked("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size, max_seq_len)):
         return
-    q_lens = qsl[1:] - qsl[:-1]
-    _value_check(op, (qsl[0] == 0) & (q_lens >= 0).all() & (qsl[-1] <= query.shape[0]),
-                 f"query_start_loc must start at 0, never decrease and end at most at the {query.shape[0]} tokens")
-    if causal:
-        _value_check(op, (seq_lens >= q_lens).all(), "a sequence's seq_len is shorter than its new tokens")
-    _value_check(op, (seq_lens >= 0).all() & (seq_lens <= tables.shape[1] * metadata.block_size).all(),
-                 f"a seq_len is negative or longer than its block table covers ({tables.shape[1]} blocks of "
+    starts_msg = f"query_start_loc must start at 0, never decrease and end at most at the {query.shape[0]} tokens"
+    short_msg = "a sequence's seq_len is shorter than its new tokens"
+    table_msg = (f"a seq_len is negative or longer than its block table covers ({tables.shape[1]} blocks of "
                  f"{metadata.block_size})")
-    if max_seq_len > 0:
-        _value_check(op, (seq_lens <= max_seq_len).all(), too_long(max_seq_len))
+    covered = tables.shape[1] * metadata.block_size
+    if qsl.device.type == "cpu":  # on the host: a dozen small tensor ops cost ~50 us, the lists a few
+        starts, lens = qsl.tolist(), seq_lens.tolist()
+        _value_check(op, starts[0] == 0 and starts[-1] <= query.shape[0]
+                     and all(a <= b for a, b in zip(starts, starts[1:])), starts_msg)
+        if causal:
+            _value_check(op, all(n >= b - a for n, a, b in zip(lens, starts, starts[1:])), short_msg)
+        _value_check(op, min(lens) >= 0 and max(lens) <= covered, table_msg)
+        if max_seq_len > 0:
+            _value_check(op, max(lens) <= max_seq_len, too_long(max_seq_len))
+    else:
+        q_lens = qsl[1:] - qsl[:-1]
+        _value_check(op, (qsl[0] == 0) & (q_lens >= 0).all() & (qsl[-1] <= query.shape[0]), starts_msg)
+        if causal:
+            _value_check(op, (seq_lens >= q_lens).all(), short_msg)
+        _value_check(op, (seq_lens >= 0).all() & (seq_lens <= covered).all(), table_msg)
+        if max_seq_len > 0:
+            _value_check(op, (seq_lens <= max_seq_len).all(), too_long(max_seq_len))
     _passed("attend", (tables, seq_lens, qsl), (query.shape[0], causal, metadata.block_size, max_seq_len))
 
 

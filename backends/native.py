@@ -238,9 +238,12 @@ class DecodeCall:
 
     def __init__(self, lib: ctypes.CDLL, items: Tensor, part_keys: int, num_threads: int):
         self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
-        parts = (items[:, 3] - items[:, 2]).clamp(min=1).add(part_keys - 1).div(part_keys, rounding_mode="floor")
-        self.parts_start = torch.cat([parts.new_zeros(1), parts.cumsum(0)])  # [n + 1]
-        self.num_parts = int(self.parts_start[-1])
+        starts, total = [0], 0  # on the host: a step's few items cost less as a list than as tensor ops
+        for _, _, first, keys in items.tolist():
+            total += -(-max(1, keys - first) // part_keys)
+            starts.append(total)
+        self.parts_start = torch.tensor(starts, dtype=torch.int64)  # [n + 1]
+        self.num_parts = total
         self._scratch: Optional[Tensor] = None
         # the arguments every layer of the step shares, set once; a call sets those of its own tensors
         self._args = _Args(items=items.data_ptr(), num_items=items.shape[0], part_keys=part_keys,
