@@ -132,8 +132,13 @@ def inductor_freezing(on: bool) -> Iterator[None]:
         return
     import torch._inductor.config as inductor_config
 
-    with inductor_config.patch({"freezing": True, "cpp.enable_concat_linear": True}):
+    # set and restored directly: ``config.patch`` costs ~15 us, and this runs around every step
+    saved = inductor_config.freezing, inductor_config.cpp.enable_concat_linear
+    inductor_config.freezing = inductor_config.cpp.enable_concat_linear = True
+    try:
         yield
+    finally:
+        inductor_config.freezing, inductor_config.cpp.enable_concat_linear = saved
 
 
 def frozen_step_options(freeze: bool) -> Optional[dict]:
