@@ -33,6 +33,7 @@ def checks_as_on_cuda(monkeypatch):
     """Value checks as CUDA runs them (``torch._assert_async``: no host read), not ``bool()`` as on the CPU; no
     full validation (it reads metadata on the host, so the graphs run eagerly under it)."""
     monkeypatch.setattr(metadata, "_value_check", lambda op, cond, msg: torch._assert_async(cond, f"{op}: {msg}"))
+    monkeypatch.setattr(metadata, "_values_on_host", lambda t: False)
     set_validation(False)
     yield
     set_validation(True)  # as tests/conftest.py keeps it
