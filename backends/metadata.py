@@ -184,6 +184,15 @@ def build_metadata(
     rows = [(s.context_len, s.num_new_tokens, s.block_table) if isinstance(s, SequenceSpec) else s for s in seqs]
     if not rows:
         raise ValueError("build_metadata: the batch has no sequences")
+    try:
+        return _build_metadata(rows, block_size, device, pad_tokens_to)
+    except OverflowError:
+        raise ValueError("build_metadata: a block id or sequence length does not fit in 32 bits (block tables and "
+                         "lengths are int32): check the block tables") from None
+
+
+def _build_metadata(rows: list, block_size: int, device: torch.device | str,
+                    pad_tokens_to: Optional[int]) -> AttentionMetadata:
     slots, lens, starts, start = array.array("q"), array.array("i"), array.array("i", [0]), 0
     for i, (ctx, n, table) in enumerate(rows):
         if n < 1:

@@ -42,7 +42,8 @@ def test_metadata_is_frozen():
 
 @pytest.mark.parametrize(
     "seqs, match",
-    [([], "no sequences"), ([(0, 0, [0])], "0 new tokens"), ([(10, 1, [0])], "needs 3 blocks")],
+    [([], "no sequences"), ([(0, 0, [0])], "0 new tokens"), ([(10, 1, [0])], "needs 3 blocks"),
+     ([(0, 1, [2**40])], "does not fit in 32 bits")],
 )
 def test_build_metadata_rejects(seqs, match):
     with pytest.raises(ValueError, match=match):
