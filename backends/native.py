@@ -6,6 +6,8 @@ values in place through the block table, in one call per layer, with torch's own
 (:func:`prefill`): SDPA's CPU flash kernel runs short causal prefills at a small fraction of the matmul rate (a
 256-token GQA prefill ~6x slower than its FLOPs at the measured rate); the native one keeps a block of query rows'
 scores in registers over keys transposed once per call, ~2.5x faster, all of a step's fresh prefills in one call.
+The same library writes the cache (one call a layer) and takes greedy sampling's argmax (:func:`argmax_rows`: ATen's
+CPU argmax costs ~8x its max).
 
 Why plain C through ctypes, not a torch C++ extension: it compiles in seconds (~7 s on 2 cores) with no torch or
 Python headers (an extension takes minutes and ninja), and the call needs nothing but pointers. The shared object
