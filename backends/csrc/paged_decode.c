@@ -1,5 +1,5 @@
 /* Attention on the CPU: paged decode (one query token per sequence, read straight from the paged cache), the cache
- * write, and prefill over a sequence's own keys (at the end of this file).
+ * write, greedy sampling's row argmax, and prefill over a sequence's own keys (at the end of this file).
  *
  * Built and loaded by pagedattn/backends/native.py (plain C, no Python or torch headers: it compiles in
  * seconds; OpenMP threads are torch's own, the runtime torch already loaded). Semantics are
