@@ -47,12 +47,12 @@ _LIB.define("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor kv
 
 
 # A serving step calls each paged op once per layer with the same metadata tensors, shapes and parameters, and what
-# a call derives from them (its parameters, its checks, the backend's plan) is the same at every layer: ~20 us of
-# Python a call against a decode kernel of ~50 us. A backend may hand back a prepared call for them
-# (``prepare_attend``, ``prepare_write``; only backends with ``prepares_calls`` are asked); it is kept per thread, keyed by the metadata tensors themselves (the
-# same objects, unchanged: their versions) and by everything the checks read (backend, shapes, strides, dtypes,
-# devices, parameters), and a later call that matches runs it directly. Parameters holding tensors are never
-# prepared (they would be compared by value). Full validation (``validation_enabled``) always takes the slow path.
+# a call derives from them (its parameters, its checks, the backend's plan) is the same at every layer: ~30 us of
+# Python a call against a decode kernel of ~50 us. A backend with ``prepares_calls`` may hand back a prepared call
+# for them (``prepare_attend``, ``prepare_write``). It is kept per thread, keyed by the metadata tensors themselves
+# (the same objects, unchanged: their versions) and by everything the checks read (backend, shapes, strides,
+# dtypes, devices, parameters); a later call that matches runs it directly. Parameters holding tensors are never
+# prepared (they would be compared by value); full validation (``validation_enabled``) always takes the slow path.
 _PREPARED = threading.local()
 _PREPARED_ENTRIES = 4  # an encoder-decoder step alternates its self- and cross-attention metadata
 
@@ -80,6 +80,15 @@ def _write_signature(backend, key: Tensor, value: Tensor, kv_cache: Tensor, slot
     return (backend, slot_mapping._version, slot_mapping.shape, slot_mapping.dtype, slot_mapping.device,
             slot_mapping.stride(), key.shape, key.dtype, key.device, key.stride(), value.shape, value.dtype,
             value.device, value.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.stride())
+
+
+def _attend_signature(backend, query: Tensor, key: Optional[Tensor], kv_cache: Tensor, block_tables: Tensor,
+                      seq_lens: Tensor, query_start_loc: Tensor, params: tuple) -> tuple:
+    return (backend, block_tables._version, seq_lens._version, query_start_loc._version, block_tables.shape,
+            block_tables.dtype, block_tables.device, block_tables.stride(), seq_lens.shape, seq_lens.dtype,
+            seq_lens.device, query_start_loc.shape, query_start_loc.dtype, query_start_loc.device, query.shape,
+            query.dtype, query.device, query.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device,
+            kv_cache.stride(), key is None, params)
 
 
 def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -123,12 +132,7 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     full = validation_enabled()
     prepare = backend.prepares_calls and not full
     tensors = (block_tables, seq_lens, query_start_loc)
-    signature = None if not prepare else (
-        backend, block_tables._version, seq_lens._version, query_start_loc._version, block_tables.shape,
-        block_tables.dtype, block_tables.device, block_tables.stride(), seq_lens.shape, seq_lens.dtype,
-        seq_lens.device, query_start_loc.shape, query_start_loc.dtype, query_start_loc.device, query.shape,
-        query.dtype, query.device, query.stride(), kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.stride(),
-        key is None, params)
+    signature = _attend_signature(backend, query, key, kv_cache, *tensors, params) if prepare else None
     run = _prepared("attend", tensors, signature) if prepare else None
     if run is not None:
         return run(query, key, value, kv_cache)
