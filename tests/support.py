@@ -65,7 +65,7 @@ FEATURES = [
 
 
 def feature_id(feature: dict) -> str:
-    return "-".join(f"{k}={v}" for k, v in feature.items())
+    return "-".join(f"{k}={v}" for k, v in feature.items()) or "plain"
 
 
 def feature_kwargs(feature: dict) -> dict:

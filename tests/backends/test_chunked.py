@@ -18,7 +18,7 @@ import torch
 from pagedattn.backends import AttentionConfig, AttentionParams, get_backend, reference, sdpa_cpu
 from pagedattn.backends.params import params_schema
 
-from ..support import ALIBI8, SHAPES, SINKS8, TOL, make_batch, record_decode_masks
+from ..support import SHAPES, TOL, feature_id, feature_kwargs, make_batch, record_decode_masks
 
 # ------------------------------------------------------------------------------ helpers
 
@@ -73,19 +73,6 @@ def _poison_out_of_reach(b, p: AttentionParams) -> None:
     for i, ctx in enumerate(b.contexts):
         blocks = b.meta.block_tables[i, :reference.earliest_visible_key(ctx, p) // bs].long()
         b.kv_cache[:, blocks[blocks != 0]] = float("nan")
-
-
-def _feature(feature: dict) -> dict:
-    feature = dict(feature)
-    if feature.pop("alibi", False):
-        feature["alibi"] = ALIBI8
-    if feature.pop("sinks", False):
-        feature["sinks"] = SINKS8
-    return feature
-
-
-def _ids(f: dict) -> str:
-    return "-".join(f"{k}={v}" for k, v in f.items()) or "plain"
 
 
 FEW_FEATURES = [{}, {"window": 9}, {"alibi": True}, {"sinks": True}, {"softcap": 4.0}]
@@ -192,11 +179,11 @@ def test_schema_appends_the_chunk_size():
 
 
 @pytest.mark.parametrize("feature", [{}, {"window": 3}, {"alibi": True}, {"sinks": True}, {"softcap": 2.0},
-                                     {"alibi": True, "sinks": True, "window": 4}], ids=_ids)
+                                     {"alibi": True, "sinks": True, "window": 4}], ids=feature_id)
 @pytest.mark.parametrize("chunk", [1, 4, 5])
 def test_dense_attention_matches_a_plain_loop(chunk, feature):
     g = torch.Generator().manual_seed(7)
-    f = _feature(feature)
+    f = feature_kwargs(feature)
     alibi = None if "alibi" not in f else torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
     sinks = None if "sinks" not in f else torch.tensor([-1.0, 0.5, 2.0, 3.0], dtype=torch.float64)
     p = AttentionParams(0.4, True, f.get("window", 0), f.get("softcap", 0.0), alibi, 2, 8, sinks, chunk)
@@ -240,10 +227,10 @@ def test_cpu_head_layouts(heads):
 
 @pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("feature", FEATURES, ids=_ids)
+@pytest.mark.parametrize("feature", FEATURES, ids=feature_id)
 def test_cpu_features(feature, dtype):
     b = make_batch(MIXED, num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
-    _check(b, _params(b, 12, **_feature(feature)), dtype)
+    _check(b, _params(b, 12, **feature_kwargs(feature)), dtype)
 
 
 @pytest.mark.usefixtures("decode_path")
@@ -255,11 +242,11 @@ def test_cpu_cross_steps_without_new_keys():
 
 
 @pytest.mark.usefixtures("decode_path")
-@pytest.mark.parametrize("feature", FEW_FEATURES, ids=_ids)
+@pytest.mark.parametrize("feature", FEW_FEATURES, ids=feature_id)
 def test_cpu_reads_nothing_before_the_first_visible_block(feature):
     # blocks before a sequence's first visible key hold NaN: reading them at all (even masked) shows
     b = make_batch([(70, 1), (45, 9), (33, 1), (0, 20), (64, 17)], num_heads=8, num_kv_heads=2, block_size=4)
-    p = _params(b, 10, **_feature(feature))
+    p = _params(b, 10, **feature_kwargs(feature))
     _poison_out_of_reach(b, p)
     assert torch.isnan(b.kv_cache).any()
     _check(b, p, torch.float32)
@@ -302,14 +289,14 @@ DECODES = [(100, 1), (3, 1), (57, 1), (0, 9), (40, 1), (23, 1), (47, 1)]
 
 @pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("feature", FEW_FEATURES, ids=_ids)
+@pytest.mark.parametrize("feature", FEW_FEATURES, ids=feature_id)
 @pytest.mark.parametrize("chunk", [5, 12, 24, 64])
 def test_decode_split_under_a_small_gather_budget(monkeypatch, chunk, feature, threads):
     # 3 blocks of 4 tokens a group: long chunks of keys split in several, merged by log-sum-exp; chunk
     # starts inside blocks (5, 12 with blocks of 4: 12 is aligned, 5 is not) and across several groups
     monkeypatch.setattr(sdpa_cpu, "_GATHER_BUDGET_BYTES", 3 * 4 * 2 * 2 * 64 * 4)
     b = make_batch(DECODES, num_heads=8, num_kv_heads=2, block_size=4)
-    p = _params(b, chunk, **_feature(feature))
+    p = _params(b, chunk, **feature_kwargs(feature))
     _poison_out_of_reach(b, p)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -453,19 +440,19 @@ def test_xformers_chunked_prefill_paged_then_gathered(monkeypatch, xformers_back
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("feature", FEATURES, ids=_ids)
+@pytest.mark.parametrize("feature", FEATURES, ids=feature_id)
 def test_xformers_features(monkeypatch, xformers_backend, feature, dtype):
     _emulate(monkeypatch)
     b = make_batch(MIXED, num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
-    _xf_check(xformers_backend, b, _params(b, 12, **_feature(feature)), dtype)
+    _xf_check(xformers_backend, b, _params(b, 12, **feature_kwargs(feature)), dtype)
 
 
-@pytest.mark.parametrize("feature", [{"alibi": True}, {"sinks": True}, {"softcap": 4.0}], ids=_ids)
+@pytest.mark.parametrize("feature", [{"alibi": True}, {"sinks": True}, {"softcap": 4.0}], ids=feature_id)
 def test_xformers_padded_paths_read_from_the_chunks_first_block(monkeypatch, xformers_backend, feature):
     op = _emulate(monkeypatch)
     b = make_batch([(70, 1), (45, 9), (33, 1), (0, 20), (64, 17)], num_heads=8, num_kv_heads=2, block_size=4,
                    dtype=torch.float16)
-    p = _params(b, 10, **_feature(feature))
+    p = _params(b, 10, **feature_kwargs(feature))
     _poison_out_of_reach(b, p)
     _xf_check(xformers_backend, b, p)
     assert bool(op.calls) == ("alibi" in feature)  # ALiBi: a tensor bias to an operator; else exact math
