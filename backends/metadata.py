@@ -163,11 +163,10 @@ def cross_slot_mapping(tables: Sequence[Sequence[int]], encoder_lens: Sequence[i
     return torch.tensor(slots, dtype=torch.int64, device=device)
 
 
-def _int_tensor(values: array.array, device: torch.device | str) -> torch.Tensor:
+def _int_tensor(values: array.array) -> torch.Tensor:
     # the buffer as a tensor without a Python int per element (torch.tensor on a list costs ~40 ns each, a step's
     # block tables ~15 us); the tensor keeps the array alive
-    t = torch.frombuffer(values, dtype=torch.int64 if values.typecode == "q" else torch.int32)
-    return t if torch.device(device).type == "cpu" else t.to(device)
+    return torch.frombuffer(values, dtype=torch.int64 if values.typecode == "q" else torch.int32)
 
 
 def build_metadata(
@@ -221,13 +220,14 @@ def _build_metadata(rows: list, block_size: int, device: torch.device | str,
     for _, _, table in rows:
         tables.extend(table)
         tables.extend([0] * (max_blocks - len(table)))
-    return AttentionMetadata(
-        slot_mapping=_int_tensor(slots, device),
-        block_tables=_int_tensor(tables, device).view(len(rows), max_blocks),
-        seq_lens=_int_tensor(lens, device),
-        query_start_loc=_int_tensor(starts, device),
+    meta = AttentionMetadata(
+        slot_mapping=_int_tensor(slots),
+        block_tables=_int_tensor(tables).view(len(rows), max_blocks),
+        seq_lens=_int_tensor(lens),
+        query_start_loc=_int_tensor(starts),
         block_size=block_size,
     )
+    return meta if torch.device(device).type == "cpu" else meta.to(device)
 
 
 # ----------------------------------------------------------------------- validation

@@ -199,9 +199,8 @@ def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
     if kept:  # the model kept only those rows (logits_to_keep)
         return logits[0]
-    n = len(rows)
-    if n and rows[-1] - rows[0] == n - 1 and all(b == a + 1 for a, b in zip(rows, rows[1:])):
-        return logits[0, rows[0]:rows[0] + n]  # a decode step's rows are every row: a view, not a copy
+    if rows and list(rows) == list(range(rows[0], rows[0] + len(rows))):
+        return logits[0, rows[0]:rows[0] + len(rows)]  # a decode step's rows are every row: a view, not a copy
     return logits[0, torch.tensor(list(rows), dtype=torch.long, device=logits.device)]
 
 

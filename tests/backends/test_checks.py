@@ -134,3 +134,40 @@ def test_alternating_metadata_is_checked_once_per_step(monkeypatch):
     cross.seq_lens[1] = 100  # longer than its block table: found although these tensors passed before
     with pytest.raises(ValueError, match="longer than its block table"):
         layer(cross)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host_lists", "tensor_ops"])
+@pytest.mark.parametrize("field, bad, match", [
+    ("qsl", lambda m: torch.tensor([0, 5, 4], dtype=torch.int32), "never decrease"),
+    ("qsl", lambda m: torch.tensor([0, 4, 99], dtype=torch.int32), "end at most at the 7 tokens"),
+    ("qsl", lambda m: torch.tensor([1, 4, 7], dtype=torch.int32), "start at 0"),
+    ("seq_lens", lambda m: torch.tensor([4, 2], dtype=torch.int32), "shorter than its new tokens"),
+    ("bidirectional_seq_lens", lambda m: torch.tensor([-1, 8], dtype=torch.int32), "negative"),
+])
+def test_the_value_checks_refuse_alike_on_the_host_and_as_tensor_ops(monkeypatch, on_host, field, bad, match):
+    # the CPU reads the step's metadata as lists (metadata._values_on_host); other devices keep tensor ops: the
+    # same refusals either way
+    from pagedattn.backends import metadata
+
+    monkeypatch.setattr(metadata, "_values_on_host", lambda t: on_host)
+    b = make_batch([(0, 4), (5, 3)], head_size=16, block_size=4)
+    _write(b, b.meta.slot_mapping)
+    causal = not field.startswith("bidirectional_")  # a causal call refuses a short seq_len first
+    with pytest.raises(ValueError, match=match):
+        _attend(b, causal=causal, **{field.removeprefix("bidirectional_"): bad(b.meta)})
+    _attend(b, causal=causal)  # good metadata passes either way
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host_lists", "tensor_ops"])
+def test_a_sequence_past_the_sites_length_is_refused_on_the_host_and_as_tensor_ops(monkeypatch, on_host):
+    from pagedattn.backends import metadata
+
+    monkeypatch.setattr(metadata, "_values_on_host", lambda t: on_host)
+    b = make_batch([(0, 4), (5, 3)], head_size=16, block_size=4)
+    _write(b, b.meta.slot_mapping)
+    m = b.meta
+    args = (b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc, 0.125, True, 0, 0.0,
+            None, b.key.shape[1], b.value.shape[2], None, 0)
+    with pytest.raises(ValueError, match="established for"):
+        torch.ops.pagedattn.paged_attention(*args, 7)  # the longest sequence holds 8 keys
+    torch.ops.pagedattn.paged_attention(*args, 8)
