@@ -43,7 +43,7 @@ log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
-           "PREFILL_MAX_HEAD_SIZE"]
+           "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -159,11 +159,12 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(source: bytes, cc: str) -> Optional[Path]:
+def _build(source: bytes, cc: str, defines: tuple[str, ...] = ()) -> Optional[Path]:
     """The shared object for ``source``: cached, else compiled into the cache (atomically: processes may race). A
     cache folder others may write to is not used: the object is then built afresh in a private temporary folder."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      platform.machine().encode(), platform.node().encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
     target = _cache_dir() / f"paged_decode-{key}.so"
@@ -177,7 +178,7 @@ def _build(source: bytes, cc: str) -> Optional[Path]:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "out.so"
         src.write_bytes(source)
-        done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
                               check=False)
         if done.returncode:
             log.debug("pagedattn: the native decode kernel did not compile (%s): %s", cc, done.stderr[-2000:])
@@ -200,13 +201,20 @@ def missing_prerequisite() -> Optional[str]:
 def load() -> Optional[ctypes.CDLL]:
     """The kernel's library, built on first use; None where it cannot run here (the reason goes to the debug
     log)."""
+    return build_library()
+
+
+def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """The kernel's library built with the C macros ``defines`` (``PAGEDATTN_NO_DPBF16``: bfloat16 scores by
+    widening, as on CPUs without AVX512-BF16, for tests) and cached like :func:`load`'s; None where it cannot run
+    here."""
     missing = missing_prerequisite()
     if missing:
         log.debug("pagedattn: native decode kernel off: %s", missing)
         return None
     source = resources.files("pagedattn.backends").joinpath("csrc/paged_decode.c").read_bytes()
     try:
-        path = _build(source, _compiler())
+        path = _build(source, _compiler(), defines)
         if path is None:
             return None
         lib = ctypes.CDLL(str(path))
@@ -222,7 +230,17 @@ def load() -> Optional[ctypes.CDLL]:
     lib.pagedattn_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
                                           ctypes.c_int64, ctypes.c_void_p]
     lib.pagedattn_argmax_rows.restype = ctypes.c_int
+    lib.pagedattn_features.argtypes = []
+    lib.pagedattn_features.restype = ctypes.c_int
     return lib
+
+
+FEATURE_DPBF16 = 1  # pagedattn_features(): bfloat16 scores by AVX512-BF16 pair dot products
+
+
+def features(lib: ctypes.CDLL) -> int:
+    """What the library was built with: a sum of ``FEATURE_*`` flags."""
+    return lib.pagedattn_features()
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -233,15 +251,18 @@ def library() -> Optional[ctypes.CDLL]:
 class DecodeCall:
     """One step's decode items, ready to run at every layer of the step.
 
-    ``items [n, 4]`` int64 rows of (query row, sequence, first visible key, keys): the query is the item's last key
-    and sees keys ``[first, keys)``; each item's keys are cut into parts of ``part_keys`` keys, the threads' units
-    of work (:func:`part_keys`).
+    ``items``: rows of (query row, sequence, first visible key, keys), an int64 ``[n, 4]`` tensor or a list of
+    tuples: the query is the item's last key and sees keys ``[first, keys)``; each item's keys are cut into parts
+    of ``part_keys`` keys, the threads' units of work (:func:`part_keys`).
     """
 
-    def __init__(self, lib: ctypes.CDLL, items: Tensor, part_keys: int, num_threads: int):
+    def __init__(self, lib: ctypes.CDLL, items, part_keys: int, num_threads: int):
+        # on the host: a step's few items cost less as a list than as tensor ops
+        rows = items.tolist() if isinstance(items, Tensor) else items
+        items = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4) if not isinstance(items, Tensor) else items
         self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
-        starts, total = [0], 0  # on the host: a step's few items cost less as a list than as tensor ops
-        for _, _, first, keys in items.tolist():
+        starts, total = [0], 0
+        for _, _, first, keys in rows:
             total += -(-max(1, keys - first) // part_keys)
             starts.append(total)
         self.parts_start = torch.tensor(starts, dtype=torch.int64)  # [n + 1]

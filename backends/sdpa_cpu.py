@@ -57,7 +57,8 @@ class _Split:
     fresh: tuple[_Seq, ...]
     rest: tuple[_Seq, ...]
     single_key: tuple  # the decodes, as the decode plan's memo key
-    fresh_items: Tensor = field(compare=False)  # [len(fresh), 6]: the fresh prefills as native.prefill's items
+    # [len(fresh), 6]: the fresh prefills as native.prefill's items; None without any (a decode step: no tensor op)
+    fresh_items: Optional[Tensor] = field(compare=False)
 
 
 def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
@@ -75,9 +76,9 @@ def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
     fresh = tuple(s for s in seqs if has_key and s.q_len > 1 and s.kv_len == s.q_len)
     fresh_ids = {s.index for s in fresh}
     rest = tuple(s for s in seqs if s.q_len > 1 and s.index not in fresh_ids)
-    items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh], dtype=torch.int64)
-    split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single),
-                   items.reshape(-1, 6))
+    items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh], dtype=torch.int64) \
+        if fresh else None
+    split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single), items)
     memo.insert(0, (query_start_loc, seq_lens, versions, has_key, split))
     del memo[_MEMO_TABLES:]
     return split
@@ -550,10 +551,10 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
     plans = _step_plans(block_tables)
     found = plans.get(key)
     if found is None:
-        items = torch.tensor([(s.start, s.index, reference.earliest_visible_key(s.kv_len - 1, params), s.kv_len)
-                              for s in split.single], dtype=torch.int64)  # [n, 4]
-        total = int((items[:, 3] - items[:, 2]).sum())
-        call = native.DecodeCall(lib, items, native.part_keys(total, threads, kv_cache.shape[2]), threads)
+        rows = [(s.start, s.index, reference.earliest_visible_key(s.kv_len - 1, params), s.kv_len)
+                for s in split.single]
+        total = sum(keys - first for _, _, first, keys in rows)
+        call = native.DecodeCall(lib, rows, native.part_keys(total, threads, kv_cache.shape[2]), threads)
         found = plans[key] = (call, block_tables.to(torch.int32).contiguous())
     return found
 

@@ -20,6 +20,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* bfloat16 scores by AVX512-BF16's pair dot products (exact bfloat16 products, float sums; bfloat16 subnormals,
+ * below 1.2e-38, count as zero) where the target has them; PAGEDATTN_NO_DPBF16 keeps the widening path */
+#if defined(__AVX512BF16__) && !defined(PAGEDATTN_NO_DPBF16)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
 #define MAX_HEAD 512  /* head size bound */
 #define MAX_GROUP 64  /* query heads per KV head */
 #ifndef PREFETCH_KEYS
@@ -27,6 +36,7 @@
                             * are evicted before use, and decodes from DRAM took 5-17 % longer on a 2-core EPYC */
 #endif
 #define TILE 32       /* keys scored at once (the scalar path; at least the vector path's 16) */
+#define CHUNK_TILES 8 /* the vector path's tiles scored before their softmax and weighted sums */
 
 typedef uint16_t bf16_t;
 
@@ -165,14 +175,19 @@ static inline __attribute__((always_inline)) void unit_start(const decode_args *
     }
 }
 
-/* a unit's sums, maxima and normalisers into its rows of the scratch, for the merge */
+/* a unit's sums, maxima and normalisers into its rows of the scratch, for the merge; sums kept de-interleaved
+ * (the vector path's bfloat16 ones: accumulate()) are put back in order */
 static inline __attribute__((always_inline)) void unit_finish(const decode_args *a, const float *state, int64_t unit,
-                                                              const int D) {
+                                                              const int D, int interleaved) {
     const int H = a->num_heads;
     const float *acc = state + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H;
     for (int h = 0; h < H; h++) {
         float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
-        memcpy(dst, acc + h * D, sizeof(float) * D);
+        const float *src = acc + h * D;
+        if (interleaved)
+            for (int d = 0; d < D; d++) dst[d] = src[(d & ~31) + (d & 1) * 16 + (d & 31) / 2];
+        else
+            memcpy(dst, src, sizeof(float) * D);
         dst[D] = m[h];
         dst[D + 1] = l[h];
     }
@@ -180,10 +195,11 @@ static inline __attribute__((always_inline)) void unit_finish(const decode_args 
 
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
  * converted keys and values, a tile of scores per head of a group (the scalar path); a zero row, and for the vector
- * path every head's 16 keys' partial sums, its 16 weights and its rescaling (plus room to align) */
+ * path every head's 16 keys' partial sums, a chunk's scores (then weights) and every head's running maximum over the
+ * chunk (plus room to align) */
 static int64_t state_floats(const decode_args *a) {
     const int64_t H = a->num_heads, D = a->head_size, G = a->num_heads / a->num_kv_heads;
-    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D + H * 16 * 16 + H * 16 + H + 16;
+    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D + H * 16 * 16 + H * CHUNK_TILES * 16 + H * 16 + 16;
 }
 
 /* one unit: an item's keys [k0, k1) for every head, a tile at a time (a tile's keys and values are read once for
@@ -257,7 +273,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
         }
         t0 += n;
     }
-    unit_finish(a, state, unit, D);
+    unit_finish(a, state, unit, D, 0);
 }
 
 /* ---- the vector path: head sizes that are multiples of 16, tiles of 16 keys (GCC/Clang vector extensions: the
@@ -339,23 +355,39 @@ static inline float hadd16(vf x) {
     return x[0];
 }
 
-/* B heads' sums rescaled by alpha, plus each key's weight times its value row: acc[b] [D] = alpha[b] * acc[b] +
- * sum over t < n of p[b][t] * v[t], with p [B][16]. B and D constants with B * D / 16 at most 24: every sum stays
- * in a register over the tile, each value row is loaded (and widened) once and each weight broadcast once */
-static inline __attribute__((always_inline)) void accumulate(float *acc, const float *p, const float *alpha,
-                                                             const char *const *v, int n, const int D, const int DT,
+/* B heads' sums plus a chunk's weighted value rows: acc[b] [D] += sum over the chunk's keys of p[b][key] * v[key].
+ * For bfloat16 (DT 1) the sums are kept de-interleaved: each 32 elements' even ones, then their odd ones
+ * (unit_finish puts them back in order), so that a value row widens with one shift or mask per 16 elements.
+ * Tile i of the chunk holds len[i] keys, key t's value row at v + base[i] + t * token_bytes, and its weights at
+ * p[b * pstride + i * 16 + t]. B and D constants with B * D / 16 at most 24: every sum stays in a register over the
+ * chunk, each value row is loaded (and widened) once and each weight broadcast once */
+static inline __attribute__((always_inline)) void accumulate(float *acc, const float *p, int64_t pstride,
+                                                             const char *v, const int64_t *base, const int *len,
+                                                             int nt, int64_t token_bytes, const int D, const int DT,
                                                              const int B) {
     const int NV = D / VL;
     const int64_t esz = DT == 0 ? 4 : 2;
     vf x[6][VEC_MAX_NV];  /* fixed sizes, not NV and B: a variable-length array would live in memory */
     for (int b = 0; b < B; b++)
-        for (int c = 0; c < NV; c++) x[b][c] = vload(acc + (int64_t)b * D + c * VL) * alpha[b];
-    for (int t = 0; t < n; t++) {
-        vf vt[VEC_MAX_NV];
-        for (int c = 0; c < NV; c++) vt[c] = vload_as_float(v[t] + c * VL * esz, DT);
-        for (int b = 0; b < B; b++) {
-            const vf pb = (vf){} + p[b * VL + t];
-            for (int c = 0; c < NV; c++) x[b][c] += pb * vt[c];
+        for (int c = 0; c < NV; c++) x[b][c] = vload(acc + (int64_t)b * D + c * VL);
+    for (int i = 0; i < nt; i++) {
+        const char *row = v + base[i];
+        for (int t = 0; t < len[i]; t++, row += token_bytes) {
+            vf vt[VEC_MAX_NV];
+            if (DT == 1) {  /* 32 bfloat16 as 16 words: the even elements shifted up, the odd ones masked */
+                for (int c = 0; c < NV / 2; c++) {
+                    vi w;
+                    memcpy(&w, row + c * 2 * VL * esz, sizeof w);
+                    vt[2 * c] = (vf)(w << 16);
+                    vt[2 * c + 1] = (vf)(w & (int32_t)0xffff0000u);
+                }
+            } else {
+                for (int c = 0; c < NV; c++) vt[c] = vload_as_float(row + c * VL * esz, DT);
+            }
+            for (int b = 0; b < B; b++) {
+                const vf pb = (vf){} + p[b * pstride + i * VL + t];
+                for (int c = 0; c < NV; c++) x[b][c] += pb * vt[c];
+            }
         }
     }
     for (int b = 0; b < B; b++)
@@ -365,103 +397,151 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
 /* the most heads accumulate() takes at once for head size D: 24 vector sums */
 #define ACC_HEADS(D) ((D) <= 64 ? 6 : (D) <= 128 ? 3 : 1)
 
-/* accumulate() over a group's G heads, ACC_HEADS(D) at a time (p [G][16], alpha [G]) */
-static inline __attribute__((always_inline)) void accumulate_group(float *acc, const float *p, const float *alpha,
-                                                                   const char *const *v, int n, const int D,
+/* accumulate() over a group's G heads, ACC_HEADS(D) at a time (p: G rows pstride floats apart) */
+static inline __attribute__((always_inline)) void accumulate_group(float *acc, const float *p, int64_t pstride,
+                                                                   const char *v, const int64_t *base, const int *len,
+                                                                   int nt, int64_t token_bytes, const int D,
                                                                    const int DT, int G) {
     const int most = ACC_HEADS(D);
     for (int g = 0; g < G;) {
         const int b = G - g < most ? G - g : most;
         float *ag = acc + (int64_t)g * D;
-        const float *pg = p + g * VL, *al = alpha + g;
+        const float *pg = p + g * pstride;
+#define ACC_CASE(B) accumulate(ag, pg, pstride, v, base, len, nt, token_bytes, D, DT, B)
         switch (b) {  /* the cases above `most` are never taken for this D: folded away */
-            case 6: if (most >= 6) accumulate(ag, pg, al, v, n, D, DT, 6); break;
-            case 5: if (most >= 5) accumulate(ag, pg, al, v, n, D, DT, 5); break;
-            case 4: if (most >= 4) accumulate(ag, pg, al, v, n, D, DT, 4); break;
-            case 3: if (most >= 3) accumulate(ag, pg, al, v, n, D, DT, 3); break;
-            case 2: if (most >= 2) accumulate(ag, pg, al, v, n, D, DT, 2); break;
-            default: accumulate(ag, pg, al, v, n, D, DT, 1);
+            case 6: if (most >= 6) ACC_CASE(6); break;
+            case 5: if (most >= 5) ACC_CASE(5); break;
+            case 4: if (most >= 4) ACC_CASE(4); break;
+            case 3: if (most >= 3) ACC_CASE(3); break;
+            case 2: if (most >= 2) ACC_CASE(2); break;
+            default: ACC_CASE(1);
         }
+#undef ACC_CASE
         g += b;
     }
 }
 
-/* run_unit for D a multiple of 16 and the cache's dtype DT (constants where inlined): keys scored 16 at a time,
- * each key's row read once and in order, every KV head's slice against its group's queries (walking one head's
- * slices of the tile's rows, then the next head's, reads ~12 % slower from DRAM); the heads' sums stay in vectors
- * over a tile's values */
+/* 16 keys' dot products with each query head of one KV head's group, before their lanes are summed: dots [H][16][16]
+ * gets, at [h][t], 16 partial sums of head h's query and key row kp. The query: q [H][D] scaled floats, or for
+ * bfloat16 pairs (DP) the query's own rows (qraw, heads q_head elements apart), unscaled */
+static inline __attribute__((always_inline)) void score_row(float *dots, const float *q, const char *qraw,
+                                                            int64_t q_head, const char *kp, int kvh, int G, int t,
+                                                            const int D, const int DT, const int DP) {
+    const int NV = D / VL;
+    const int64_t esz = DT == 0 ? 4 : 2;
+#if HAVE_DPBF16
+    if (DP) {
+        __m512i kc[VEC_MAX_NV / 2];
+        for (int c = 0; c < NV / 2; c++) kc[c] = _mm512_loadu_si512(kp + c * 64);
+        for (int g = 0; g < G; g++) {
+            const int h = kvh * G + g;
+            const char *qh = qraw + h * q_head * 2;
+            __m512 sv = _mm512_setzero_ps();
+            for (int c = 0; c < NV / 2; c++)
+                sv = _mm512_dpbf16_ps(sv, (__m512bh)_mm512_loadu_si512(qh + c * 64), (__m512bh)kc[c]);
+            _mm512_storeu_ps(dots + (h * VL + t) * VL, sv);
+        }
+        return;
+    }
+#else
+    (void)qraw, (void)q_head, (void)DP;
+#endif
+    const float *qk = q + (int64_t)kvh * G * D;
+    vf kc[VEC_MAX_NV];
+    for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kp + c * VL * esz, DT);
+    for (int g = 0; g < G; g++) {
+        vf sv = vload(qk + g * D) * kc[0];
+        for (int c = 1; c < NV; c++) sv += vload(qk + g * D + c * VL) * kc[c];
+        vstore(dots + ((kvh * G + g) * VL + t) * VL, sv);
+    }
+}
+
+/* run_unit for D a multiple of 16 and the cache's dtype DT (constants where inlined). A chunk of up to CHUNK_TILES
+ * tiles at a time: first every tile's scores (16 keys at once, each key's row read once and in order, every KV
+ * head's slice against its group's queries; walking one head's slices of the tile's rows, then the next head's,
+ * reads ~12 % slower from DRAM), then each head's maximum over the chunk, its sums rescaled once and the chunk's
+ * weights, then the weighted value rows with the heads' sums in vectors over the chunk. Rescaling per chunk instead
+ * of per tile keeps the maxima and normalisers, a chain of dependent steps per head, off the per-tile path. */
 static inline __attribute__((always_inline)) void run_unit_vec(const decode_args *a, float *state, int64_t unit,
                                                                int64_t item, int part, const int D, const int DT) {
     const int NV = D / VL;
-    const int64_t seq = a->items[4 * item + 1], hi = a->items[4 * item + 3];
+    const int64_t qrow = a->items[4 * item], seq = a->items[4 * item + 1], hi = a->items[4 * item + 3];
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, bs = a->block_size;
     const int64_t esz = DT == 0 ? 4 : 2;
+    const int DP = HAVE_DPBF16 && DT == 1;
     float *q = state, *acc = q + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H, *slope = l + H;
     float *zero = slope + H;  /* a row of D zero floats (zero in every dtype): a short tile's missing keys */
     float *dots = (float *)(((uintptr_t)(zero + D) + 63) & ~(uintptr_t)63);  /* [H][16 keys][16] partial sums */
-    float *wts = dots + H * VL * VL, *alph = wts + H * VL;  /* [H][16], [H] */
-    const char *vr[VL];  /* the tile's value rows of one KV head, in the cache's dtype */
+    const int64_t pstride = CHUNK_TILES * VL;
+    float *sc = dots + H * VL * VL, *top = sc + H * pstride;  /* [H][chunk's keys] scores, then weights; [H][16] */
+    const char *qraw = (const char *)a->query + qrow * a->q_row * esz;
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
-    const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;
+    const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz, token_bytes = a->c_token * esz;
     vi lane;
     for (int t = 0; t < VL; t++) lane[t] = t;
     for (int64_t t0 = k0; t0 < k1;) {
-        const int64_t in_block = t0 % bs;
-        int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
-        n = n < VL ? n : VL;
-        const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
-        const vi live = lane < n;
-        /* scores: each key's row read once, all its KV heads in turn (the row's lines in order) */
-        for (int t = 0; t < VL; t++) {
-            if (t < n && t0 + t + PREFETCH_KEYS < k1)
-                prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
-            const char *krow = t < n ? ck + base + t * a->c_token * esz : NULL;
-            for (int kvh = 0; kvh < Hkv; kvh++) {
-                const char *kp = krow ? krow + kvh * a->c_head * esz : (const char *)zero;
-                const float *qk = q + (int64_t)kvh * G * D;
-                vf kc[VEC_MAX_NV];
-                for (int c = 0; c < NV; c++) kc[c] = vload_as_float(kp + c * VL * esz, DT);
-                for (int g = 0; g < G; g++) {
-                    vf sv = vload(qk + g * D) * kc[0];
-                    for (int c = 1; c < NV; c++) sv += vload(qk + g * D + c * VL) * kc[c];
-                    vstore(dots + ((kvh * G + g) * VL + t) * VL, sv);
-                }
+        int64_t base[CHUNK_TILES];  /* tile i: byte offset of its first key in the caches, and its keys */
+        int len[CHUNK_TILES], nt = 0;
+        for (int h = 0; h < H; h++) vstore(top + h * VL, (vf){} - INFINITY);
+        for (; nt < CHUNK_TILES && t0 < k1; nt++) {
+            const int64_t in_block = t0 % bs;
+            int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
+            n = n < VL ? n : VL;
+            base[nt] = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
+            len[nt] = n;
+            for (int t = 0; t < VL; t++) {
+                if (t < n && t0 + t + PREFETCH_KEYS < k1)
+                    prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
+                const char *krow = t < n ? ck + base[nt] + t * token_bytes : NULL;
+                for (int kvh = 0; kvh < Hkv; kvh++)
+                    score_row(dots, q, qraw, a->q_head, krow ? krow + kvh * a->c_head * esz : (const char *)zero,
+                              kvh, G, t, D, DT, DP);
             }
+            const vi live = lane < n;
+            for (int h = 0; h < H; h++) {
+                vf s = hsum16((const vf *)(dots + h * VL * VL));
+                if (DP) s *= a->scale;
+                if (a->softcap > 0.0f || a->alibi_slopes) {
+                    float tmp[VL];
+                    vstore(tmp, s);
+                    for (int t = 0; t < VL; t++) {
+                        if (a->softcap > 0.0f) tmp[t] = a->softcap * tanhf(tmp[t] / a->softcap);
+                        if (a->alibi_slopes) tmp[t] += slope[h] * (float)(t0 + t - (hi - 1));
+                    }
+                    s = vload(tmp);
+                }
+                s = vselect(live, s, (vf){} - INFINITY);  /* a short tile's missing keys */
+                vstore(sc + h * pstride + nt * VL, s);
+                const vf tp = vload(top + h * VL);
+                vstore(top + h * VL, vselect(s > tp, s, tp));
+            }
+            t0 += n;
         }
         for (int h = 0; h < H; h++) {
-            vf sc = hsum16((const vf *)(dots + h * VL * VL));
-            if (a->softcap > 0.0f || a->alibi_slopes) {
-                float tmp[VL];
-                vstore(tmp, sc);
-                for (int t = 0; t < VL; t++) {
-                    if (a->softcap > 0.0f) tmp[t] = a->softcap * tanhf(tmp[t] / a->softcap);
-                    if (a->alibi_slopes) tmp[t] += slope[h] * (float)(t0 + t - (hi - 1));
-                }
-                sc = vload(tmp);
-            }
-            sc = vselect(live, sc, (vf){} - INFINITY);  /* a short tile's missing keys */
-            const float top = hmax16(sc), mx = top > m[h] ? top : m[h];
+            const float tmax = hmax16(vload(top + h * VL)), mx = tmax > m[h] ? tmax : m[h];
             const float alpha = exp_neg(m[h] - mx);
-            const vf pv = (vf)((vi)vexp_neg(sc - mx) & live);  /* they weigh 0 */
-            l[h] = l[h] * alpha + hadd16(pv);
-            m[h] = mx;
-            vstore(wts + h * VL, pv);
-            alph[h] = alpha;
-        }
-        for (int kvh = 0; kvh < Hkv; kvh++) {
-            for (int t = 0; t < VL; t++) {
-                const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
-                vr[t] = t < n ? cv + off : (const char *)zero;
+            float *ah = acc + (int64_t)h * D;
+            if (alpha != 1.0f)
+                for (int c = 0; c < NV; c++) vstore(ah + c * VL, vload(ah + c * VL) * alpha);
+            vf sum = {};
+            for (int i = 0; i < nt; i++) {
+                float *si = sc + h * pstride + i * VL;
+                const vf pv = (vf)((vi)vexp_neg(vload(si) - mx) & (lane < len[i]));  /* missing keys weigh 0 */
+                vstore(si, pv);
+                sum += pv;
             }
-            accumulate_group(acc + (int64_t)kvh * G * D, wts + kvh * G * VL, alph + kvh * G, vr, n, D, DT, G);
+            l[h] = l[h] * alpha + hadd16(sum);
+            m[h] = mx;
         }
-        t0 += n;
+        for (int kvh = 0; kvh < Hkv; kvh++)
+            accumulate_group(acc + (int64_t)kvh * G * D, sc + kvh * G * pstride, pstride,
+                             cv + kvh * a->c_head * esz, base, len, nt, token_bytes, D, DT, G);
     }
-    unit_finish(a, state, unit, D);
+    unit_finish(a, state, unit, D, DT == 1);
 }
 
 #define UNIT_VEC_DTYPES(D)                                                                                     \
@@ -487,6 +567,9 @@ static inline void store_dt(int DT, void *dst, int64_t i, float x) {
     else if (DT == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
     else ((_Float16 *)dst)[i] = (_Float16)x;
 }
+
+/* what this build has: 1 for bfloat16 scores by AVX512-BF16 pair dot products (native.py's FEATURE_*) */
+int pagedattn_features(void) { return HAVE_DPBF16 ? 1 : 0; }
 
 /* 0 when every index the call reads is in bounds, else what is wrong: the kernel never reads outside its tensors */
 static int check(const decode_args *a, const int64_t *parts_start) {

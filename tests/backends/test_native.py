@@ -25,14 +25,15 @@ def _built():
         skip_unless_missing_prerequisite()
 
 
-def _call(b, part_keys, threads, params):
-    """The batch's decodes (every sequence has one new token) straight through the kernel: ``[T, Hq, D]``."""
+def _call(b, part_keys, threads, params, lib=None):
+    """The batch's decodes (every sequence has one new token) straight through the kernel (``lib``, else the one
+    serving uses): ``[T, Hq, D]``."""
     torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
     lens = b.meta.seq_lens.tolist()
     from pagedattn.backends import reference
 
     items = torch.tensor([(i, i, reference.earliest_visible_key(n - 1, params), n) for i, n in enumerate(lens)])
-    call = native.DecodeCall(native.load(), items, part_keys, threads)
+    call = native.DecodeCall(lib or native.load(), items, part_keys, threads)
     out = torch.zeros_like(b.query)
     call(out, b.query, b.kv_cache, b.meta.block_tables, params.scale, params.softcap, params.alibi_slopes,
          params.sinks)
@@ -65,6 +66,45 @@ def test_decodes_match_the_reference(lens, dtype, head_size, group, block_size, 
     out = _call(b, part_keys, threads, batch_params(b, scale, **kw))
     ref = reference_step(b, scale, **kw)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def test_bfloat16_scores_take_the_cpus_pair_dot_products_where_it_has_them():
+    # the fast path must not be lost silently to a macro the compiler stops defining
+    has = bool(native.features(native.load()) & native.FEATURE_DPBF16)
+    assert has == _cpu_has_avx512_bf16()
+    assert not native.features(native.build_library(("PAGEDATTN_NO_DPBF16",))) & native.FEATURE_DPBF16
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    head_size=st.sampled_from([32, 64, 128, 256]),  # the vector path's
+    group=st.sampled_from([1, 3, 8]),
+    block_size=st.sampled_from([5, 16]),
+    build=st.sampled_from([(), ("PAGEDATTN_NO_DPBF16",)]),
+    feature=st.sampled_from([{}, {"window": 9}, {"softcap": 3.0, "alibi": True, "sinks": True}]),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_decodes_match_the_reference_with_and_without_pair_dot_products(lens, head_size, group, block_size,
+                                                                                  build, feature, seed):
+    b = make_batch([(n - 1, 1) for n in lens], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
+                   block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(seed))
+    kw = dict(window=feature.get("window", 0), softcap=feature.get("softcap", 0.0))
+    if feature.get("alibi"):
+        kw["alibi"] = torch.linspace(0.05, 0.8, 2 * group)
+    if feature.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, 2 * group)
+    scale = 1 / math.sqrt(head_size)
+    out = _call(b, 64, 2, batch_params(b, scale, **kw), lib=native.build_library(build))
+    torch.testing.assert_close(out.double(), reference_step(b, scale, **kw), atol=TOL[torch.bfloat16],
+                               rtol=TOL[torch.bfloat16])
 
 
 def test_a_query_that_sees_no_key_gets_zeros():

@@ -99,6 +99,27 @@ def test_frozen_step_guards_its_inputs_not_its_modules(llama, eager, monkeypatch
     assert {"input_ids", "kv_cache_0", "block_tables", "seq_lens"} <= matched
 
 
+def test_serving_steps_leave_out_inductors_output_checks_only_outside_validation(llama, eager, monkeypatch):
+    # the generated code's per-call checks that each kernel's output matches its fake stay under validation (as
+    # the tests run: every kernel is held to its fake) and are left out when serving
+    import pagedattn.program as program
+    from pagedattn.backends import set_validation
+
+    seen, real = [], program.torch.compile
+
+    def recording(*args, options=None, **kwargs):
+        seen.append(options)
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(program.torch, "compile", recording)
+    assert program.serving_step_options() == {}
+    set_validation(False)
+    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
+    ps = prompts()[:3]
+    assert engine.generate(ps, max_new_tokens=4) == eager.generate(ps, max_new_tokens=4)
+    assert seen and all(o["size_asserts"] is False and o["alignment_asserts"] is False for o in seen)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_cpu_step_is_compiled_with_frozen_packed_weights(compiled):
     # Inductor's freezing repacks the linear weights for oneDNN once (faster GEMMs at decode sizes); the
