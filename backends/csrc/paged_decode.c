@@ -31,9 +31,9 @@
 
 #define MAX_HEAD 512  /* head size bound */
 #define MAX_GROUP 64  /* query heads per KV head */
-#ifndef PREFETCH_KEYS
-#define PREFETCH_KEYS 8  /* keys read ahead of the one being scored: further ahead (32) the lines asked for into L1
-                            * are evicted before use, and decodes from DRAM took 5-17 % longer on a 2-core EPYC */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192  /* K and V bytes read ahead of the key being scored (prefetch_ahead): on a 2-core EPYC,
+                              * half as far made decodes from DRAM 7-15 % slower, twice as far 0-9 % */
 #endif
 #define TILE 32       /* keys scored at once (the scalar path; at least the vector path's 16) */
 #define CHUNK_TILES 8 /* the vector path's tiles scored before their softmax and weighted sums */
@@ -142,8 +142,8 @@ static inline __attribute__((always_inline)) void rows_as_float(const float **ou
 }
 
 /* key j's rows (every head), K and V, asked for from memory: block addresses come from the table, so no hardware
- * prefetcher sees them coming. Asked for PREFETCH_KEYS keys ahead, one key per key attended (spread over the work:
- * a burst of prefetches only queues behind the memory system) */
+ * prefetcher sees them coming. Asked for prefetch_ahead() keys ahead, one key per key attended (spread over the
+ * work: a burst of prefetches only queues behind the memory system) */
 static inline void prefetch_key(const decode_args *a, const int32_t *table, const char *ck, const char *cv, int64_t j,
                                 int64_t row_bytes, int64_t esz) {
     const int64_t off = ((int64_t)table[j / a->block_size] * a->c_block + (j % a->block_size) * a->c_token) * esz;
@@ -151,6 +151,13 @@ static inline void prefetch_key(const decode_args *a, const int32_t *table, cons
         __builtin_prefetch(ck + off + o, 0, 3);
         __builtin_prefetch(cv + off + o, 0, 3);
     }
+}
+
+/* how many keys ahead prefetch_key() asks for: PREFETCH_BYTES of K and V rows (row_bytes each), 4 to 32 keys (a
+ * fixed count of keys was too near for small rows and too far for large ones: lines evicted from L1 before use) */
+static inline int64_t prefetch_ahead(int64_t row_bytes) {
+    const int64_t keys = PREFETCH_BYTES / (2 * row_bytes);
+    return keys < 4 ? 4 : keys > 32 ? 32 : keys;
 }
 
 /* The state a unit starts from, for every head: its query (scaled, as float), zero sums, maxima -inf, normalisers 0
@@ -218,13 +225,14 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;  /* a token's heads, first to last */
+    const int64_t ahead = prefetch_ahead(row_bytes);
     for (int64_t t0 = k0; t0 < k1;) {
         const int64_t in_block = t0 % bs;
         int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
         n = n < TILE ? n : TILE;
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
-        for (int t = 0; t < n && t0 + t + PREFETCH_KEYS < k1; t++)
-            prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
+        for (int t = 0; t < n && t0 + t + ahead < k1; t++)
+            prefetch_key(a, table, ck, cv, t0 + t + ahead, row_bytes, esz);
         for (int kvh = 0; kvh < Hkv; kvh++) {
             for (int t = 0; t < n; t++) {
                 const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
@@ -293,6 +301,10 @@ static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* x in every lane: one broadcast (`(vf){} + x` also adds the zeros, and `v * 0.0f + x` multiplies: neither may be
+ * folded away, as -0.0 and infinities behave differently) */
+static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
 /* lanes (0, 2, ..., 30) and (1, 3, ..., 31) of a:b, added: the pairwise sums of a, then of b */
 static inline vf pairsum(vf a, vf b) {
     const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
@@ -311,10 +323,10 @@ static inline vf hsum16(const vf *x) {
 
 /* exp_neg on 16 lanes (rounding by adding and removing 1.5 * 2^23: exact for |x * log2 e| < 2^22) */
 static inline vf vexp_neg(vf x) {
-    const vf lowest = x * 0.0f - 87.0f;
+    const vf lowest = vsplat(-87.0f);
     x = vselect(x < lowest, lowest, x);
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    vf r, p = x * 0.0f + EXP_P5;
+    vf r, p = vsplat(EXP_P5);
     EXP_POLY(x, n, r, p);
     const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)e;
@@ -385,7 +397,7 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
                 for (int c = 0; c < NV; c++) vt[c] = vload_as_float(row + c * VL * esz, DT);
             }
             for (int b = 0; b < B; b++) {
-                const vf pb = (vf){} + p[b * pstride + i * VL + t];
+                const vf pb = vsplat(p[b * pstride + i * VL + t]);
                 for (int c = 0; c < NV; c++) x[b][c] += pb * vt[c];
             }
         }
@@ -481,6 +493,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz, token_bytes = a->c_token * esz;
+    const int64_t ahead = prefetch_ahead(row_bytes);
     vi lane;
     for (int t = 0; t < VL; t++) lane[t] = t;
     for (int64_t t0 = k0; t0 < k1;) {
@@ -494,8 +507,8 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             base[nt] = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
             len[nt] = n;
             for (int t = 0; t < VL; t++) {
-                if (t < n && t0 + t + PREFETCH_KEYS < k1)
-                    prefetch_key(a, table, ck, cv, t0 + t + PREFETCH_KEYS, row_bytes, esz);
+                if (t < n && t0 + t + ahead < k1)
+                    prefetch_key(a, table, ck, cv, t0 + t + ahead, row_bytes, esz);
                 const char *krow = t < n ? ck + base[nt] + t * token_bytes : NULL;
                 for (int kvh = 0; kvh < Hkv; kvh++)
                     score_row(dots, q, qraw, a->q_head, krow ? krow + kvh * a->c_head * esz : (const char *)zero,
