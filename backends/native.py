@@ -258,8 +258,10 @@ class DecodeCall:
 
     def __init__(self, lib: ctypes.CDLL, items, part_keys: int, num_threads: int):
         # on the host: a step's few items cost less as a list than as tensor ops
-        rows = items.tolist() if isinstance(items, Tensor) else items
-        items = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4) if not isinstance(items, Tensor) else items
+        if isinstance(items, Tensor):
+            rows = items.tolist()
+        else:
+            rows, items = items, torch.tensor(items, dtype=torch.int64).reshape(-1, 4)
         self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
         starts, total = [0], 0
         for _, _, first, keys in rows:
