@@ -398,7 +398,6 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")
 
 
-
 def argmax_rows(lib: ctypes.CDLL, logits: Tensor) -> Optional[list[int]]:
     """Each row's argmax of ``logits [R, V]``, as ``torch.argmax`` gives it (the first maximum; a row's first NaN
     where it holds one), read in the logits' own dtype; None where the tensor does not suit the kernel as it is (not

@@ -2,6 +2,7 @@
 reference, its parts and threads, its refusals of out-of-bounds metadata, its build cache and its fallbacks.
 The sdpa_cpu tests run every CPU step through it as well (tests/backends/conftest.py's ``decode_path``)."""
 
+import functools
 import math
 import os
 import re
@@ -40,6 +41,22 @@ def _call(b, part_keys, threads, params, lib=None):
     return out
 
 
+def _feature_params(feature: dict, num_heads: int) -> dict:
+    """A feature of the strategies below as ``batch_params`` / ``reference_step`` keywords, for ``num_heads``."""
+    kw = dict(window=feature.get("window", 0), softcap=feature.get("softcap", 0.0), causal=feature.get("causal", True))
+    if feature.get("alibi"):
+        kw["alibi"] = torch.linspace(0.05, 0.8, num_heads)
+    if feature.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, num_heads)
+    return kw
+
+
+@functools.lru_cache(maxsize=1)
+def _widening_build():
+    """The library with bfloat16 scores by widening, as CPUs without AVX512-BF16 build it."""
+    return native.build_library(("PAGEDATTN_NO_DPBF16",))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(1, 300), min_size=1, max_size=6),
@@ -56,12 +73,7 @@ def _call(b, part_keys, threads, params, lib=None):
 def test_decodes_match_the_reference(lens, dtype, head_size, group, block_size, part_keys, threads, feature, seed):
     b = make_batch([(n - 1, 1) for n in lens], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                    block_size=block_size, dtype=dtype, generator=torch.Generator().manual_seed(seed))
-    kw = dict(window=feature.get("window", 0), softcap=feature.get("softcap", 0.0),
-              causal=feature.get("causal", True))
-    if feature.get("alibi"):
-        kw["alibi"] = torch.linspace(0.05, 0.8, 2 * group)
-    if feature.get("sinks"):
-        kw["sinks"] = torch.linspace(-2.0, 3.0, 2 * group)
+    kw = _feature_params(feature, 2 * group)
     scale = 1 / math.sqrt(head_size)
     out = _call(b, part_keys, threads, batch_params(b, scale, **kw))
     ref = reference_step(b, scale, **kw)
@@ -79,30 +91,29 @@ def test_bfloat16_scores_take_the_cpus_pair_dot_products_where_it_has_them():
     # the fast path must not be lost silently to a macro the compiler stops defining
     has = bool(native.features(native.load()) & native.FEATURE_DPBF16)
     assert has == _cpu_has_avx512_bf16()
-    assert not native.features(native.build_library(("PAGEDATTN_NO_DPBF16",))) & native.FEATURE_DPBF16
+    assert not native.features(_widening_build()) & native.FEATURE_DPBF16
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    # up to 600 keys in one unit (part_keys 4096): several chunks of 8 tiles with whole blocks of 16, as with 5
+    lens=st.lists(st.integers(1, 600), min_size=1, max_size=4),
     head_size=st.sampled_from([32, 64, 128, 256]),  # the vector path's
     group=st.sampled_from([1, 3, 8]),
     block_size=st.sampled_from([5, 16]),
-    build=st.sampled_from([(), ("PAGEDATTN_NO_DPBF16",)]),
+    part_keys=st.sampled_from([7, 64, 4096]),
+    widening=st.booleans(),
     feature=st.sampled_from([{}, {"window": 9}, {"softcap": 3.0, "alibi": True, "sinks": True}]),
     seed=st.integers(0, 2**16),
 )
 def test_bfloat16_decodes_match_the_reference_with_and_without_pair_dot_products(lens, head_size, group, block_size,
-                                                                                  build, feature, seed):
+                                                                                  part_keys, widening, feature, seed):
     b = make_batch([(n - 1, 1) for n in lens], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                    block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(seed))
-    kw = dict(window=feature.get("window", 0), softcap=feature.get("softcap", 0.0))
-    if feature.get("alibi"):
-        kw["alibi"] = torch.linspace(0.05, 0.8, 2 * group)
-    if feature.get("sinks"):
-        kw["sinks"] = torch.linspace(-2.0, 3.0, 2 * group)
+    kw = _feature_params(feature, 2 * group)
     scale = 1 / math.sqrt(head_size)
-    out = _call(b, 64, 2, batch_params(b, scale, **kw), lib=native.build_library(build))
+    lib = _widening_build() if widening else native.load()
+    out = _call(b, part_keys, 2, batch_params(b, scale, **kw), lib=lib)
     torch.testing.assert_close(out.double(), reference_step(b, scale, **kw), atol=TOL[torch.bfloat16],
                                rtol=TOL[torch.bfloat16])
 
