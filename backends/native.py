@@ -43,11 +43,14 @@ log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
-           "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16"]
+           "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
+           "FEATURE_LINEAR_BF16", "linear", "LINEAR_PLAIN", "LINEAR_PANELS", "to_panels",
+           "linear_panel_bytes", "onednn_bytes"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
 MAX_GROUP = 64  # and MAX_GROUP
+_SOURCES = ("paged_decode.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 
@@ -83,6 +86,18 @@ class _WriteArgs(ctypes.Structure):
         ("num_tokens", ctypes.c_int64), ("num_blocks", ctypes.c_int64),
         ("num_kv_heads", ctypes.c_int32), ("head_size", ctypes.c_int32), ("block_size", ctypes.c_int32),
         ("element_size", ctypes.c_int32),
+    ]
+
+
+class _LinearArgs(ctypes.Structure):
+    """``linear_args`` of ``csrc/small_linear.c``, field for field."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("x_row", ctypes.c_int64), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("o_row", ctypes.c_int64),
+        ("M", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+        ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("layout", ctypes.c_int32),
+        ("w_bytes", ctypes.c_int64),
     ]
 
 
@@ -159,12 +174,14 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(source: bytes, cc: str, defines: tuple[str, ...] = ()) -> Optional[Path]:
-    """The shared object for ``source``: cached, else compiled into the cache (atomically: processes may race). A
-    cache folder others may write to is not used: the object is then built afresh in a private temporary folder."""
+def _build(sources: dict[str, bytes], cc: str, defines: tuple[str, ...] = ()) -> Optional[Path]:
+    """The shared object of ``sources`` (file name: text): cached, else compiled into the cache (atomically:
+    processes may race). A cache folder others may write to is not used: the object is then built afresh in a
+    private temporary folder."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     flags = (*_FLAGS, *(f"-D{d}" for d in defines))
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+    named = [b"%s\0%s" % (name.encode(), text) for name, text in sorted(sources.items())]
+    key = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(),
                                      platform.machine().encode(), platform.node().encode(),
                                      _cpu_features().encode()])).hexdigest()[:24]
     target = _cache_dir() / f"paged_decode-{key}.so"
@@ -176,9 +193,11 @@ def _build(source: bytes, cc: str, defines: tuple[str, ...] = ()) -> Optional[Pa
     if target.exists() and _private(target):
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, obj = Path(tmp) / "paged_decode.c", Path(tmp) / "out.so"
-        src.write_bytes(source)
-        done = subprocess.run([cc, *flags, str(src), "-o", str(obj), "-lm"], capture_output=True, text=True,
+        files = [Path(tmp) / name for name in sorted(sources)]
+        for f in files:
+            f.write_bytes(sources[f.name])
+        obj = Path(tmp) / "out.so"
+        done = subprocess.run([cc, *flags, *map(str, files), "-o", str(obj), "-lm"], capture_output=True, text=True,
                               check=False)
         if done.returncode:
             log.debug("pagedattn: the native decode kernel did not compile (%s): %s", cc, done.stderr[-2000:])
@@ -212,9 +231,10 @@ def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     if missing:
         log.debug("pagedattn: native decode kernel off: %s", missing)
         return None
-    source = resources.files("pagedattn.backends").joinpath("csrc/paged_decode.c").read_bytes()
+    csrc = resources.files("pagedattn.backends").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES}
     try:
-        path = _build(source, _compiler(), defines)
+        path = _build(sources, _compiler(), defines)
         if path is None:
             return None
         lib = ctypes.CDLL(str(path))
@@ -232,15 +252,21 @@ def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     lib.pagedattn_argmax_rows.restype = ctypes.c_int
     lib.pagedattn_features.argtypes = []
     lib.pagedattn_features.restype = ctypes.c_int
+    lib.pagedattn_linear_features.argtypes = []
+    lib.pagedattn_linear_features.restype = ctypes.c_int
+    lib.pagedattn_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
+    lib.pagedattn_linear.restype = ctypes.c_int
     return lib
 
 
-FEATURE_DPBF16 = 1  # pagedattn_features(): bfloat16 scores by AVX512-BF16 pair dot products
+FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products
+FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512)
+FEATURE_LINEAR_BF16 = 4  # and its bfloat16 one (AVX512-BF16)
 
 
 def features(lib: ctypes.CDLL) -> int:
     """What the library was built with: a sum of ``FEATURE_*`` flags."""
-    return lib.pagedattn_features()
+    return lib.pagedattn_features() | lib.pagedattn_linear_features() << 1
 
 
 def library() -> Optional[ctypes.CDLL]:
@@ -410,3 +436,92 @@ def argmax_rows(lib: ctypes.CDLL, logits: Tensor) -> Optional[list[int]]:
                                  logits.stride(0), out.data_ptr()):
         return None
     return out.tolist()
+
+
+_LINEAR_DTYPES = {torch.float32: (0, FEATURE_LINEAR_F32), torch.bfloat16: (1, FEATURE_LINEAR_BF16)}  # code, feature
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_codes(lib: ctypes.CDLL) -> dict:
+    """The dtypes ``lib`` has a linear kernel for, with their codes."""
+    return {dtype: code for dtype, (code, feature) in _LINEAR_DTYPES.items() if features(lib) & feature}
+
+
+
+
+def _onednn_op(name: str):
+    """A ``torch.ops.mkldnn`` overload (itself: a packet's call resolves one each time), None in a build without."""
+    try:
+        return getattr(torch.ops.mkldnn, name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# a oneDNN tensor's buffer
+_onednn_nbytes = _onednn_op("_nbytes")
+_onednn_data_ptr = _onednn_op("data_ptr")
+
+LINEAR_PLAIN = 0  # pagedattn_linear's weight layouts: [N, K], rows contiguous
+LINEAR_PANELS = 1  # oneDNN's packed weights in panels of 64 columns (csrc/small_linear.c, linear_panels)
+
+
+def linear_panel_bytes(weight: Tensor) -> int:
+    """Bytes of ``weight [N, K]`` laid out in :data:`LINEAR_PANELS` (N and K padded with zeros)."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return -(-n // 64) * -(-k // 32) * 4096
+    return -(-n // 64) * -(-k // 16) * 4096
+
+
+def to_panels(weight: Tensor) -> Tensor:
+    """``weight [N, K]`` (float32 or bfloat16) in :data:`LINEAR_PANELS`, flat: the bytes the kernel reads."""
+    n, k = weight.shape
+    step, inner = (32, 2) if weight.dtype == torch.bfloat16 else (16, 1)
+    np_, kp = -(-n // 64) * 64, -(-k // step) * step
+    padded = weight.new_zeros((np_, kp))
+    padded[:n, :k] = weight
+    # [panel, 64 columns, step, slices, inner] -> [panel, step, slices, 64 columns, inner]
+    return padded.reshape(np_ // 64, 64, kp // step, step // inner, inner).permute(0, 2, 3, 1, 4).reshape(-1)
+
+
+def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], num_threads: int,
+           layout: int = LINEAR_PLAIN) -> Optional[Tensor]:
+    """``x [..., K] @ weight [N, K].T + bias [N]`` by ``csrc/small_linear.c``, made for few rows of ``x`` (it reads
+    the weights once per call), or None (nothing computed) where the tensors do not suit it: then the caller computes
+    it another way. It takes CPU tensors of one dtype the library has a kernel for, ``bias`` contiguous or None, and a
+    ``weight`` that is contiguous (:data:`LINEAR_PLAIN`) or a oneDNN tensor whose buffer has the size of ``layout``
+    (:data:`LINEAR_PLAIN` or :data:`LINEAR_PANELS`: that it holds that layout is the caller's to prove, as
+    ``cpu_linear.proven_layout`` does)."""
+    code = _linear_codes(lib).get(x.dtype)
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    if code is None or weight.dtype != x.dtype or k == 0 or x.dim() == 0 or x.shape[-1] != k or not x.is_cpu \
+            or (bias is not None and not (bias.dtype == x.dtype and bias.is_cpu and bias.shape == (n,)
+                                          and bias.is_contiguous())):
+        return None
+    if weight.is_mkldnn:
+        if _onednn_nbytes is None:
+            return None
+        w, size = _onednn_data_ptr(weight), _onednn_nbytes(weight)
+    elif layout == LINEAR_PLAIN and weight.is_cpu and weight.is_contiguous():
+        w, size = weight.data_ptr(), n * k * weight.element_size()
+    else:
+        return None
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = x.new_empty((m, n))
+    if lib.pagedattn_linear(ctypes.byref(_LinearArgs(
+            rows.data_ptr(), rows.stride(0), w, None if bias is None else bias.data_ptr(), out.data_ptr(), n, m, n, k,
+            code, num_threads, layout, size))):
+        return None  # a layout it does not know, or a buffer of another size: nothing written
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def onednn_bytes(weight: Tensor) -> Tensor:
+    """A copy of the bytes of a oneDNN (``is_mkldnn``) tensor's buffer, as uint8: what its packed layout holds."""
+    if _onednn_nbytes is None or _onednn_data_ptr is None:
+        raise RuntimeError("this torch has no oneDNN tensors")
+    n = _onednn_nbytes(weight)
+    return torch.frombuffer((ctypes.c_uint8 * n).from_address(_onednn_data_ptr(weight)), dtype=torch.uint8,
+                            count=n).clone() if n else torch.empty(0, dtype=torch.uint8)

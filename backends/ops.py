@@ -28,7 +28,7 @@ from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_
 from pagedattn.backends.params import AttentionParams, params_schema
 
 __all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET",
-           "dropin_values", "forget_prepared_calls"]
+           "dropin_values", "forget_prepared_calls", "linear"]
 
 _PARAMS = params_schema()
 # positional index of the first AttentionParams field in each op's arguments
@@ -184,6 +184,27 @@ torch.library.register_fake("pagedattn::write_kv_cache", lambda key, value, kv_c
 torch.library.register_fake("pagedattn::write_kv_cache_functional",
                             lambda key, value, kv_cache, slot_mapping: torch.empty_like(kv_cache), lib=_LIB)
 torch.library.register_fake("pagedattn::paged_attention", _fake_paged_attention, lib=_LIB)
+
+
+# ---------------------------------------------------------------- a serving step's linears on the CPU
+
+# Put in place of oneDNN's linears by an Inductor pass over a frozen CPU step (pagedattn.backends.cpu_linear),
+# never by the rewrite: the same product, by the native kernel at decode sizes.
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int layout) -> Tensor")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Tensor:
+    """``x [..., K] @ weight [N, K].T (+ bias [N])`` on the CPU, ``weight`` oneDNN-packed with its buffer in
+    ``layout`` (:func:`pagedattn.backends.cpu_linear.linear`)."""
+    from pagedattn.backends import cpu_linear
+
+    return cpu_linear.linear(x, weight, bias, layout)
+
+
+_LIB.impl("linear", torch.compiler.disable(linear), "CPU")
+_LIB.impl("linear", torch.compiler.disable(linear), "MkldnnCPU")  # the dispatch key of a oneDNN-packed weight
+torch.library.register_fake("pagedattn::linear",
+                            lambda x, weight, bias, layout: x.new_empty((*x.shape[:-1], weight.shape[0])), lib=_LIB)
 
 
 # ---------------------------------------------------------------- canonical attention

@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from pagedattn.backends import AttentionBackend, CacheSpec, get_backend, position_mod, use_backend, validation_enabled
+from pagedattn.backends.cpu_linear import SmallLinears
 from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
@@ -297,7 +298,7 @@ class RewrittenModel(nn.Module):
         return self._variants[key]
 
     def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache",
-                      freeze: Optional[bool] = None) -> "RewrittenModel":
+                      freeze: Optional[bool] = None, small_linears: Optional[bool] = None) -> "RewrittenModel":
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
 
         ``freeze``: Inductor's freezing (``torch._inductor.config.freezing``): the weights become constants of
@@ -307,6 +308,11 @@ class RewrittenModel(nn.Module):
         then ignores later changes to the model's weights, and Dynamo does not guard the graph module's
         attributes (:func:`frozen_step_options`). It applies to steps run without gradients, as the
         engine runs them.
+
+        ``small_linears``: with freezing on the CPU, linears of up to ``cpu_linear.SMALL_ROWS`` rows (decode steps)
+        run by pagedattn's native kernel and larger ones by oneDNN on the plain weights, which replace the packed
+        ones (:class:`pagedattn.backends.cpu_linear.SmallLinears`). ``None`` (default): on where the native library
+        has the kernel.
 
         ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
         in fp32 (:class:`pagedattn.passes.Fp32Matmuls`; 3-9x faster there): ``"cache"`` converts their
@@ -326,6 +332,10 @@ class RewrittenModel(nn.Module):
         options = frozen_step_options(freeze)
         if backend == "inductor":
             options = {**(options or {}), **serving_step_options()} or None
+        if small_linears and not (freeze and self.target == "cpu"):
+            raise ValueError("small_linears=True needs a CPU step compiled with freezing (freeze=True)")
+        if freeze and self.target == "cpu" and small_linears is not False:
+            options = {**(options or {}), "post_grad_custom_pre_pass": SmallLinears()}
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True, options=options)
         if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
             self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True, options=options)

@@ -1,0 +1,384 @@
+/* Linear layers of a few rows on the CPU: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32 or bfloat16, sums in
+ * float32 and one rounding to the output's dtype (as oneDNN's). Built into the same library as paged_decode.c.
+ *
+ * Why: a decode step's linears have as many rows as the step has sequences (a few to a few dozen), so each weight
+ * is read once for little arithmetic and the step is bound by reading weights. oneDNN costs ~10 us of set-up per
+ * call (descriptors, allocations) and, at 16 rows, reads weights from DRAM at half the copy rate; this kernel reads
+ * the weights as they are ([N, K], rows contiguous), one stretch of rows per thread with the lines ahead requested,
+ * and keeps every (row, column) sum of a 4 x 4 block in registers along K.
+ *
+ * A block's 16 sums are vectors over K (16 lanes of partial sums); one tree of shuffles turns the 16 into one vector
+ * of 16 totals. bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal
+ * bfloat16 inputs, below 1.2e-38, count as zero), float32 AVX-512 FMAs. Without them the library reports no linear
+ * kernel (pagedattn_features) and callers keep oneDNN.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_LINEAR_F32 1
+#else
+#define HAVE_LINEAR_F32 0
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_LINEAR_BF16 1
+#else
+#define HAVE_LINEAR_BF16 0
+#endif
+
+#ifndef LINEAR_PREFETCH_BYTES
+#define LINEAR_PREFETCH_BYTES 8192 /* weight bytes requested ahead of the block being read: on a 2-core EPYC, 4 KiB
+                                    * and 16 KiB were 0-10 % slower from DRAM, the hardware's prefetch alone ~1.6x */
+#endif
+
+int pagedattn_linear_features(void) { return (HAVE_LINEAR_F32 ? 1 : 0) | (HAVE_LINEAR_BF16 ? 2 : 0); }
+
+#if HAVE_LINEAR_F32
+#include <omp.h>
+
+typedef uint16_t lin_bf16_t;
+
+/* two vectors -> one: a's halves summed in the low half, b's in the high; then quarters, pairs, lanes */
+static inline __m512 fold2(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+static inline __m512 fold4(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+static inline __m512 fold8(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+static inline __m512 fold16(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+/* acc[m * 4 + n] (16 vectors) -> one vector whose lane m * 4 + n is acc[m * 4 + n]'s lane sum */
+static inline __m512 block_totals(const __m512 *acc) {
+    __m512 a0 = fold2(acc[0], acc[1]), a1 = fold2(acc[2], acc[3]), a2 = fold2(acc[4], acc[5]);
+    __m512 a3 = fold2(acc[6], acc[7]), a4 = fold2(acc[8], acc[9]), a5 = fold2(acc[10], acc[11]);
+    __m512 a6 = fold2(acc[12], acc[13]), a7 = fold2(acc[14], acc[15]);
+    __m512 b0 = fold4(a0, a1), b1 = fold4(a2, a3), b2 = fold4(a4, a5), b3 = fold4(a6, a7);
+    __m512 t = fold16(fold8(b0, b1), fold8(b2, b3));  /* lane n * 4 + m holds acc[m * 4 + n]'s total */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+/* The 4 x 4 (rows x columns) sums along K, in block_totals' order: rows x0..x3, weight rows w0..w3 (pointers may
+ * repeat: padding). Whole vectors, then one masked step for K's remainder. Inlined so that the 16 sums stay in
+ * registers. */
+#define SUMS_STEP(LOADW, LOADX, MAC)                                                     \
+    do {                                                                                 \
+        const VEC_T v0 = LOADW(w0), v1 = LOADW(w1), v2 = LOADW(w2), v3 = LOADW(w3);      \
+        const VEC_T u0 = LOADX(x0), u1 = LOADX(x1), u2 = LOADX(x2), u3 = LOADX(x3);      \
+        MAC(0, v0, u0); MAC(1, v1, u0); MAC(2, v2, u0); MAC(3, v3, u0);                  \
+        MAC(4, v0, u1); MAC(5, v1, u1); MAC(6, v2, u1); MAC(7, v3, u1);                  \
+        MAC(8, v0, u2); MAC(9, v1, u2); MAC(10, v2, u2); MAC(11, v3, u2);                \
+        MAC(12, v0, u3); MAC(13, v1, u3); MAC(14, v2, u3); MAC(15, v3, u3);              \
+    } while (0)
+
+#define VEC_T __m512
+#define FMA(i, v, u) acc[i] = _mm512_fmadd_ps(v, u, acc[i])
+static inline __attribute__((always_inline)) __m512 sums_f32(const float *x0, const float *x1, const float *x2,
+                                                             const float *x3, const float *w0, const float *w1,
+                                                             const float *w2, const float *w3, int64_t K) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+#define LOAD(p) _mm512_loadu_ps(p + k)
+    for (; k + 16 <= K; k += 16) SUMS_STEP(LOAD, LOAD, FMA);
+#undef LOAD
+    if (k < K) {
+        const __mmask16 mk = (__mmask16)((1u << (K - k)) - 1u);
+#define LOAD(p) _mm512_maskz_loadu_ps(mk, p + k)
+        SUMS_STEP(LOAD, LOAD, FMA);
+#undef LOAD
+    }
+    return block_totals(acc);
+}
+#undef FMA
+#undef VEC_T
+
+#if HAVE_LINEAR_BF16
+#define VEC_T __m512bh
+#define DP(i, v, u) acc[i] = _mm512_dpbf16_ps(acc[i], v, u)
+static inline __attribute__((always_inline)) __m512 sums_bf16(const lin_bf16_t *x0, const lin_bf16_t *x1,
+                                                              const lin_bf16_t *x2, const lin_bf16_t *x3,
+                                                              const lin_bf16_t *w0, const lin_bf16_t *w1,
+                                                              const lin_bf16_t *w2, const lin_bf16_t *w3, int64_t K) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+#define LOAD(p) (__m512bh) _mm512_loadu_si512(p + k)
+    for (; k + 32 <= K; k += 32) SUMS_STEP(LOAD, LOAD, DP);
+#undef LOAD
+    if (k < K) {
+        const __mmask32 mk = (__mmask32)((1u << (K - k)) - 1u);
+#define LOAD(p) (__m512bh) _mm512_maskz_loadu_epi16(mk, p + k)
+        SUMS_STEP(LOAD, LOAD, DP);
+#undef LOAD
+    }
+    return block_totals(acc);
+}
+#undef DP
+#undef VEC_T
+#endif
+
+static inline float lin_bf16_to_f32(lin_bf16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef struct {
+    const void *x;
+    int64_t x_row; /* elements between rows of x */
+    const void *w; /* layout 0: [N, K], rows contiguous; 1: panels (see linear_panels) */
+    const void *bias; /* [N] or NULL */
+    void *out;
+    int64_t o_row;
+    int64_t M, N, K;
+    int32_t dtype; /* 0 float32, 1 bfloat16 */
+    int32_t num_threads;
+    int32_t layout;
+    int64_t w_bytes; /* the weight buffer's size: the layout's own, or the call refuses */
+} linear_args;
+
+/* One 4 x 4 block of out: rows m0.., columns n0.., mb x nb of them valid */
+static inline __attribute__((always_inline)) void block(const linear_args *a, int64_t m0, int mb, int64_t n0, int nb, const int bf) {
+    const int64_t K = a->K;
+    const size_t esz = bf ? 2 : 4;
+    const char *xs[4], *ws[4];
+    for (int i = 0; i < 4; i++) {
+        xs[i] = (const char *)a->x + (size_t)(m0 + (i < mb ? i : mb - 1)) * a->x_row * esz;
+        ws[i] = (const char *)a->w + (size_t)(n0 + (i < nb ? i : nb - 1)) * K * esz;
+    }
+    __m512 t;
+#if HAVE_LINEAR_BF16
+    if (bf) {
+        const lin_bf16_t *const *x = (const lin_bf16_t *const *)xs, *const *w = (const lin_bf16_t *const *)ws;
+        t = sums_bf16(x[0], x[1], x[2], x[3], w[0], w[1], w[2], w[3], K);
+    } else
+#endif
+    {
+        const float *const *x = (const float *const *)xs, *const *w = (const float *const *)ws;
+        t = sums_f32(x[0], x[1], x[2], x[3], w[0], w[1], w[2], w[3], K);
+    }
+    if (a->bias) {
+        float b[4];
+        for (int n = 0; n < 4; n++) {
+            int64_t c = n0 + (n < nb ? n : nb - 1);
+            b[n] = bf ? lin_bf16_to_f32(((const lin_bf16_t *)a->bias)[c]) : ((const float *)a->bias)[c];
+        }
+        t = _mm512_add_ps(t, _mm512_broadcast_f32x4(_mm_loadu_ps(b)));
+    }
+    if (bf) {
+#if HAVE_LINEAR_BF16
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(t);  /* round to nearest even */
+        lin_bf16_t *o = (lin_bf16_t *)a->out + m0 * a->o_row + n0;
+        if (mb == 4 && nb == 4) {  /* 8 bytes a row */
+            const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+            _mm_storel_epi64((__m128i *)o, lo);
+            _mm_storeh_pd((double *)(o + a->o_row), _mm_castsi128_pd(lo));
+            _mm_storel_epi64((__m128i *)(o + 2 * a->o_row), hi);
+            _mm_storeh_pd((double *)(o + 3 * a->o_row), _mm_castsi128_pd(hi));
+        } else {
+            lin_bf16_t v[16];
+            _mm256_storeu_si256((__m256i *)v, h);
+            for (int m = 0; m < mb; m++)
+                for (int n = 0; n < nb; n++) o[m * a->o_row + n] = v[m * 4 + n];
+        }
+#endif
+    } else {
+        float *o = (float *)a->out + m0 * a->o_row + n0;
+        if (mb == 4 && nb == 4) {
+            _mm_storeu_ps(o, _mm512_extractf32x4_ps(t, 0));
+            _mm_storeu_ps(o + a->o_row, _mm512_extractf32x4_ps(t, 1));
+            _mm_storeu_ps(o + 2 * a->o_row, _mm512_extractf32x4_ps(t, 2));
+            _mm_storeu_ps(o + 3 * a->o_row, _mm512_extractf32x4_ps(t, 3));
+        } else {
+            float v[16];
+            _mm512_storeu_ps(v, t);
+            for (int m = 0; m < mb; m++)
+                for (int n = 0; n < nb; n++) o[m * a->o_row + n] = v[m * 4 + n];
+        }
+    }
+}
+
+static int linear_plain(const linear_args *a) {
+    const int64_t blocks = (a->N + 3) / 4;
+    const size_t row_bytes = (size_t)a->K * (a->dtype == 1 ? 2 : 4);
+    const char *w_end = (const char *)a->w + (size_t)a->N * row_bytes;
+    int threads = a->num_threads > 0 ? a->num_threads : 1;
+    if (threads > blocks) threads = blocks > 0 ? (int)blocks : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        /* one contiguous stretch of weight rows per thread: the reads stay sequential */
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t b0 = blocks * t / T, b1 = blocks * (t + 1) / T;
+        const char *stop = (const char *)a->w + (size_t)(b1 * 4 < a->N ? b1 * 4 : a->N) * row_bytes;
+        if (stop > w_end) stop = w_end;
+        for (int64_t b = b0; b < b1; b++) {
+            const int64_t n0 = b * 4;
+            const int nb = a->N - n0 < 4 ? (int)(a->N - n0) : 4;
+            const char *ahead = (const char *)a->w + (size_t)n0 * row_bytes + LINEAR_PREFETCH_BYTES;
+            for (size_t o = 0; o < 4 * row_bytes; o += 64)
+                if (ahead + o < stop) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            if (a->dtype == 1)  /* the dtype a constant of each inlined copy */
+                for (int64_t m0 = 0; m0 < a->M; m0 += 4) block(a, m0, a->M - m0 < 4 ? (int)(a->M - m0) : 4, n0, nb, 1);
+            else
+                for (int64_t m0 = 0; m0 < a->M; m0 += 4) block(a, m0, a->M - m0 < 4 ? (int)(a->M - m0) : 4, n0, nb, 0);
+        }
+    }
+    return 0;
+}
+
+/* Layout 1, oneDNN's packed weights for its AVX-512 GEMMs (AB16b64a2b in bfloat16, AB16b64a in float32): panels of 64
+ * columns, N padded to whole panels and K to whole steps of 32 (bfloat16) or 16 (float32) with zeros; a panel is K's
+ * steps one after another, a step 16 "slices" of 256 bytes, a slice one k (float32) or one pair of k (bfloat16) for
+ * the 64 columns in order. So a slice is four vectors of 16 columns, and each row of x contributes one broadcast
+ * value (or pair) per slice: the sums need no reduction across lanes. */
+#define PANEL_COLS 64
+#define SLICE_BYTES 256
+#define MAX_MR 6 /* rows of x a pass over a panel keeps in registers: 6 x 4 sums */
+
+static inline __attribute__((always_inline)) void panel_rows(const linear_args *a, const char *panel, int64_t n0,
+                                                             int64_t m0, const int mr, const int bf,
+                                                             const char *prefetch_stop) {
+    const int64_t K = a->K;
+    const int64_t step_k = bf ? 32 : 16;
+    const int64_t steps = (K + step_k - 1) / step_k;
+    const size_t esz = bf ? 2 : 4;
+    const char *xr[MAX_MR];
+    for (int m = 0; m < mr; m++) xr[m] = (const char *)a->x + (size_t)(m0 + m) * a->x_row * esz;
+    __m512 acc[MAX_MR][4];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t st = 0; st < steps; st++) {
+        const int64_t k0 = st * step_k;
+        const int64_t left = K - k0; /* k of this step that x has */
+        const int slices = left >= step_k ? 16 : (int)(bf ? (left + 1) / 2 : left);
+        const char *wst = panel + (size_t)st * 16 * SLICE_BYTES;
+        if (prefetch_stop) /* the first pass over the panel brings it in */
+            for (int o = 0; o < 16 * SLICE_BYTES; o += 64)
+                if (wst + LINEAR_PREFETCH_BYTES + o < prefetch_stop) _mm_prefetch(wst + LINEAR_PREFETCH_BYTES + o, _MM_HINT_T0);
+        for (int sl = 0; sl < slices; sl++) {
+            const char *w = wst + (size_t)sl * SLICE_BYTES;
+            const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 64);
+            const __m512 w2 = _mm512_loadu_ps(w + 128), w3 = _mm512_loadu_ps(w + 192);
+            for (int m = 0; m < mr; m++) {
+#if HAVE_LINEAR_BF16
+                if (bf) {
+                    const int64_t k = k0 + 2 * sl;
+                    uint32_t pair = 0; /* (x[k], x[k + 1]); past K a zero, never read */
+                    if (k + 1 < K)
+                        memcpy(&pair, xr[m] + k * 2, 4);
+                    else
+                        memcpy(&pair, xr[m] + k * 2, 2);
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, xb);
+                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, xb);
+                    acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, xb);
+                    acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, xb);
+                    continue;
+                }
+#endif
+                const __m512 xb = _mm512_set1_ps(((const float *)xr[m])[k0 + sl]);
+                acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+                acc[m][2] = _mm512_fmadd_ps(w2, xb, acc[m][2]);
+                acc[m][3] = _mm512_fmadd_ps(w3, xb, acc[m][3]);
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        const int64_t n = n0 + 16 * j;
+        if (n >= a->N) break;
+        const __mmask16 mk = a->N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (a->N - n)) - 1u);
+        __m512 b = _mm512_setzero_ps();
+        if (a->bias) {
+#if HAVE_LINEAR_BF16
+            if (bf)
+                b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const lin_bf16_t *)a->bias + n)), 16));
+            else
+#endif
+                b = _mm512_maskz_loadu_ps(mk, (const float *)a->bias + n);
+        }
+        for (int m = 0; m < mr; m++) {
+            const __m512 v = _mm512_add_ps(acc[m][j], b);
+#if HAVE_LINEAR_BF16
+            if (bf) {
+                _mm256_mask_storeu_epi16((lin_bf16_t *)a->out + (m0 + m) * a->o_row + n, mk,
+                                         (__m256i)_mm512_cvtneps_pbh(v));  /* round to nearest even */
+                continue;
+            }
+#endif
+            _mm512_mask_storeu_ps((float *)a->out + (m0 + m) * a->o_row + n, mk, v);
+        }
+    }
+}
+
+#define PANEL_ROWS_CASES(BF)                                                               \
+    switch (mr) {                                                                          \
+        case 1: panel_rows(a, panel, n0, m0, 1, BF, pf); break;                            \
+        case 2: panel_rows(a, panel, n0, m0, 2, BF, pf); break;                            \
+        case 3: panel_rows(a, panel, n0, m0, 3, BF, pf); break;                            \
+        case 4: panel_rows(a, panel, n0, m0, 4, BF, pf); break;                            \
+        case 5: panel_rows(a, panel, n0, m0, 5, BF, pf); break;                            \
+        default: panel_rows(a, panel, n0, m0, 6, BF, pf); break;                           \
+    }
+
+static int linear_panels(const linear_args *a) {
+    const int bf = a->dtype == 1;
+    const int64_t panels = (a->N + PANEL_COLS - 1) / PANEL_COLS;
+    const int64_t steps = (a->K + (bf ? 32 : 16) - 1) / (bf ? 32 : 16);
+    const size_t panel_bytes = (size_t)steps * 16 * SLICE_BYTES;
+    int threads = a->num_threads > 0 ? a->num_threads : 1;
+    if (threads > panels) threads = panels > 0 ? (int)panels : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+        const char *stop = (const char *)a->w + (size_t)p1 * panel_bytes;
+        for (int64_t p = p0; p < p1; p++) {
+            const char *panel = (const char *)a->w + (size_t)p * panel_bytes;
+            const int64_t n0 = p * PANEL_COLS;
+            for (int64_t m0 = 0; m0 < a->M; m0 += MAX_MR) {
+                const int mr = a->M - m0 < MAX_MR ? (int)(a->M - m0) : MAX_MR;
+                const char *pf = m0 == 0 ? stop : NULL;
+#if HAVE_LINEAR_BF16
+                if (bf) {
+                    PANEL_ROWS_CASES(1)
+                } else
+#endif
+                {
+                    PANEL_ROWS_CASES(0)
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* 0 done; 1 a dtype, layout or size this build does not take, 2 a weight buffer of another size than the layout's
+ * (nothing written) */
+int pagedattn_linear(const linear_args *a) {
+    if (a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30)) return 1;
+    if (a->dtype == 1 ? !HAVE_LINEAR_BF16 : a->dtype != 0) return 1;
+    const int64_t esz = a->dtype == 1 ? 2 : 4, step_k = a->dtype == 1 ? 32 : 16;
+    if (a->layout == 0) return a->N * a->K * esz != a->w_bytes ? 2 : linear_plain(a);
+    if (a->layout == 1)
+        return (a->N + PANEL_COLS - 1) / PANEL_COLS * ((a->K + step_k - 1) / step_k) * 16 * SLICE_BYTES != a->w_bytes
+                   ? 2
+                   : linear_panels(a);
+    return 1;
+}
+
+#else
+typedef struct linear_args linear_args;
+int pagedattn_linear(const linear_args *a) {
+    (void)a;
+    return 1;
+}
+#endif

@@ -1,0 +1,233 @@
+"""A serving step's linears on the CPU (backends/cpu_linear.py, backends/csrc/small_linear.c): the native kernel in
+both weight layouts against float64, the proof of a oneDNN-packed weight's layout and its counter-examples, the
+op's refusals and its fallback to oneDNN, and the Inductor pass that puts the op in place."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedattn.backends import cpu_linear, native, set_validation
+
+from ..support import skip_unless_missing_prerequisite
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if native.load() is None:
+        skip_unless_missing_prerequisite()
+
+
+def _flags() -> set:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def _lib_for(dtype):
+    lib = native.load()
+    if not native.features(lib) & {torch.float32: native.FEATURE_LINEAR_F32,
+                                   torch.bfloat16: native.FEATURE_LINEAR_BF16}[dtype]:
+        pytest.skip(f"no native {dtype} linear on this CPU")
+    return lib
+
+
+def _packed(w: torch.Tensor, rows: int = 16) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.clone(), rows)
+
+
+def _reference(x, w, b, dtype):
+    out = x.double() @ w.double().t()
+    return (out if b is None else out + b.double()).to(dtype)
+
+
+def _assert_close(out, x, w, b):
+    # float32 sums in another order than float64's, then one rounding to the dtype: within a few units of the
+    # last place of the largest term's sum
+    ref = _reference(x, w, b, out.dtype)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if not out.numel():
+        return
+    scale = (x.double().abs() @ w.double().abs().t()).max().item() + (0 if b is None else b.double().abs().max().item())
+    eps = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8}[out.dtype]
+    err = (out.double() - ref.double()).abs().max().item()
+    assert err <= 4 * eps * max(scale, 1e-30) + 1e-30, (err, scale)
+
+
+def test_features_follow_the_cpus_instruction_sets():
+    # the fast paths must not be lost silently to a macro the compiler stops defining
+    f, flags = native.features(native.load()), _flags()
+    assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags)
+    assert bool(f & native.FEATURE_LINEAR_BF16) == ({"avx512_bf16", "avx512bw"} <= flags)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    rows=st.sampled_from([0, 1, 2, 5, 6, 7, 16, 33, 128]),
+    k=st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 63, 384]),
+    n=st.sampled_from([1, 3, 4, 13, 64, 65, 130, 384]),
+    bias=st.booleans(),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_both_layouts_match_float64(dtype, rows, k, n, bias, threads, seed):
+    lib = _lib_for(dtype)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    _assert_close(native.linear(lib, x, w, b, threads, native.LINEAR_PLAIN), x, w, b)
+    packed = _packed(w)
+    if cpu_linear.proven_layout(packed) == native.LINEAR_PANELS:
+        _assert_close(native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS), x, w, b)
+
+
+def test_panels_read_no_value_of_x_past_k():
+    # the padding of K holds zero weights; x past K is never read (a NaN there would make 0 * NaN = NaN)
+    for dtype in (torch.float32, torch.bfloat16):
+        lib = _lib_for(dtype)
+        wide = torch.full((4, 48), float("nan"), dtype=dtype)
+        wide[:, :33] = torch.randn(4, 33).to(dtype)
+        x = wide[:, :33]  # rows of 33 values inside rows of 48: the rest is NaN
+        w = torch.randn(70, 33).to(dtype)
+        packed = _packed(w)
+        assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS
+        _assert_close(native.linear(lib, x, packed, None, 2, native.LINEAR_PANELS), x.contiguous(), w, None)
+
+
+def test_rows_of_x_may_be_strided_and_batched():
+    lib = _lib_for(torch.bfloat16)
+    w = torch.randn(64, 40).bfloat16()
+    x = torch.randn(3, 5, 80).bfloat16()[..., ::2]  # rows not contiguous
+    out = native.linear(lib, x, _packed(w), None, 2, native.LINEAR_PANELS)
+    _assert_close(out.reshape(15, 64), x.reshape(15, 40), w, None)
+    x = torch.randn(3, 5, 80).bfloat16()[..., :40]  # contiguous elements, strided rows
+    out = native.linear(lib, x, _packed(w), None, 2, native.LINEAR_PANELS)
+    assert out.shape == (3, 5, 64)
+    _assert_close(out.reshape(15, 64), x.reshape(15, 40), w, None)
+
+
+_TO_PANELS = native.to_panels
+
+
+def _wrong_panels(weight):
+    """A wrong guess at the panels: columns and slices swapped within each step."""
+    flat = _TO_PANELS(weight)
+    n = flat.numel() // (16 * 64) if weight.dtype == torch.float32 else flat.numel() // (16 * 64 * 2)
+    inner = 1 if weight.dtype == torch.float32 else 2
+    return flat.view(n, 16, 64, inner).transpose(1, 2).reshape(-1)
+
+
+def test_a_packed_weight_proves_its_layout_and_a_wrong_guess_does_not(monkeypatch):
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(130, 70).to(dtype)
+        packed = _packed(w)
+        assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS  # oneDNN's AVX-512 layouts at 16 rows
+        assert cpu_linear.proven_layout(w) is None  # not a oneDNN tensor
+        with monkeypatch.context() as m:  # counter-example: the bytes do not read as the guessed layout
+            m.setattr(native, "to_panels", _wrong_panels)
+            assert cpu_linear.proven_layout(packed) is None
+
+
+def test_to_panels_places_each_weight_where_the_kernel_reads_it():
+    w = torch.arange(70 * 33, dtype=torch.float32).reshape(70, 33)
+    flat = native.to_panels(w)
+    assert flat.numel() * 4 == native.linear_panel_bytes(w) == 2 * 64 * 48 * 4  # N to 128, K to 48
+    # panel 1, step 1, slice 3 (k = 16 + 3), column 2 of the panel (n = 66)
+    assert flat[((1 * 3 + 1) * 16 + 3) * 64 + 2] == w[66, 19]
+    assert flat.view(2, 3, 16, 64)[1, :, :, 6:].eq(0).all()  # columns past N are zero
+    b = torch.randn(70, 40).bfloat16()
+    pairs = native.to_panels(b).view(2, 2, 16, 64, 2)  # K to 64 in steps of 32 (pairs)
+    assert pairs[0, 1, 0, 5, 1] == b[5, 33] and pairs[0, 1, 0, 5, 0] == b[5, 32]
+
+
+def test_the_kernel_refuses_what_it_cannot_read():
+    # None, nothing computed: the op then takes oneDNN
+    lib = _lib_for(torch.bfloat16)
+    w = torch.randn(64, 32).bfloat16()
+    packed, x = _packed(w), torch.randn(4, 32).bfloat16()
+    P, L = native.LINEAR_PANELS, native.LINEAR_PLAIN
+    assert native.linear(lib, x, packed, None, 2, P) is not None
+    assert native.linear(lib, x.float(), packed, None, 2, P) is None  # dtypes differ
+    assert native.linear(lib, x[:, :16], packed, None, 2, P) is None  # K differs
+    assert native.linear(lib, x, w, None, 2, P) is None  # a plain tensor read as panels
+    odd = _packed(torch.randn(13, 32).bfloat16())  # padded to 64 columns: its buffer is not 13 plain rows
+    assert native.linear(lib, x, odd, None, 2, P) is not None
+    assert native.linear(lib, x, odd, None, 2, L) is None
+    assert native.linear(lib, x, w.t().contiguous().t(), None, 2, L) is None  # not contiguous
+    assert native.linear(lib, x, packed, torch.zeros(63).bfloat16(), 2, P) is None  # bias of another length
+    assert native.linear(lib, x, packed, None, 2, 7) is None  # no such layout
+    assert native.linear(lib, x.half(), w.half(), None, 2, L) is None  # no float16 kernel
+    assert native.linear(lib, torch.tensor(1.0).bfloat16(), w, None, 2, L) is None  # x without a K dimension
+
+
+def test_the_op_takes_few_rows_natively_and_many_with_onednn(monkeypatch):
+    _lib_for(torch.bfloat16)
+    w = torch.randn(64, 32).bfloat16()
+    packed = _packed(w)
+    layout = cpu_linear.proven_layout(packed)
+    calls = []
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    for rows in (1, cpu_linear.SMALL_ROWS[torch.bfloat16], cpu_linear.SMALL_ROWS[torch.bfloat16] + 1):
+        x = torch.randn(rows, 32).bfloat16()
+        out = torch.ops.pagedattn.linear(x, packed, None, layout)
+        _assert_close(out, x, w, None)
+    assert calls == [1, cpu_linear.SMALL_ROWS[torch.bfloat16]]
+
+
+def test_under_validation_the_op_rechecks_the_layout_it_is_told():
+    # float32 packed for one row keeps oneDNN's plain layout here, of the same size as the panels at 64 x 32: only
+    # the bytes tell them apart
+    _lib_for(torch.float32)
+    w = torch.randn(64, 32)
+    packed = _packed(w, rows=1)
+    if cpu_linear.proven_layout(packed) != native.LINEAR_PLAIN:
+        pytest.skip("oneDNN packs float32 for one row in another layout here")
+    x = torch.randn(2, 32)
+    assert native.linear(native.load(), x, packed, None, 2, native.LINEAR_PLAIN) is not None  # read natively
+    _assert_close(torch.ops.pagedattn.linear(x, packed, None, native.LINEAR_PLAIN), x, w, None)
+    set_validation(True)
+    with pytest.raises(ValueError, match="does not hold layout"):
+        torch.ops.pagedattn.linear(x, packed, None, native.LINEAR_PANELS)
+
+
+def _graph(weight: torch.Tensor, attr: str = "none"):
+    """``x -> mkldnn._linear_pointwise(x, weight, None, attr)`` as Inductor's post-grad graph holds it."""
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm.register_buffer("w", weight)
+    g = gm.graph
+    x = g.placeholder("x")
+    out = g.call_function(torch.ops.mkldnn._linear_pointwise.default, (x, g.get_attr("w"), None, attr, [], ""))
+    g.output(out)
+    gm.recompile()
+    return gm
+
+
+def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
+    for dtype in (torch.float32, torch.bfloat16):
+        _lib_for(dtype)
+        w = torch.randn(96, 64).to(dtype)
+        gm = _graph(_packed(w))
+        cpu_linear.SmallLinears()(gm.graph)
+        assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.pagedattn.linear.default]
+        gm.recompile()
+        x = torch.randn(5, 64).to(dtype)
+        _assert_close(gm(x), x, w, None)
+    # counter-examples: a fused activation; a weight whose buffer holds another layout
+    fused = _graph(_packed(torch.randn(96, 64)), attr="relu")
+    cpu_linear.SmallLinears()(fused.graph)
+    assert [n.target for n in fused.graph.nodes if n.op == "call_function"] == [
+        torch.ops.mkldnn._linear_pointwise.default]
+    other = _graph(_packed(torch.randn(96, 64)))
+    monkeypatch.setattr(native, "to_panels", _wrong_panels)
+    cpu_linear.SmallLinears()(other.graph)
+    assert [n.target for n in other.graph.nodes if n.op == "call_function"] == [
+        torch.ops.mkldnn._linear_pointwise.default]
+    assert cpu_linear.SmallLinears().uuid() == cpu_linear.SmallLinears().uuid()
