@@ -240,7 +240,9 @@ static int linear_plain(const linear_args *a) {
  * value (or pair) per slice: the sums need no reduction across lanes. */
 #define PANEL_COLS 64
 #define SLICE_BYTES 256
+#ifndef MAX_MR
 #define MAX_MR 6 /* rows of x a pass over a panel keeps in registers: 6 x 4 sums */
+#endif
 
 static inline __attribute__((always_inline)) void panel_rows(const linear_args *a, const char *panel, int64_t n0,
                                                              int64_t m0, const int mr, const int bf,
