@@ -806,6 +806,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
                                                                int64_t item, int kvh, int g0, int hb, int64_t qb,
                                                                const int D, const int DT) {
     const int NV = D / VL;
+    const int DP = HAVE_DPBF16 && DT == 1;  /* bfloat16 scores by pair dot products (prefill_transpose's pairs) */
     const int64_t *it = a->items + 6 * item;
     const int64_t nq = it[1];
     const int G = a->num_heads / a->num_kv_heads, QB = PM / hb;
@@ -820,12 +821,19 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
         for (int d = 0; d < D; d++) acc[r * D + d] = 0.0f;
         klo[r] = khi[r] = 0;
         if (r / hb >= QB || i >= nq || g0 + r % hb >= G) {
-            for (int d = 0; d < D; d++) q[r * D + d] = 0.0f;
+            if (DP)
+                memset((uint32_t *)q + r * (D / 2), 0, (size_t)D * 2);
+            else
+                for (int d = 0; d < D; d++) q[r * D + d] = 0.0f;
             continue;
         }
         const char *qp[1] = {(const char *)a->query + ((it[0] + i) * a->q_row + h * a->q_head) * esz};
-        load_rows(q + r * D, qp, 1, D, DT);
-        for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
+        if (DP) {
+            memcpy((uint32_t *)q + r * (D / 2), qp[0], (size_t)D * 2);  /* the row's pairs, scaled after the sums */
+        } else {
+            load_rows(q + r * D, qp, 1, D, DT);
+            for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
+        }
         prefill_seen(a, it, it[2] + i, &klo[r], &khi[r]);
         if (klo[r] < khi[r]) {
             first = klo[r] < first ? klo[r] : first;
@@ -839,6 +847,23 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
         vf s[PM];
 #pragma GCC unroll 24
         for (int r = 0; r < PM; r++) s[r] = (vf){};
+#if HAVE_DPBF16
+        if (DP) {  /* exact bfloat16 products, float sums, then the scale (as the reference orders them) */
+            const uint32_t *qp2 = (const uint32_t *)q;
+            __m512 sd[PM];
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) sd[r] = _mm512_setzero_ps();
+            for (int d2 = 0; d2 < D / 2; d2++) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512((const uint32_t *)tile + d2 * VL);
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++)
+                    sd[r] = _mm512_dpbf16_ps(sd[r], k, (__m512bh)_mm512_set1_epi32((int)qp2[r * (D / 2) + d2]));
+            }
+            const vf scale = vsplat(a->scale);
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) s[r] = (vf)sd[r] * scale;
+        } else
+#endif
         for (int d = 0; d < D; d++) {
             const vf k = vload(tile + d * VL);
 #pragma GCC unroll 24
@@ -888,13 +913,27 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
     }
 }
 
-/* an item's keys of one KV head as tiles [ceil(keys / 16)][D][16] of floats (zeros past the last key) */
+/* an item's keys of one KV head as tiles [ceil(keys / 16)][D][16] of floats (zeros past the last key); bfloat16 keys
+ * where the pair dot products are built as tiles [D / 2][16] of pairs of bfloat16 (the first half of a tile's room) */
 static inline __attribute__((always_inline)) void prefill_transpose(const prefill_args *a, float *kt, int64_t item,
                                                                     int kvh, int64_t tile, const int D,
                                                                     const int DT) {
     const int64_t *it = a->items + 6 * item;
     const int64_t esz = DT == 0 ? 4 : 2;
     float *dst = kt + tile * (int64_t)D * VL;
+    if (HAVE_DPBF16 && DT == 1) {
+        uint32_t *pairs = (uint32_t *)dst;
+        for (int t = 0; t < VL; t++) {
+            const int64_t j = tile * VL + t;
+            const uint32_t *src = (const uint32_t *)((const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * 2);
+            for (int d2 = 0; d2 < D / 2; d2++) {
+                uint32_t v = 0;
+                if (j < it[4]) memcpy(&v, src + d2, 4);  /* (k[2 d2], k[2 d2 + 1]) */
+                pairs[d2 * VL + t] = v;
+            }
+        }
+        return;
+    }
     for (int t = 0; t < VL; t++) {
         const int64_t j = tile * VL + t;
         if (j >= it[4]) {

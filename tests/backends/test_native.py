@@ -118,6 +118,21 @@ def test_bfloat16_decodes_match_the_reference_with_and_without_pair_dot_products
                                rtol=TOL[torch.bfloat16])
 
 
+def test_bfloat16_decode_scores_agree_across_builds_to_an_ulp():
+    # as for prefills (test_bfloat16_prefill_scores_agree_across_builds_to_an_ulp): a check the reference's bfloat16
+    # tolerance is too loose to make
+    if not native.features(native.load()) & native.FEATURE_DPBF16:
+        pytest.skip("the CPU has no AVX512-BF16: both builds widen")
+    b = make_batch([(n - 1, 1) for n in (600, 170, 33, 1)], num_heads=6, num_kv_heads=2, head_size=64,
+                   block_size=16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    b.query.mul_(3)  # sharp softmax: scale errors show
+    params = batch_params(b, 0.125)
+    outs = [_call(b, 64, 2, params, lib=lib).float() for lib in (native.load(), _widening_build())]
+    diff = (outs[0] - outs[1]).abs()
+    assert (diff <= 2.0 ** -7 * outs[1].abs() + 1e-4).all()
+    assert (diff > 0).float().mean() < 0.01
+
+
 def test_a_query_that_sees_no_key_gets_zeros():
     # an empty cross-attention source: zero keys, with and without sinks (the sink takes the whole weight)
     b = make_batch([(3, 1), (0, 1)], num_heads=4, num_kv_heads=2, head_size=64)
@@ -293,11 +308,13 @@ def _dense_prefill(q, k, v, q_pos0, k_pos0, scale, causal, window):
     group=st.sampled_from([1, 2, 3, 5, 8, 30]),
     feature=st.sampled_from([{}, {"window": 7}, {"window": 40}, {"causal": False}]),
     threads=st.integers(1, 3),
+    widening=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, threads, seed):
+def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, threads, widening, seed):
     # items of (queries, cached keys before them): each item's queries are the last of its keys, as a fresh prefill
-    # (no cached keys) or a chunk after cached ones; a group of 30 heads is more rows than a unit holds (24)
+    # (no cached keys) or a chunk after cached ones; a group of 30 heads is more rows than a unit holds (24);
+    # bfloat16 through both builds (pair dot products where the CPU has them, widening)
     g = torch.Generator().manual_seed(seed)
     hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
     nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
@@ -311,8 +328,9 @@ def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, th
     out = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
     assert native.prefill_usable(query, key, value, hkv)
-    native.prefill(native.load(), out, query, key, value, torch.tensor(items), scale=scale, causal=causal,
-                   window=window, num_threads=threads)
+    lib = _widening_build() if widening else native.load()
+    native.prefill(lib, out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=window,
+                   num_threads=threads)
     for q0, q, c, k0, n, _ in items:
         ref = _dense_prefill(query[q0:q0 + q], key[k0:k0 + n], value[k0:k0 + n], c, 0, scale, causal, window)
         torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -358,6 +376,30 @@ def test_prefill_refuses_tensors_that_do_not_match_before_running():
     with pytest.raises(ValueError, match=r"items are \[n, 6\]"):
         native.prefill(native.load(), torch.zeros_like(q), q, k, v, items[:, :5], scale=0.2, causal=True, window=0,
                        num_threads=1)
+
+
+def test_bfloat16_prefill_scores_agree_across_builds_to_an_ulp():
+    # the reference's tolerance for bfloat16 (3e-2) would pass a scale off by a percent; the pair dot products and
+    # the widening build compute the same float32 sums in another order, so after rounding their outputs may differ
+    # only where a value lies next to a rounding boundary, by one unit in the last place (or, for values that are
+    # nearly zero after cancelling, by float32's error in the sums: 1e-4 at most here)
+    dp = native.load()
+    if not native.features(dp) & native.FEATURE_DPBF16:
+        pytest.skip("the CPU has no AVX512-BF16: both builds widen")
+    g = torch.Generator().manual_seed(3)
+    hkv, group, d = 2, 3, 64
+    query = (3 * torch.randn(700, group * hkv, d, generator=g)).bfloat16()  # sharp softmax: scale errors show
+    key = torch.randn(900, hkv, d, generator=g).bfloat16()
+    value = torch.randn(900, hkv, d, generator=g).bfloat16()
+    items = torch.tensor([(0, 300, 0, 0, 300, 0), (300, 200, 200, 300, 400, 0), (500, 200, 0, 700, 200, 0)])
+    outs = []
+    for lib in (dp, _widening_build()):
+        out = torch.full_like(query, float("nan"))
+        native.prefill(lib, out, query, key, value, items, scale=d ** -0.5, causal=True, window=0, num_threads=2)
+        outs.append(out.float())
+    diff = (outs[0] - outs[1]).abs()
+    assert (diff <= 2.0 ** -7 * outs[1].abs() + 1e-4).all()
+    assert (diff > 0).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
