@@ -231,3 +231,34 @@ def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
     assert [n.target for n in other.graph.nodes if n.op == "call_function"] == [
         torch.ops.mkldnn._linear_pointwise.default]
     assert cpu_linear.SmallLinears().uuid() == cpu_linear.SmallLinears().uuid()
+
+
+def _mkl_graph(original: torch.Tensor, rows: int):
+    """``x -> mkl._mkl_linear(x, packed, original, None, rows)``, Inductor's float32 linear at a static row count."""
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(original, rows))
+    gm.register_buffer("original", original)
+    g = gm.graph
+    x = g.placeholder("x")
+    out = g.call_function(torch.ops.mkl._mkl_linear, (x, g.get_attr("packed"), g.get_attr("original"), None, rows))
+    g.output(out)
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs MKL")
+def test_the_pass_swaps_mkls_linears_at_few_static_rows_over_their_plain_weight():
+    # Inductor keeps a merged weight transposed: the pass makes it contiguous once and drops MKL's packed copy
+    _lib_for(torch.float32)
+    w = torch.randn(96, 64)
+    gm = _mkl_graph(w.t().contiguous().t(), rows=1)
+    cpu_linear.SmallLinears()(gm.graph)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.pagedattn.linear.default]
+    assert not hasattr(gm, "packed") and not hasattr(gm, "original")
+    gm.recompile()
+    x = torch.randn(1, 64)
+    _assert_close(gm(x), x, w, None)
+    # counter-example: more static rows than the kernel takes
+    many = _mkl_graph(w, rows=cpu_linear.SMALL_ROWS[torch.float32] + 1)
+    cpu_linear.SmallLinears()(many.graph)
+    assert [n.target for n in many.graph.nodes if n.op == "call_function"] == [torch.ops.mkl._mkl_linear]
