@@ -65,7 +65,8 @@ def proven_layout(packed: Tensor) -> Optional[int]:
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Tensor:
     """``pagedattn::linear``'s CPU kernel: ``x [..., K] @ weight[N, K].T + bias``, ``weight`` a oneDNN-packed tensor
-    whose buffer holds ``layout`` (:func:`proven_layout`) or a plain contiguous one (``native.LINEAR_PLAIN``)."""
+    whose buffer holds ``layout`` (:func:`proven_layout`) or a plain contiguous one (``native.LINEAR_PLAIN``).
+    ``PAGEDATTN_NATIVE=0`` applies when a step is compiled (the pass then leaves oneDNN's calls as they are)."""
     k = x.shape[-1]
     if (x.numel() // k if k else 0) <= SMALL_ROWS.get(x.dtype, 0):
         lib = native.load()

@@ -495,8 +495,8 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     code = _linear_codes(lib).get(x.dtype)
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if code is None or weight.dtype != x.dtype or k == 0 or x.dim() == 0 or x.shape[-1] != k or not x.is_cpu \
-            or (bias is not None and not (bias.dtype == x.dtype and bias.is_cpu and bias.shape == (n,)
-                                          and bias.is_contiguous())):
+            or (bias is not None and not (bias.dtype == x.dtype and bias.is_cpu and not bias.is_mkldnn
+                                          and bias.shape == (n,) and bias.is_contiguous())):
         return None
     if weight.is_mkldnn:
         if _onednn_nbytes is None:

@@ -152,6 +152,22 @@ def test_freezing_needs_inductor(llama):
         rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged("eager", freeze=True)
 
 
+def test_small_linears_need_a_frozen_cpu_step(llama, monkeypatch):
+    # the pass goes into the options of a frozen CPU step only, and small_linears=False leaves it out
+    import pagedattn.program as program
+    from pagedattn import rewrite
+    from pagedattn.backends.cpu_linear import SmallLinears
+
+    with pytest.raises(ValueError, match="small_linears=True needs a CPU step compiled with freezing"):
+        rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged(freeze=False, small_linears=True)
+    seen = []
+    monkeypatch.setattr(program.torch, "compile", lambda gm, **kw: seen.append(kw["options"]) or gm)
+    for small in (None, False):
+        rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged(small_linears=small)
+    assert isinstance(seen[0]["post_grad_custom_pre_pass"], SmallLinears)
+    assert "post_grad_custom_pre_pass" not in seen[1]
+
+
 def test_compile_false_and_progress_off(eager, capsys):
     # eager's start-up printed nothing (progress off) and left the graph as it was
     assert eager.servable.min_step == 0 and type(eager.model.graph_module).__name__ == "GraphModule"
