@@ -447,8 +447,6 @@ def _linear_codes(lib: ctypes.CDLL) -> dict:
     return {dtype: code for dtype, (code, feature) in _LINEAR_DTYPES.items() if features(lib) & feature}
 
 
-
-
 def _onednn_op(name: str):
     """A ``torch.ops.mkldnn`` overload (itself: a packet's call resolves one each time), None in a build without."""
     try:
@@ -495,6 +493,7 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     code = _linear_codes(lib).get(x.dtype)
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if code is None or weight.dtype != x.dtype or k == 0 or x.dim() == 0 or x.shape[-1] != k or not x.is_cpu \
+            or x.is_mkldnn \
             or (bias is not None and not (bias.dtype == x.dtype and bias.is_cpu and not bias.is_mkldnn
                                           and bias.shape == (n,) and bias.is_contiguous())):
         return None

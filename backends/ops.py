@@ -195,7 +195,7 @@ _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int layout) -> Tensor
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Tensor:
     """``x [..., K] @ weight [N, K].T (+ bias [N])`` on the CPU, ``weight`` oneDNN-packed with its buffer in
-    ``layout`` (:func:`pagedattn.backends.cpu_linear.linear`)."""
+    ``layout``, or plain (:func:`pagedattn.backends.cpu_linear.linear`)."""
     from pagedattn.backends import cpu_linear
 
     return cpu_linear.linear(x, weight, bias, layout)

@@ -310,9 +310,9 @@ class RewrittenModel(nn.Module):
         engine runs them.
 
         ``small_linears``: with freezing on the CPU, linears of up to ``cpu_linear.SMALL_ROWS`` rows (decode steps)
-        run by pagedattn's native kernel and larger ones by oneDNN on the plain weights, which replace the packed
-        ones (:class:`pagedattn.backends.cpu_linear.SmallLinears`). ``None`` (default): on where the native library
-        has the kernel.
+        run by pagedattn's native kernel over oneDNN's packed weights, once their layout is proved, and larger ones
+        by oneDNN on the same weights (:class:`pagedattn.backends.cpu_linear.SmallLinears`). ``None`` (default): on
+        where the native library has the kernel; ``False``: oneDNN and MKL throughout.
 
         ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
         in fp32 (:class:`pagedattn.passes.Fp32Matmuls`; 3-9x faster there): ``"cache"`` converts their
