@@ -1,4 +1,5 @@
-"""The CPU's native attention kernels (``csrc/paged_decode.c``): built on first use, loaded with ctypes.
+"""The CPU's native kernels (``csrc/paged_decode.c``: attention; ``csrc/small_linear.c``: a serving step's linears
+of few rows, :func:`linear`): built on first use into one library, loaded with ctypes.
 
 Why native: a decode step's attention through SDPA gathers every sequence's blocks into a dense buffer first
 (a second pass over the keys) and pays Python per call around a dozen small ops; the decode kernel reads keys and

@@ -3,15 +3,16 @@
  *
  * Why: a decode step's linears have as many rows as the step has sequences (a few to a few dozen), so each weight
  * is read once for little arithmetic and the step is bound by reading weights. oneDNN costs ~10 us of set-up per
- * call (descriptors, allocations) and, at 16 rows, reads weights from DRAM at half the copy rate; this kernel reads
- * the weights as they are ([N, K], rows contiguous), one stretch of rows per thread with the lines ahead requested,
- * and keeps every (row, column) sum of a 4 x 4 block in registers along K.
+ * call (descriptors, allocations) and, at 16 rows, reads weights from DRAM at about half the copy rate.
  *
- * A block's 16 sums are vectors over K (16 lanes of partial sums); one tree of shuffles turns the 16 into one vector
- * of 16 totals. bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal
- * bfloat16 inputs, below 1.2e-38, count as zero), float32 AVX-512 FMAs. Without them the library reports no linear
- * kernel (pagedattn_features) and callers keep oneDNN.
- */
+ * Two weight layouts, each read once per call, one contiguous stretch per thread with the lines ahead requested:
+ * - panels (linear_panels): oneDNN's own packed buffers, whose layout the caller has proved; each row of x adds one
+ *   broadcast per k (or pair of k) to the sums of 64 columns, so they need no reduction across lanes;
+ * - plain [N, K] rows (linear_plain): 4 x 4 blocks of (row, column) sums kept in registers along K, then one tree of
+ *   shuffles from the block's 16 vectors of partial sums to one vector of 16 totals.
+ * bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal bfloat16 inputs,
+ * below 1.2e-38, count as zero), float32 AVX-512 FMAs. Without them the library reports no linear kernel
+ * (pagedattn_linear_features) and callers keep oneDNN. */
 #include <stdint.h>
 #include <string.h>
 
