@@ -111,6 +111,20 @@ def _mkl_targets() -> tuple:
     return () if op is None else (op, op.default)
 
 
+def _mkl_swappable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[Tensor]:
+    """The plain weight of a ``mkl._mkl_linear`` node the pass may swap (a frozen constant, at most
+    :data:`SMALL_ROWS` static rows), else None."""
+    if len(node.args) != 5 or node.kwargs:
+        return None
+    _, _, original, bias, rows = node.args
+    if not (isinstance(original, torch.fx.Node) and original.op == "get_attr") or not isinstance(rows, int) \
+            or not (bias is None or isinstance(bias, torch.fx.Node)):
+        return None
+    w = getattr(gm, original.target, None)
+    ok = isinstance(w, Tensor) and not w.is_mkldnn and w.dim() == 2 and rows <= SMALL_ROWS.get(w.dtype, 0)
+    return w if ok else None
+
+
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, x, weight, bias, layout: int) -> None:
     with graph.inserting_before(node):
         call = graph.call_function(torch.ops.pagedattn.linear.default, (x, weight, bias, layout))
@@ -159,15 +173,10 @@ class SmallLinears(CustomGraphPass):
         fake_mode, dropped, plain = detect_fake_mode(), [], {}
         for target in _mkl_targets():
             for node in list(graph.find_nodes(op="call_function", target=target)):
-                if len(node.args) != 5 or node.kwargs:
+                w = _mkl_swappable(gm, node)
+                if w is None or not small_linears_available(w.dtype):
                     continue
-                x, packed, original, bias, rows = node.args
-                w = getattr(gm, original.target, None) if isinstance(original, torch.fx.Node) \
-                    and original.op == "get_attr" else None
-                if not isinstance(w, Tensor) or w.is_mkldnn or w.dim() != 2 or not isinstance(rows, int) \
-                        or rows > SMALL_ROWS.get(w.dtype, 0) or not small_linears_available(w.dtype) \
-                        or not (bias is None or isinstance(bias, torch.fx.Node)):
-                    continue
+                x, packed, original, bias, _ = node.args
                 weight = original
                 if not w.is_contiguous():  # [N, K] rows for the kernel, once
                     if original.target not in plain:

@@ -22,13 +22,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pagedattn.backends import position_mod, reference
+from pagedattn.backends import cpu_linear, position_mod, reference
 from pagedattn.backends.base import active_backend
 from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_enabled
 from pagedattn.backends.params import AttentionParams, params_schema
 
 __all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET",
-           "dropin_values", "forget_prepared_calls", "linear"]
+           "dropin_values", "forget_prepared_calls"]
 
 _PARAMS = params_schema()
 # positional index of the first AttentionParams field in each op's arguments
@@ -188,21 +188,13 @@ torch.library.register_fake("pagedattn::paged_attention", _fake_paged_attention,
 
 # ---------------------------------------------------------------- a serving step's linears on the CPU
 
-# Put in place of oneDNN's linears by an Inductor pass over a frozen CPU step (pagedattn.backends.cpu_linear),
-# never by the rewrite: the same product, by the native kernel at decode sizes.
+# Put in place of oneDNN's and MKL's linears by an Inductor pass over a frozen CPU step (pagedattn.backends.cpu_linear),
+# never by the rewrite: ``x [..., K] @ weight [N, K].T (+ bias [N])``, the weight oneDNN-packed with its buffer in
+# ``layout``, or plain; its kernel is cpu_linear.linear. A oneDNN-packed weight dispatches on MkldnnCPU.
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int layout) -> Tensor")
-
-
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Tensor:
-    """``x [..., K] @ weight [N, K].T (+ bias [N])`` on the CPU, ``weight`` oneDNN-packed with its buffer in
-    ``layout``, or plain (:func:`pagedattn.backends.cpu_linear.linear`)."""
-    from pagedattn.backends import cpu_linear
-
-    return cpu_linear.linear(x, weight, bias, layout)
-
-
-_LIB.impl("linear", torch.compiler.disable(linear), "CPU")
-_LIB.impl("linear", torch.compiler.disable(linear), "MkldnnCPU")  # the dispatch key of a oneDNN-packed weight
+_linear_kernel = torch.compiler.disable(cpu_linear.linear)
+_LIB.impl("linear", _linear_kernel, "CPU")
+_LIB.impl("linear", _linear_kernel, "MkldnnCPU")
 torch.library.register_fake("pagedattn::linear",
                             lambda x, weight, bias, layout: x.new_empty((*x.shape[:-1], weight.shape[0])), lib=_LIB)
 

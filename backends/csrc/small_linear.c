@@ -241,9 +241,7 @@ static int linear_plain(const linear_args *a) {
  * value (or pair) per slice: the sums need no reduction across lanes. */
 #define PANEL_COLS 64
 #define SLICE_BYTES 256
-#ifndef MAX_MR
-#define MAX_MR 6 /* rows of x a pass over a panel keeps in registers: 6 x 4 sums */
-#endif
+#define MAX_MR 6 /* rows of x a pass over a panel keeps in registers: 6 x 4 sums (4 or 5: no faster) */
 
 static inline __attribute__((always_inline)) void panel_rows(const linear_args *a, const char *panel, int64_t n0,
                                                              int64_t m0, const int mr, const int bf,
@@ -329,7 +327,7 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
         case 3: panel_rows(a, panel, n0, m0, 3, BF, pf); break;                            \
         case 4: panel_rows(a, panel, n0, m0, 4, BF, pf); break;                            \
         case 5: panel_rows(a, panel, n0, m0, 5, BF, pf); break;                            \
-        default: panel_rows(a, panel, n0, m0, 6, BF, pf); break;                           \
+        default: panel_rows(a, panel, n0, m0, MAX_MR, BF, pf); break;                      \
     }
 
 static int linear_panels(const linear_args *a) {

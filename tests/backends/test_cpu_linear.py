@@ -70,8 +70,9 @@ def test_features_follow_the_cpus_instruction_sets():
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     rows=st.sampled_from([0, 1, 2, 5, 6, 7, 16, 33, 128]),
-    k=st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 63, 384]),
-    n=st.sampled_from([1, 3, 4, 13, 64, 65, 130, 384]),
+    # K and N past llama16m's too: many steps with an odd remainder, and many panels with a partial last one
+    k=st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 63, 384, 1025]),
+    n=st.sampled_from([1, 3, 4, 13, 64, 65, 130, 384, 1000]),
     bias=st.booleans(),
     threads=st.integers(1, 3),
     seed=st.integers(0, 2**16),
@@ -230,7 +231,6 @@ def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
     cpu_linear.SmallLinears()(other.graph)
     assert [n.target for n in other.graph.nodes if n.op == "call_function"] == [
         torch.ops.mkldnn._linear_pointwise.default]
-    assert cpu_linear.SmallLinears().uuid() == cpu_linear.SmallLinears().uuid()
 
 
 def _mkl_graph(original: torch.Tensor, rows: int):
