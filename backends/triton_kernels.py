@@ -42,12 +42,18 @@ def token_run(QSL, SEQ_LENS, t, num_seqs, window, chunk, S_PAD: tl.constexpr, CA
 @triton.jit
 def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_tab, num_seqs, group, head_size, head_size_v, blocks_per_split, num_splits, scale, softcap,
-                window, chunk, BS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                S_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                stride_tab, num_seqs, group, head_size, head_size_v, keys_per_split, num_splits, scale, softcap,
+                window, chunk, BS: tl.constexpr, KT: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                DV_PAD: tl.constexpr, S_PAD: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, TF32: tl.constexpr):
     """One token's attention for one KV head (all its query heads, ``[G_PAD]`` rows) over one split of its
-    block-table row: the split's unnormalised output ``O_PART[t, heads, s, :]``, maximum and sum (online softmax
-    in float32). Grid ``(tokens, KV heads, splits)``; see ``triton_paged`` for the arguments' meaning."""
+    keys: the split's unnormalised output ``O_PART[t, heads, s, :]``, maximum and sum (online softmax in float32).
+    Keys go in tiles of ``KT`` (several blocks, or part of one), each key's block looked up in the table, so a
+    program has a tile's loads in flight at once. ``TF32``: query and cache hold 16-bit values, which TF32 holds
+    exactly, so the tensor cores' TF32 products of scores are exact (float32 sums), and the probabilities times V
+    round only the probabilities (to 11 bits, under a 16-bit output's rounding); else both products in IEEE
+    float32. Grid ``(tokens, KV heads, splits)``;
+    see ``triton_paged`` for the arguments' meaning."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -55,7 +61,7 @@ def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
-    r = tl.arange(0, BS)
+    kk = tl.arange(0, KT)
     heads = h * group + g  # [G_PAD] the KV head's query heads
     g_ok = g < group
     seq, q_pos, lo, hi = token_run(QSL, SEQ_LENS, t, num_seqs, window, chunk, S_PAD, CAUSAL)
@@ -67,28 +73,37 @@ def paged_split(Q, KC, VC, TABLES, QSL, SEQ_LENS, SLOPES, O_PART, M_PART, L_PART
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    b0 = tl.maximum(s * blocks_per_split, lo // BS)
-    b1 = tl.minimum((s + 1) * blocks_per_split, (hi + BS - 1) // BS)
-    for b in range(b0, b1):
-        blk = tl.load(TABLES + seq * stride_tab + b).to(tl.int64)
-        k_pos = b * BS + r  # [BS]
-        k = tl.load(KC + blk * stride_kb + r[:, None] * stride_kt + h * stride_kh + d[None, :],
-                    mask=(d < head_size)[None, :], other=0.0).to(tl.float32)  # [BS, D_PAD]
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_PAD, BS]
+    k0 = tl.maximum(s * keys_per_split, lo)  # the split's visible keys [k0, k1)
+    k1 = tl.minimum((s + 1) * keys_per_split, hi)
+    row_tab = TABLES + seq * stride_tab
+    for start in range(k0, k1, KT):
+        k_pos = start + kk  # [KT]
+        seen = k_pos < k1
+        blk = tl.load(row_tab + k_pos // BS, mask=seen, other=0).to(tl.int64)  # [KT] each key's block
+        slot = k_pos % BS
+        k = tl.load(KC + blk[:, None] * stride_kb + slot[:, None] * stride_kt + h * stride_kh + d[None, :],
+                    mask=seen[:, None] & (d < head_size)[None, :], other=0.0).to(tl.float32)  # [KT, D_PAD]
+        if TF32:
+            sc = tl.dot(q, tl.trans(k), input_precision="tf32") * scale  # [G_PAD, KT]
+        else:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         if HAS_SOFTCAP:  # softcap * tanh(sc / softcap); tanh from exp, within ~1e-7 of it
             sc = softcap * (1.0 - 2.0 / (tl.exp(2.0 * sc / softcap) + 1.0))
         if HAS_ALIBI:
             sc += slope[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
-        seen = (k_pos >= lo) & (k_pos < hi)  # [BS]
         sc = tl.where(seen[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
         alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])  # [G_PAD, BS]
+        p = tl.exp(sc - m_safe[:, None])  # [G_PAD, KT]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + blk * stride_vb + r[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                    mask=(dv < head_size_v)[None, :], other=0.0).to(tl.float32)  # [BS, DV_PAD]
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        v = tl.load(VC + blk[:, None] * stride_vb + slot[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                    mask=seen[:, None] & (dv < head_size_v)[None, :], other=0.0).to(tl.float32)  # [KT, DV_PAD]
+        if TF32:
+            pv = tl.dot(p, v, input_precision="tf32")
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     row = (t64 * num_hq + heads) * num_splits + s  # [G_PAD] rows of [T, Hq, splits]
     tl.store(M_PART + row, m_i, mask=g_ok)

@@ -10,9 +10,11 @@ token, and a second one merges the splits (plus one for the cache write, :func:`
   once per KV head, not once per query head) and one split of the token's block-table row (flash-decoding: long
   rows are cut so that a small batch still fills the GPU);
 - a program finds its token's sequence and position from ``query_start_loc`` and ``seq_lens`` itself, reads only
-  the blocks that hold keys the token may see (``[first visible, last visible]``: the sequence's length, the causal
-  bound, a window or chunk), block numbers straight from the table, and keeps an online softmax (running maximum
-  and sum) in float32;
+  the keys it may see (``[first visible, last visible]``: the sequence's length, the causal bound, a window or
+  chunk) in tiles of 64 keys (:func:`key_tile`), each key's block looked up in the table, so that a tile's loads are
+  in flight together, and keeps an online softmax (running maximum and sum) in float32. Products run on the tensor
+  cores in TF32 where the inputs hold 16-bit values (exact products, float32 sums; the probabilities round to
+  TF32), in IEEE float32 for float32 inputs (:func:`tf32_exact`);
 - the merge weighs the splits' partial sums by their maxima, with the sink logits (if any) in the normaliser.
 
 Every shape follows from the input shapes (the split count from the table's width), so a CUDA graph captures it.
@@ -37,12 +39,13 @@ from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
 __all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "write_variant", "split_plan", "write",
-           "write_usable", "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
+           "write_usable", "key_tile", "tf32_exact", "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16  # a row of W blocks is cut into at most this many splits
-TARGET_PROGRAMS = 512  # ~4 per streaming multiprocessor of an H100 (132)
+TARGET_PROGRAMS = 1024  # ~8 per streaming multiprocessor of an H100 or H200 (132): loads in flight to hide latency
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _interpret() -> bool:
@@ -99,7 +102,7 @@ def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params
     per KV head, block size, the site's kinds of score terms and visibility, and how Triton specialises the integer
     arguments (a value of 1, a multiple of 16: each combination is compiled on its own)."""
     num_splits, per = split_plan(metadata.block_tables.shape[1], query.shape[0] * kv_cache.shape[3])
-    ints = (metadata.block_tables.shape[0], per, num_splits, params.window, params.chunk, *query.stride()[:2],
+    ints = (metadata.block_tables.shape[0], per * kv_cache.shape[2], num_splits, params.window, params.chunk, *query.stride()[:2],
             *kv_cache.stride()[1:4], metadata.block_tables.stride(0))
     return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
             kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
@@ -121,15 +124,28 @@ def _specialised(ints: tuple) -> tuple:
     return tuple((v == 1, v % 16 == 0) for v in ints)
 
 
-def split_plan(width: int, rows: int) -> tuple[int, int]:
+def split_plan(width: int, rows: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
     """``(splits, blocks per split)`` for block-table rows of ``width`` blocks attended by ``rows`` programs
-    (tokens x KV heads): enough splits that about ``TARGET_PROGRAMS`` programs share the GPU, at most
+    (tokens x KV heads): enough splits that about ``programs`` programs share the GPU, at most
     ``MAX_SPLITS`` and one block each at least, of equal size. Each split writes its partial output (float32, a
     head's size per query head), so a large batch takes few. Shapes only: a captured graph keeps it."""
-    want = -(-TARGET_PROGRAMS // max(1, rows))
+    want = -(-programs // max(1, rows))
     splits = max(1, min(width, MAX_SPLITS, want))
     per = -(-width // splits)
     return -(-width // per), per
+
+
+def key_tile(head_size: int, head_size_v: int) -> int:
+    """Keys a program takes per step of its loop: 64, or 32 where a head is over 128 wide (the tile's K and V
+    stay in registers)."""
+    return 64 if max(head_size, head_size_v) <= 128 else 32
+
+
+def tf32_exact(query: Tensor, kv_cache: Tensor) -> bool:
+    """Whether the kernel's products run in TF32 on the tensor cores: query and cache hold float16 or bfloat16
+    values, which TF32 holds exactly (10 stored mantissa bits, float32's exponents), so the scores' products are
+    exact and only the probabilities round, below a 16-bit output's own rounding. Else IEEE float32."""
+    return query.dtype in _HALF and kv_cache.dtype in _HALF
 
 
 def _pow2(n: int) -> int:
@@ -166,11 +182,14 @@ def write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) ->
                                  k.stride(1), v.stride(0), v.stride(1), kv_cache.shape[2], row, BLOCK=_pow2(row))
 
 
-def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams) -> Tensor:
+def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams, *,
+           tile: Optional[int] = None, num_warps: int = 4, programs: int = TARGET_PROGRAMS) -> Tensor:
     """Every token of ``query`` ``[T, Hq, D]`` over its sequence's cached keys (its own K/V already written):
     ``[T, Hq, Dv]`` in the query's dtype; padding tokens and tokens that see no key get zeros. Two launches: the
     splits (each token's visible run found from ``query_start_loc`` and ``seq_lens`` in the kernel), then their
-    merge. Call only where :func:`usable` holds."""
+    merge. Call only where :func:`usable` holds. ``tile`` (keys per loop step, a power of two >= 16; default
+    :func:`key_tile`), ``num_warps`` and ``programs`` (:func:`split_plan`) are for benchmarks' sweeps: the
+    captured step's backend keeps the defaults, which :func:`variant` describes."""
     T, hq, d = query.shape
     _, _, bs, hkv, dv = kv_cache.shape
     dev = query.device
@@ -183,7 +202,7 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
         return out.zero_()
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
-    num_splits, per = split_plan(tables.shape[1], T * hkv)
+    num_splits, per = split_plan(tables.shape[1], T * hkv, programs)
     o_part = torch.empty((T, hq, num_splits, dv), dtype=torch.float32, device=dev)
     m_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
@@ -193,11 +212,12 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
     kernels.paged_split[(T, hkv, num_splits)](
         query, k, v, tables, qsl, seq_lens, o_part if slopes is None else slopes.to(dev, torch.float32).contiguous(),
         o_part, m_part, l_part, query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), tables.stride(0), S, hq // hkv, d, dv, per, num_splits,
+        v.stride(0), v.stride(1), v.stride(2), tables.stride(0), S, hq // hkv, d, dv, per * bs, num_splits,
         float(params.scale), float(params.softcap), params.window if params.causal else 0,
-        params.chunk if params.causal else 0, BS=bs, G_PAD=max(16, _pow2(hq // hkv)), D_PAD=max(16, _pow2(d)),
-        DV_PAD=max(16, _pow2(dv)), S_PAD=_pow2(S), CAUSAL=bool(params.causal), HAS_SOFTCAP=params.softcap > 0,
-        HAS_ALIBI=slopes is not None)
+        params.chunk if params.causal else 0, BS=bs, KT=tile or key_tile(d, dv), G_PAD=max(16, _pow2(hq // hkv)),
+        D_PAD=max(16, _pow2(d)), DV_PAD=max(16, _pow2(dv)), S_PAD=_pow2(S), CAUSAL=bool(params.causal),
+        HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=slopes is not None, TF32=tf32_exact(query, kv_cache),
+        num_warps=num_warps)
     kernels.merge_splits[(T, hq)](
         o_part, m_part, l_part, m_part if sinks is None else sinks.to(dev, torch.float32).contiguous(), out,
         out.stride(0), out.stride(1), num_splits, dv, NS_PAD=_pow2(num_splits), DV_PAD=_pow2(dv),

@@ -23,6 +23,7 @@ against the Triton kernel (``backends/triton_paged.py``) on the same decode case
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import statistics
 import time
@@ -113,6 +114,37 @@ def captured_decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, r
     diff = float((gather().float() - kernel().float()).abs().max())
     kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
     return gpu_seconds(gather, repeats), gpu_seconds(kernel, repeats), kv_bytes, diff
+
+
+def sweep_triton(repeats: int) -> None:
+    """The Triton decode kernel's GPU time against its tuning (keys per loop step, warps, programs the split plan
+    aims at), at the generate_cuda workload's decode step (batch 64, TinyLlama's heads 32/4 x 64) and at a long
+    context (16 x 8192, heads 32/8 x 128); the largest difference from the gather path beside each."""
+    from pagedattn.backends import AttentionParams, static_paged, triton_paged
+
+    bw = copy_bandwidth(1 << 30)
+    print(f"{'case':>24} {'tile':>5} {'warps':>6} {'programs':>9} {'GPU ms':>8} {'GB/s':>6} {'of copy':>8} {'max diff':>9}")
+    for batch, lo, hi, hq, hkv, d in ((64, 512, 1024, 32, 4, 64), (16, 8192, 8192, 32, 8, 128)):
+        lens, cache, paged, _ = paged_cases.decode_case(batch, lo, hi, hq, hkv, d, torch.bfloat16, 16, "cuda", 0)
+        q, meta, scale = paged.inputs
+        p = AttentionParams(scale, True, 0, 0.0, None, hkv, d)
+        want = static_paged.attend(q, cache, meta, p).float()
+        kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
+        for tile in (32, 64, 128):
+            for warps in (4, 8):
+                for programs in (1024, 2048):
+                    call = functools.partial(triton_paged.attend, q, cache, meta, p, tile=tile, num_warps=warps,
+                                             programs=programs)
+
+                    try:
+                        diff = float((call().float() - want).abs().max())
+                        t = gpu_seconds(call, repeats)
+                    except Exception as e:  # noqa: BLE001 - a configuration that does not compile is reported
+                        print(f"{f'{batch} x {lo}-{hi}, {hq}/{hkv}x{d}':>24} {tile:5d} {warps:6d} {programs:9d}  "
+                              f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+                        continue
+                    print(f"{f'{batch} x {lo}-{hi}, {hq}/{hkv}x{d}':>24} {tile:5d} {warps:6d} {programs:9d} "
+                          f"{t * 1e3:8.3f} {kv_bytes / t / 1e9:6.0f} {kv_bytes / t / bw:8.2f} {diff:9.2g}")
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
@@ -242,6 +274,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-generation", action="store_true")
     p.add_argument("--compile", action="store_true", help="also time PagedEngine compiled (its default)")
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    p.add_argument("--sweep", action="store_true", help="only: the Triton decode kernel's tuning sweep")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     import xformers
@@ -250,6 +283,9 @@ def main(argv=None) -> None:
     bw = copy_bandwidth(256 << 20 if a.quick else 2 << 30)
     print(f"{props.name}, torch {torch.__version__}, xformers {xformers.__version__}, "
           f"device copy {bw / 1e9:.0f} GB/s (read + write)")
+    if a.sweep:
+        sweep_triton(a.repeats)
+        return
     print(f"heads {a.heads}/{a.kv_heads}, head size {a.head_size}, bfloat16; decode: one new token per sequence")
     cases = [(16, 512, 512), (16, 2048, 2048), (16, 8192, 8192), (16, 512, 8192),
              (64, 2048, 2048), (64, 512, 8192)]

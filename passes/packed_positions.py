@@ -79,10 +79,11 @@ def _positions(g, meta: dict[str, Node]) -> Node:
         t = f(aten.sub.Tensor, (f(aten.cumsum.default, (f(aten.ones_like.default, (slots,)), 0)), 1))  # [T]
         qsl = f(aten._to_copy.default, (meta["query_start_loc"],), {"dtype": torch.int64})
         lens = f(aten._to_copy.default, (meta["seq_lens"],), {"dtype": torch.int64})
-        ends = f(aten.slice.Tensor, (qsl, 0, 1))
+        # the sequences that end at or before t: the starts at or below t, less the first (0). Searched in the
+        # whole tensor, not in a slice of it: torch 2.11's Inductor cannot lower searchsorted over a view on CUDA
+        seq = f(aten.sub.Tensor, (f(aten.searchsorted.Tensor, (qsl, t), {"right": True}), 1))
         # padding tokens (past the last sequence) index one past the end: repeat the last entry there
         qsl = f(aten.cat.default, ([qsl, f(aten.slice.Tensor, (qsl, 0, -1))],))
         lens = f(aten.cat.default, ([lens, f(aten.slice.Tensor, (lens, 0, -1))],))
-        seq = f(aten.searchsorted.Tensor, (ends, t), {"right": True})
         nxt = f(aten.index.Tensor, (qsl, [f(aten.add.Tensor, (seq, 1))]))
         return f(aten.add.Tensor, (f(aten.sub.Tensor, (f(aten.index.Tensor, (lens, [seq])), nxt)), t))  # [T]

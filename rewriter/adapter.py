@@ -36,7 +36,7 @@ from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.classify_mask import FIXED_LENGTH
 from pagedattn.program import ModelInfo, RewrittenModel
-from pagedattn.runtime.context import paged_context
+from pagedattn.runtime.context import paged_context, step_mode
 from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
@@ -142,7 +142,7 @@ class ServableModel:
             kwargs = self.packed_inputs(ids, pos, rows, token_types)
         if self.values is not None:
             values = step_values(self.values, values, meta.num_seqs, self.device)
-        with _step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
+        with step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
             out = self.step(**kwargs)
         logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
         return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
@@ -184,14 +184,6 @@ def step_values(spec: position_mod.ValueSpec, values: Optional[torch.Tensor], nu
     rest = position_mod.default_values(spec, num_seqs - have)
     out = rest if values is None else torch.cat((values.to("cpu", torch.long), rest))
     return out.to(device)
-
-
-def _step_mode(device):
-    """The grad mode a packed step runs in. On the CPU, inference mode, not just no_grad: every op of the step (the
-    paged ops' Python kernels above all) skips the autograd dispatch layer, ~5 % of a small model's decode step
-    (same-process A/B, llama16m and BART). Elsewhere no_grad: torch_xla's functionalization sets version counters,
-    which inference tensors refuse."""
-    return torch.inference_mode() if torch.device(device).type == "cpu" else torch.no_grad()
 
 
 def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:

@@ -44,11 +44,11 @@ from torch import Tensor
 
 from pagedattn.backends import AttentionMetadata, CrossMetadata, validation_enabled
 from pagedattn.backends.static_paged import StaticPagedBackend
-from pagedattn.runtime.context import paged_context
+from pagedattn.runtime.context import paged_context, step_mode
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "DecodeGraphs", "CaptureFailed", "no_host_reads",
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed", "no_host_reads",
            "HostRead", "reproduces"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
@@ -66,12 +66,14 @@ def capture_sizes(max_num_seqs: int, largest: int = _LARGEST) -> tuple[int, ...]
 
 
 def width_buckets(max_width: int) -> tuple[int, ...]:
-    """Block-table widths a graph is captured at: powers of two below ``max_width``, then ``max_width``."""
-    widths, w = [], 1
+    """Block-table widths a graph is captured at: powers of two from 2 below ``max_width``, then ``max_width``
+    (2 at least). Never 1: a compiled step specialises a size of 1, and the engine compiles its steps at 2 columns
+    or more (``runtime.shapes``), so a graph of 1 column would compile again."""
+    widths, w = [], 2
     while w < max_width:
         widths.append(w)
         w *= 2
-    return (*widths, max_width)
+    return (*widths, max(2, max_width))
 
 
 def bucket(n: int, sizes: Sequence[int]) -> Optional[int]:
@@ -164,26 +166,34 @@ class DecodeBuffers:
         self.positions[:n_rows].copy_(table[:, 1])
         self.slots[:n_rows].copy_(table[:, 2])
         self.seq_lens[:n_rows].copy_(table[:, 3])
-        self.tables[:n_rows, :W].copy_(table[:, 4:])
+        packed_rows(self.tables, n_rows, W).copy_(table[:, 4:])
         at = n_rows * (4 + W)
         self.starts[:n_rows + 1].copy_(on_dev[at:at + n_rows + 1])
         if CW:
             cross = on_dev[at + n_rows + 1:at + n_rows + 1 + n_rows * (1 + CW)].view(n_rows, 1 + CW)
             self.cross_lens[:n_rows].copy_(cross[:, 0])
-            self.cross_tables[:n_rows, :CW].copy_(cross[:, 1:])
+            packed_rows(self.cross_tables, n_rows, CW).copy_(cross[:, 1:])
         if dev.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
 
     def metadata(self, n_rows: int, width: Optional[int] = None) -> AttentionMetadata:
         """The step's metadata over the first ``n_rows`` rows and ``width`` block-table columns (views of the
-        buffers: the same storage each step, as a replayed graph reads it)."""
-        return AttentionMetadata(self.slots[:n_rows], self.tables[:n_rows, :width], self.seq_lens[:n_rows],
+        buffers: the same storage each step, as a replayed graph reads it; the tables contiguous, as the engine's
+        steps give theirs, or a compiled step compiles again for the stride)."""
+        return AttentionMetadata(self.slots[:n_rows], packed_rows(self.tables, n_rows, width), self.seq_lens[:n_rows],
                                  self.starts[:n_rows + 1], self.block_size)
 
     def cross_metadata(self, n_rows: int, width: Optional[int] = None) -> CrossMetadata:
         """An encoder-decoder step's cross metadata over the first ``n_rows`` rows and ``width`` columns."""
-        return CrossMetadata(self.cross_tables[:n_rows, :width], self.cross_lens[:n_rows])
+        return CrossMetadata(packed_rows(self.cross_tables, n_rows, width), self.cross_lens[:n_rows])
+
+
+def packed_rows(buffer: Tensor, n_rows: int, width: Optional[int]) -> Tensor:
+    """``[n_rows, width]`` (default: all columns) over the start of a contiguous ``[size, W]`` buffer's storage:
+    a contiguous view, the same one for every step of that shape."""
+    width = buffer.shape[1] if width is None else width
+    return buffer.view(-1)[:n_rows * width].view(n_rows, width)
 
 
 class DecodeGraphs:
@@ -202,6 +212,7 @@ class DecodeGraphs:
         if self.capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.widths = width_buckets(width)
+        width = self.widths[-1]
         # an encoder-decoder's step reads the cross blocks filled at admission; its encoder-states input is a
         # placeholder (the paged graph reads the caches), one tensor for every step
         self.seq2seq_inputs = None if servable.seq2seq is None else \
@@ -272,7 +283,10 @@ class DecodeGraphs:
                 kwargs["use_cache"] = False
             if "logits_to_keep" in sv.input_names:
                 kwargs["logits_to_keep"] = b.rows[:size]
-        with torch.no_grad(), paged_context(self.kv_caches, b.metadata(size, width), self.backend, cross=cross):
+        # the engine's packed steps' grad mode: a compiled step's guards check it (a step in another mode compiles
+        # again)
+        with step_mode(b.ids.device), paged_context(self.kv_caches, b.metadata(size, width), self.backend,
+                                                    cross=cross):
             out = sv.step(**kwargs)
         logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, (tuple, list)) else out
         return logits[0]  # [size, V]: every row completes its sequence

@@ -27,8 +27,8 @@ def test_the_kernel_matches_the_reference_in_tritons_interpreter():
 
 
 @pytest.mark.parametrize("width, rows, splits, per", [(1, 1, 1, 1), (7, 4, 7, 1), (16, 4, 16, 1), (17, 4, 9, 2),
-                                                      (64, 4, 16, 4), (100, 4, 15, 7), (64, 256, 2, 32),
-                                                      (64, 512, 1, 64), (64, 4096, 1, 64), (5, 100, 5, 1)])
+                                                      (64, 4, 16, 4), (100, 4, 15, 7), (64, 256, 4, 16),
+                                                      (64, 512, 2, 32), (64, 4096, 1, 64), (5, 100, 5, 1)])
 def test_split_plan_covers_the_row_in_equal_splits_as_the_batch_needs(width, rows, splits, per):
     assert triton_paged.split_plan(width, rows) == (splits, per)
     assert splits <= triton_paged.MAX_SPLITS and (splits - 1) * per < width <= splits * per

@@ -66,8 +66,10 @@ def test_capture_sizes_hold_every_batch_up_to_max_num_seqs():
     assert capture_sizes(1000)[-1] == 256 and len(capture_sizes(1000)) == 35
 
 
-def test_width_buckets_are_powers_of_two_then_the_widest():
-    assert width_buckets(1) == (1,) and width_buckets(8) == (1, 2, 4, 8) and width_buckets(13) == (1, 2, 4, 8, 13)
+def test_width_buckets_are_powers_of_two_then_the_widest_never_one_column():
+    # a compiled step specialises a size of 1: the engine's steps have 2 columns or more, and so do the graphs'
+    assert width_buckets(1) == (2,) and width_buckets(2) == (2,) and width_buckets(8) == (2, 4, 8)
+    assert width_buckets(13) == (2, 4, 8, 13)
 
 
 @given(st.integers(1, 300), st.integers(1, 300))
@@ -291,6 +293,33 @@ def test_encoder_decoder_decode_steps_through_the_graphs_buffers_equal_hf_genera
     graphs._step = guarded
     assert engine.generate(sources(), max_new_tokens=8) == hf_seq2seq_generate(model, sources(), 8)
     assert graphs.stats["eager"] >= 6 and engine.blocks.num_free == engine.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_compiled_decode_steps_through_the_graphs_buffers_compile_nothing_after_start_up(arch):
+    """The buffers give a step the shapes and grad mode of the engine's own steps (2 block-table columns at
+    least, tables contiguous, sizes of 1 only in the single-token step): a compiled step serves every capture size
+    with the graphs compiled at start-up. (Each mismatch compiled again on the GPU: a T5 engine compiled 3 graphs
+    while serving, for a table of 1 column and for the tables' row stride.)"""
+    from pagedattn import PagedEngine
+    from pagedattn.runtime.shapes import graph_count
+
+    from ..rewriter.seq2seq_models import hf_seq2seq_generate, sources, tiny_seq2seq
+
+    model = tiny_llama() if arch == "llama" else tiny_seq2seq(arch)
+    engine = PagedEngine(model, block_size=4, num_blocks=96, max_num_seqs=8, max_num_tokens=64, compile=True,
+                         progress=False)
+    before = graph_count()
+    engine.decode_graphs = DecodeGraphs(engine.servable, engine.kv_caches, 8, engine.num_blocks, capture=False)
+    if arch == "llama":
+        ps = prompts(lengths=(5, 17, 9, 30, 2))
+        assert engine.generate(ps[:1], max_new_tokens=6) == hf_generate(model, ps[:1], 6)  # single-token steps
+        assert engine.generate(ps, max_new_tokens=8) == hf_generate(model, ps, 8)
+    else:
+        srcs = sources()
+        assert engine.generate(srcs[:1], max_new_tokens=6) == hf_seq2seq_generate(model, srcs[:1], 6)
+        assert engine.generate(srcs, max_new_tokens=8) == hf_seq2seq_generate(model, srcs, 8)
+    assert graph_count() == before and engine.decode_graphs.stats["eager"] >= 10
 
 
 def test_a_decoder_only_step_and_an_encoder_decoder_step_load_what_their_buffers_hold():
