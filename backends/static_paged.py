@@ -13,8 +13,6 @@ Semantics are :mod:`pagedattn.backends.reference`'s, through :func:`reference.de
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
@@ -24,13 +22,6 @@ from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
 __all__ = ["write", "attend", "padding_repeats_a_write", "StaticPagedBackend"]
-
-log = logging.getLogger("pagedattn")
-
-# how far the Triton kernel's output may be from the gather path's on its first call of a kind, per unit of the
-# outputs' largest magnitude (float32 math in the kernel; SDPA rounds probabilities to the operands' dtype): a
-# kernel compiled wrong is off by far more
-_AGREE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def padding_repeats_a_write(slots: Tensor, rows: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
@@ -97,7 +88,7 @@ class StaticPagedBackend(SplitKVBackend):
             raise ValueError(f"{base.name} does not keep the split-KV cache layout the static paged ops read")
         self.base = base
         self.name, self.device_type, self.dtypes = f"{base.name}+static", base.device_type, base.dtypes
-        self._kernel_verdicts: dict[tuple, bool] = {}  # triton_paged.variant -> the kernel agreed on it
+        self.kernels = triton_paged.CheckedKernels()  # the Triton kernels, each kind once it agreed with the below
 
     def cache_geometry(self, kv_cache):
         return self.base.cache_geometry(kv_cache)
@@ -107,65 +98,10 @@ class StaticPagedBackend(SplitKVBackend):
 
     def write(self, key, value, kv_cache, slot_mapping):
         # on CUDA, one Triton launch (slots below 0 skipped in the kernel) instead of the padding-safe scatter's ~10
-        if triton_paged.write_usable(key, value, kv_cache):
-            kind = triton_paged.write_variant(key, value, kv_cache)
-            verdict = self._kernel_verdicts.get(kind)
-            if verdict:
-                triton_paged.write(key, value, kv_cache, slot_mapping)
-                return
-            if verdict is None and not _capturing(kv_cache.device) and \
-                    self._first_call(kind, lambda: triton_paged.write(key, value, kv_cache, slot_mapping)):
-                # the rows it stored, read back: exactly those given, or the scatter below writes the step
-                _, nb, bs, hkv, d = kv_cache.shape
-                slots = slot_mapping.long()
-                real = slots >= 0
-                stored = kv_cache.view(2, nb * bs, hkv, d)[:, slots[real]]  # [2, n, Hkv, D]
-                if self._judge(kind, torch.equal(stored[0], key[real].to(kv_cache.dtype))
-                               and torch.equal(stored[1], value[real].to(kv_cache.dtype)),
-                               "stored other values than it was given"):
-                    return
-        write(key, value, kv_cache, slot_mapping)
+        self.kernels.write(key, value, kv_cache, slot_mapping, lambda: write(key, value, kv_cache, slot_mapping))
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         # on CUDA, the Triton kernel reads the blocks in place where it applies (no gather of whole table rows)
-        if triton_paged.usable(query, kv_cache, params):
-            kind = triton_paged.variant(query, kv_cache, metadata, params)
-            verdict = self._kernel_verdicts.get(kind)
-            if verdict:
-                return triton_paged.attend(query, kv_cache, metadata, params)
-            if verdict is None and not _capturing(query.device):
-                got = []
-                portable = attend(query, kv_cache, metadata, params)
-                if self._first_call(kind, lambda: got.append(triton_paged.attend(query, kv_cache, metadata, params))):
-                    diff, size = ((float((got[0].float() - portable.float()).abs().max()),
-                                   float(portable.float().abs().max())) if portable.numel() else (0.0, 0.0))
-                    # relative to the outputs' size: bf16's rounding grows with the values
-                    if self._judge(kind, diff <= _AGREE[query.dtype] * max(1.0, size),
-                                   f"differs from the gather path by {diff:.3g}"):
-                        return got[0]
-                return portable
-        return attend(query, kv_cache, metadata, params)
+        return self.kernels.attend(query, kv_cache, metadata, params,
+                                   lambda: attend(query, kv_cache, metadata, params))
 
-    def _first_call(self, kind: tuple, run) -> bool:
-        """Run a Triton kernel on the first call of its kind (``triton_paged.variant`` / ``write_variant``),
-        eagerly, for the caller to judge its result (:meth:`_judge`); False when it does not compile or launch
-        here. A kind first seen while a CUDA graph is being captured (no host read possible) is not tried: the
-        portable path serves it."""
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - whatever the kernel trips on, the portable path serves
-            return self._judge(kind, False, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        return True
-
-    def _judge(self, kind: tuple, ok: bool, why: str) -> bool:
-        """Keep a kind's verdict: a kernel that a Triton or driver version compiles wrong is not used again, and the
-        log says so."""
-        self._kernel_verdicts[kind] = ok
-        if not ok:
-            log.warning("pagedattn: the Triton kernel %s on %s: this process uses the portable path for such calls",
-                        why, kind)
-        return ok
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -15,6 +15,9 @@ token, and a second one merges the splits (plus one for the cache write, :func:`
   in flight together, and keeps an online softmax (running maximum and sum) in float32. Products run on the tensor
   cores in TF32 where the inputs hold 16-bit values (exact products, float32 sums; the probabilities round to
   TF32), in IEEE float32 for float32 inputs (:func:`tf32_exact`);
+- a step with more tokens than sequences (prefills, mixed steps: :func:`queries_per_tile`) runs the tile kernel
+  instead: a program takes up to ``TILE_ROWS`` query rows (consecutive tokens of one sequence, each with the KV
+  head's query heads), so that each tile of K/V serves them all, every row with its own visible keys;
 - the merge weighs the splits' partial sums by their maxima, with the sink logits (if any) in the normaliser.
 
 Every shape follows from the input shapes (the split count from the table's width), so a CUDA graph captures it.
@@ -29,6 +32,7 @@ interpreter on CPU tensors, which is how the tests check it without a GPU (``tes
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -38,11 +42,15 @@ from torch import Tensor
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
 
+log = logging.getLogger("pagedattn")
+
 __all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "write_variant", "split_plan", "write",
-           "write_usable", "key_tile", "tf32_exact", "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
+           "write_usable", "CheckedKernels", "AGREE", "key_tile", "tf32_exact", "queries_per_tile", "TILE_ROWS",
+           "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
 
 MAX_HEAD_SIZE = 256
 MAX_SPLITS = 16  # a row of W blocks is cut into at most this many splits
+TILE_ROWS = 64  # query rows (tokens x query heads of a KV head) a prefill program takes
 TARGET_PROGRAMS = 1024  # ~8 per streaming multiprocessor of an H100 or H200 (132): loads in flight to hide latency
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
@@ -99,15 +107,17 @@ def usable(query: Tensor, kv_cache: Tensor, params: AttentionParams) -> bool:
 
 def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams) -> tuple:
     """What decides which kernel a call compiles and which of its branches run: dtypes, head sizes, query heads
-    per KV head, block size, the site's kinds of score terms and visibility, and how Triton specialises the integer
-    arguments (a value of 1, a multiple of 16: each combination is compiled on its own)."""
-    num_splits, per = split_plan(metadata.block_tables.shape[1], query.shape[0] * kv_cache.shape[3])
-    ints = (metadata.block_tables.shape[0], per * kv_cache.shape[2], num_splits, params.window, params.chunk, *query.stride()[:2],
+    per KV head, the query tokens a program takes (:func:`queries_per_tile`), block size, the site's kinds of score
+    terms and visibility, and how Triton specialises the integer arguments (a value of 1, a multiple of 16: each
+    combination is compiled on its own)."""
+    T, S, group = query.shape[0], metadata.block_tables.shape[0], query.shape[1] // kv_cache.shape[3]
+    bq = queries_per_tile(T, S, group)
+    num_splits, per = split_plan(metadata.block_tables.shape[1], (T if bq == 1 else T // bq + S) * kv_cache.shape[3])
+    ints = (S, group, per * kv_cache.shape[2], num_splits, params.window, params.chunk, *query.stride()[:2],
             *kv_cache.stride()[1:4], metadata.block_tables.stride(0))
-    return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], query.shape[1] // kv_cache.shape[3],
-            kv_cache.shape[2], params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None,
-            params.causal, params.window > 0, params.chunk > 0, _pow2(metadata.block_tables.shape[0]), _pow2(num_splits),
-            _specialised(ints))
+    return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], group, bq, kv_cache.shape[2],
+            params.softcap > 0, params.alibi_slopes is not None, params.sinks is not None, params.causal,
+            params.window > 0, params.chunk > 0, _pow2(S), _pow2(num_splits), _specialised(ints))
 
 
 def write_variant(key: Tensor, value: Tensor, kv_cache: Tensor) -> tuple:
@@ -182,14 +192,24 @@ def write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) ->
                                  k.stride(1), v.stride(0), v.stride(1), kv_cache.shape[2], row, BLOCK=_pow2(row))
 
 
+def queries_per_tile(num_tokens: int, num_seqs: int, group: int) -> int:
+    """Query tokens a program of :func:`attend` takes: 1 in a step of at most one token per sequence (a decode
+    step: the decode kernel, a token's query heads per program), else ``TILE_ROWS // group`` (prefills and mixed
+    steps: the tile kernel, so that a tile of K/V serves that many queries). Shapes only: a captured graph keeps
+    it."""
+    return 1 if num_tokens <= num_seqs else max(1, TILE_ROWS // group)
+
+
 def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams, *,
-           tile: Optional[int] = None, num_warps: int = 4, programs: int = TARGET_PROGRAMS) -> Tensor:
+           tile: Optional[int] = None, num_warps: int = 4, programs: int = TARGET_PROGRAMS,
+           queries: Optional[int] = None) -> Tensor:
     """Every token of ``query`` ``[T, Hq, D]`` over its sequence's cached keys (its own K/V already written):
     ``[T, Hq, Dv]`` in the query's dtype; padding tokens and tokens that see no key get zeros. Two launches: the
-    splits (each token's visible run found from ``query_start_loc`` and ``seq_lens`` in the kernel), then their
-    merge. Call only where :func:`usable` holds. ``tile`` (keys per loop step, a power of two >= 16; default
-    :func:`key_tile`), ``num_warps`` and ``programs`` (:func:`split_plan`) are for benchmarks' sweeps: the
-    captured step's backend keeps the defaults, which :func:`variant` describes."""
+    splits (each program finds its tokens' sequence and visible keys from ``query_start_loc`` and ``seq_lens``),
+    then their merge. Call only where :func:`usable` holds. ``tile`` (keys per loop step, a power of two >= 16;
+    default :func:`key_tile`), ``num_warps``, ``programs`` (:func:`split_plan`) and ``queries`` (query tokens per
+    program; default :func:`queries_per_tile`) are for tests and benchmarks' sweeps: the captured step's backend
+    keeps the defaults, which :func:`variant` describes."""
     T, hq, d = query.shape
     _, _, bs, hkv, dv = kv_cache.shape
     dev = query.device
@@ -202,24 +222,109 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
         return out.zero_()
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
-    num_splits, per = split_plan(tables.shape[1], T * hkv, programs)
+    group = hq // hkv
+    bq = queries or queries_per_tile(T, S, group)
+    grid0 = T if bq == 1 else T // bq + S
+    num_splits, per = split_plan(tables.shape[1], grid0 * hkv, programs)
     o_part = torch.empty((T, hq, num_splits, dv), dtype=torch.float32, device=dev)
     m_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
     slopes, sinks = params.alibi_slopes, params.sinks
     k, v = kv_cache[0], kv_cache[1]
     kernels = _kernels()
-    kernels.paged_split[(T, hkv, num_splits)](
-        query, k, v, tables, qsl, seq_lens, o_part if slopes is None else slopes.to(dev, torch.float32).contiguous(),
-        o_part, m_part, l_part, query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), tables.stride(0), S, hq // hkv, d, dv, per * bs, num_splits,
-        float(params.scale), float(params.softcap), params.window if params.causal else 0,
-        params.chunk if params.causal else 0, BS=bs, KT=tile or key_tile(d, dv), G_PAD=max(16, _pow2(hq // hkv)),
-        D_PAD=max(16, _pow2(d)), DV_PAD=max(16, _pow2(dv)), S_PAD=_pow2(S), CAUSAL=bool(params.causal),
-        HAS_SOFTCAP=params.softcap > 0, HAS_ALIBI=slopes is not None, TF32=tf32_exact(query, kv_cache),
-        num_warps=num_warps)
+    args = (query, k, v, tables, qsl, seq_lens,
+            o_part if slopes is None else slopes.to(dev, torch.float32).contiguous(), o_part, m_part, l_part,
+            query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), tables.stride(0), S, group, d, dv, per * bs, num_splits, float(params.scale),
+            float(params.softcap), params.window if params.causal else 0, params.chunk if params.causal else 0)
+    common = dict(BS=bs, KT=tile or key_tile(d, dv), D_PAD=max(16, _pow2(d)), DV_PAD=max(16, _pow2(dv)),
+                  S_PAD=_pow2(S), CAUSAL=bool(params.causal), HAS_SOFTCAP=params.softcap > 0,
+                  HAS_ALIBI=slopes is not None, TF32=tf32_exact(query, kv_cache), num_warps=num_warps)
+    if bq == 1:
+        kernels.paged_split[(T, hkv, num_splits)](*args, G_PAD=max(16, _pow2(group)), **common)
+    else:
+        kernels.paged_tiles[(grid0, hkv, num_splits)](*args, BQ=bq, R=max(16, _pow2(bq * group)), **common)
     kernels.merge_splits[(T, hq)](
-        o_part, m_part, l_part, m_part if sinks is None else sinks.to(dev, torch.float32).contiguous(), out,
+        o_part, m_part, l_part, m_part if sinks is None else sinks.to(dev, torch.float32).contiguous(), out, qsl, S,
         out.stride(0), out.stride(1), num_splits, dv, NS_PAD=_pow2(num_splits), DV_PAD=_pow2(dv),
         HAS_SINKS=sinks is not None)
     return out
+
+
+# how far the kernel's output may be from the portable path's on its first call of a kind, per unit of the outputs'
+# largest magnitude (float32 math in the kernel; the portable paths round probabilities to the operands' dtype): a
+# kernel compiled wrong is off by far more
+AGREE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+class CheckedKernels:
+    """This module's kernels behind a backend, each kind of call (:func:`variant`, :func:`write_variant`) used once
+    its first call agreed with the backend's portable path, checked eagerly: a kernel that a Triton or driver
+    version compiles wrong, or that fails to compile or launch, is logged and not used again for that kind, so it
+    costs speed, not answers. A kind first met while a CUDA graph is being captured (no host read possible) is not
+    tried: the portable path serves it."""
+
+    def __init__(self):
+        self.verdicts: dict[tuple, bool] = {}  # kind -> the kernel agreed on it
+
+    def attend(self, query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params: AttentionParams,
+               portable) -> Tensor:
+        """:func:`attend` where it applies and its kind agreed, else ``portable()``."""
+        if not usable(query, kv_cache, params):
+            return portable()
+        kind = variant(query, kv_cache, metadata, params)
+        verdict = self.verdicts.get(kind)
+        if verdict:
+            return attend(query, kv_cache, metadata, params)
+        if verdict is not None or _capturing(query.device):
+            return portable()
+        want, got = portable(), []
+        if self._first_call(kind, lambda: got.append(attend(query, kv_cache, metadata, params))):
+            diff, size = ((float((got[0].float() - want.float()).abs().max()), float(want.float().abs().max()))
+                          if want.numel() else (0.0, 0.0))
+            # relative to the outputs' size: bf16's rounding grows with the values
+            if self._judge(kind, diff <= AGREE[query.dtype] * max(1.0, size), f"differs from the portable path by "
+                                                                              f"{diff:.3g}"):
+                return got[0]
+        return want
+
+    def write(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, portable) -> None:
+        """:func:`write` where it applies and its kind agreed (its first call's rows read back: exactly those
+        given), else ``portable()``."""
+        if not write_usable(key, value, kv_cache):
+            return portable()
+        kind = write_variant(key, value, kv_cache)
+        verdict = self.verdicts.get(kind)
+        if verdict:
+            return write(key, value, kv_cache, slot_mapping)
+        if verdict is None and not _capturing(kv_cache.device) and \
+                self._first_call(kind, lambda: write(key, value, kv_cache, slot_mapping)):
+            _, nb, bs, hkv, d = kv_cache.shape
+            slots = slot_mapping.long()
+            real = slots >= 0
+            stored = kv_cache.view(2, nb * bs, hkv, d)[:, slots[real]]  # [2, n, Hkv, D]
+            if self._judge(kind, torch.equal(stored[0], key[real].to(kv_cache.dtype))
+                           and torch.equal(stored[1], value[real].to(kv_cache.dtype)),
+                           "stored other values than it was given"):
+                return None
+        return portable()  # the portable write stores the step (over what the kernel stored, if it ran)
+
+    def _first_call(self, kind: tuple, run) -> bool:
+        """Run a kernel on the first call of its kind, eagerly, for the caller to judge its result; False when it
+        does not compile or launch here."""
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - whatever the kernel trips on, the portable path serves
+            return self._judge(kind, False, f"failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return True
+
+    def _judge(self, kind: tuple, ok: bool, why: str) -> bool:
+        self.verdicts[kind] = ok
+        if not ok:
+            log.warning("pagedattn: the Triton kernel %s on %s: this process uses the portable path for such calls",
+                        why, kind)
+        return ok
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

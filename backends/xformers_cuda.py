@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from pagedattn.backends import reference
+from pagedattn.backends import reference, triton_paged
 from pagedattn.backends.base import SplitKVBackend, register_backend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionConfig, AttentionParams
@@ -366,8 +366,14 @@ class XFormersCudaBackend(SplitKVBackend):
     device_type = "cuda"
     dtypes = _DTYPES
 
-    def __init__(self):
+    def __init__(self, triton: bool = False):
+        """``triton``: every attention call that ``triton_paged``'s kernels take (prefills and mixed steps too, not
+        only the captured decode steps) goes through them, each kind once its first call agreed with the xFormers
+        path; xFormers serves the rest. Off by default until measured against xFormers on a GPU
+        (``benchmarks/generate_cuda.py --triton-eager``): it trades xFormers' Python around each call for one or
+        two launches."""
         self.paths: Counter = Counter()  # (group kind, operator or fallback) -> calls, for tests/benchmarks
+        self.triton = triton_paged.CheckedKernels() if triton else None
 
     def cache_geometry(self, kv_cache):
         nb, bs, hkv, d = super().cache_geometry(kv_cache)
@@ -422,6 +428,12 @@ class XFormersCudaBackend(SplitKVBackend):
     # --- attention
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
+        if self.triton is not None:  # the step's own K/V are in the cache already (written before the attention)
+            return self.triton.attend(query, kv_cache, metadata, params,
+                                      lambda: self._attend(query, key, value, kv_cache, metadata, params))
+        return self._attend(query, key, value, kv_cache, metadata, params)
+
+    def _attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         nb, bs, hkv, d = self.cache_geometry(kv_cache)
         block_tables = metadata.block_tables
         alibi_slopes, sinks, softcap = params.alibi_slopes, params.sinks, params.softcap

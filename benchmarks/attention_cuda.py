@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import logging
+import math
 import statistics
 import time
 
@@ -145,6 +147,35 @@ def sweep_triton(repeats: int) -> None:
                         continue
                     print(f"{f'{batch} x {lo}-{hi}, {hq}/{hkv}x{d}':>24} {tile:5d} {warps:6d} {programs:9d} "
                           f"{t * 1e3:8.3f} {kv_bytes / t / 1e9:6.0f} {kv_bytes / t / bw:8.2f} {diff:9.2g}")
+
+
+def eager_case(spec, hq, hkv, d, dtype, block_size, repeats, seed=0):
+    """An eager (prefill or mixed) step's attention through ``XFormersCudaBackend``, its xFormers path against the
+    Triton kernels (``triton=True``), for sequences ``spec`` of ``(cached tokens, new tokens)``: wall seconds
+    (host included, CUDA events) and GPU seconds of each, and their largest difference."""
+    from pagedattn.backends import AttentionParams, build_metadata
+    from pagedattn.backends.xformers_cuda import XFormersCudaBackend
+
+    g = torch.Generator().manual_seed(seed)
+    xf, tr = XFormersCudaBackend(), XFormersCudaBackend(triton=True)
+    need = [-(-(c + n) // block_size) for c, n in spec]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(len(spec))]
+    cache = xf.allocate_kv_cache(sum(need), block_size, hkv, d, dtype, "cuda")
+    k_all = torch.randn(sum(c + n for c, n in spec), hkv, d, generator=g).to("cuda", dtype)
+    v_all = torch.randn(k_all.shape, generator=g).to("cuda", dtype)
+    fill = build_metadata([(0, c + n, t) for (c, n), t in zip(spec, tables)], block_size, device="cuda")
+    torch.ops.pagedattn.write_kv_cache(k_all, v_all, cache, fill.slot_mapping)
+    new = torch.tensor([a + c + i for a, (c, n) in zip(itertools.accumulate([0] + [c + n for c, n in spec]), spec)
+                        for i in range(n)], device="cuda")
+    k, v = k_all[new], v_all[new]  # the new tokens' K/V, as the step gives them (also in the cache)
+    meta = build_metadata([(c, n, t) for (c, n), t in zip(spec, tables)], block_size, device="cuda")
+    q = torch.randn(len(new), hq, d, generator=g).to("cuda", dtype)
+    p = AttentionParams(1 / math.sqrt(d), True, 0, 0.0, None, hkv, d)
+    fa = functools.partial(xf.attend, q, k, v, cache, meta, p)
+    fb = functools.partial(tr.attend, q, k, v, cache, meta, p)
+    diff = float((fa().float() - fb().float()).abs().max())  # (the first Triton call of a kind checks itself)
+    ta, tb = _time_pair(fa, fb, repeats)
+    return ta, tb, gpu_seconds(fa, repeats), gpu_seconds(fb, repeats), diff
 
 
 def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, repeats):
@@ -314,6 +345,16 @@ def main(argv=None) -> None:
         ctx = f"{lo}" if lo == hi else f"{lo}-{hi}"
         print(f"{batch:5d} {ctx:>10} {tg * 1e3:10.3f} {tt * 1e3:10.3f} {tg / tt:9.2f} {nbytes / tt / 1e9:12.0f} "
               f"{nbytes / tt / bw:8.2f} {diff:9.2g}")
+    print()
+    print("eager steps' attention (XFormersCudaBackend): xFormers against the Triton kernels (triton=True), "
+          "heads 32/4 x 64 (generate_cuda's model)")
+    print(f"{'step':>34} {'xF wall ms':>11} {'Tr wall ms':>11} {'xF GPU ms':>10} {'Tr GPU ms':>10} {'max diff':>9}")
+    eager = [("prefill 4 x 2048", [(0, 2048)] * 4), ("prefill 1 x 1024", [(0, 1024)]),
+             ("16 decodes (2048) + 256-token prompt", [(2048, 1)] * 16 + [(0, 256)]),
+             ("64 continuations of 9 (600 cached)", [(600, 9)] * 64)]
+    for name, spec in eager[:1] if a.quick else eager:
+        ta, tb, ga, gb, diff = eager_case(spec, 32, 4, 64, torch.bfloat16, 16, a.repeats)
+        print(f"{name:>34} {ta * 1e3:11.3f} {tb * 1e3:11.3f} {ga * 1e3:10.3f} {gb * 1e3:10.3f} {diff:9.2g}")
     print()
     print(f"{'prefill':>14} {'paged tok/s':>12} {'contig tok/s':>13} {'paged GPU tok/s':>16} {'contig GPU tok/s':>17}")
     n, L = (2, 256) if a.quick else (4, 2048)

@@ -13,6 +13,7 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
     python benchmarks/generate_cuda.py                # the figures in benchmarks/RESULTS.md
     python benchmarks/generate_cuda.py --quick        # a smoke run (small model, few tokens)
     python benchmarks/generate_cuda.py --no-graphs    # also the engine with cuda_graphs=False
+    python benchmarks/generate_cuda.py --triton-eager # also the engine with every step's attention in Triton
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _timed(fn):
 def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
     from pagedattn import PagedEngine
 
-    engine, seconds = _timed(lambda: PagedEngine(model, target="cuda", block_size=16, num_blocks=num_blocks,
+    kw = {"target": "cuda", **kw}
+    engine, seconds = _timed(lambda: PagedEngine(model, block_size=16, num_blocks=num_blocks,
                                                  max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                                  progress=False, **kw))
     return engine, seconds
@@ -163,6 +165,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--quick", action="store_true", help="a small model and workload (smoke run)")
     p.add_argument("--no-graphs", action="store_true", help="also time the engine with cuda_graphs=False")
+    p.add_argument("--triton-eager", action="store_true",
+                   help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
+                        "attention through the Triton kernels too")
     p.add_argument("--skip", nargs="*", default=[], choices=["padded", "hf_cb", "kinds"])
     p.add_argument("--profile", action="store_true", help="only: the kernels of a decode step at batch 64")
     a = p.parse_args(argv)
@@ -199,6 +204,10 @@ def main(argv=None) -> None:
     variants = [("PagedEngine (default: compiled, CUDA graphs)", {})]
     if a.no_graphs:
         variants.append(("PagedEngine cuda_graphs=False (compiled)", {"cuda_graphs": False}))
+    if a.triton_eager:
+        from pagedattn.backends.xformers_cuda import XFormersCudaBackend
+
+        variants.append(("PagedEngine, Triton for eager steps too", {"target": XFormersCudaBackend(triton=True)}))
     for name, kw in variants:
         engine, t_start = make_engine(model, num_blocks, a.prompts, a.max_num_tokens, **kw)
         _, t_first, _ = engine_run(engine, prompts, a.new)  # compiles and captures as it meets each bucket
@@ -220,7 +229,7 @@ def main(argv=None) -> None:
                   f"median {agree:.0f} of {a.new} (bfloat16, random weights)")
         print_roofline(rec.steps, t_eng, shape, machine, a.prompts)
         print(f"    per decode step (profiler, 8 sequences): {host_syncs(engine, prompts[:8])}")
-        if "kinds" not in a.skip and not kw:
+        if "kinds" not in a.skip and "cuda_graphs" not in kw:
             print("  synthetic step kinds (per step, after warm-up):")
             batches = tuple(b for b in (1, 8, 32, 64) if b <= a.prompts)
             kinds = dict(vocab=32000, context=512, batches=batches, mixed_batch=min(16, a.prompts))

@@ -54,11 +54,15 @@ def _check(b, device, dtype, **kw):
     moved = {f: getattr(p, f).to(device) for f in ("alibi_slopes", "sinks") if getattr(p, f) is not None}
     p = AttentionParams(**{**p.__dict__, **moved}) if moved else p
     assert triton_paged.usable(q, cache, p), triton_paged.unusable_reasons(q, cache, p)
-    out = triton_paged.attend(q, cache, meta, p).cpu()
     ref = reference_step(b, scale, **kw)
     n = ref.shape[0]
-    torch.testing.assert_close(out[:n].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    assert torch.all(out[n:] == 0), "padding rows must be zero"
+    # both kernels on every case: a token per program (decode steps) and tiles of 3 queries (prefills' kernel,
+    # with tiles that cut sequences anywhere), besides the one the shape picks
+    default = triton_paged.queries_per_tile(q.shape[0], meta.seq_lens.shape[0], q.shape[1] // cache.shape[3])
+    for queries in dict.fromkeys((default, 1, 3)):
+        out = triton_paged.attend(q, cache, meta, p, queries=queries).cpu()
+        torch.testing.assert_close(out[:n].double(), ref, atol=TOL[dtype], rtol=TOL[dtype], msg=f"queries={queries}")
+        assert torch.all(out[n:] == 0), "padding rows must be zero"
 
 
 @pytest.mark.parametrize("shape", ["all_decode", "mixed"] + ([] if INTERPRETED else ["many_blocks"]))
@@ -234,3 +238,32 @@ def test_strided_metadata_is_read_as_its_values(device):
     out = triton_paged.attend(q, cache, moved, batch_params(b, 0.125)).cpu()
     ref = reference_step(b, 0.125)
     torch.testing.assert_close(out[:ref.shape[0]].double(), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
+@pytest.mark.parametrize("shape", ["mixed", "chunked", "all_decode"])
+def test_the_xformers_backend_takes_the_kernels_for_every_step_when_asked(device, shape, monkeypatch):
+    # XFormersCudaBackend(triton=True): prefills, chunked prefills and decodes through the kernels once their first
+    # call agreed with the xFormers path (emulated on the CPU, real on CUDA); triton=False never calls them
+    pytest.importorskip("xformers", reason="xformers is not installed")
+    from pagedattn.backends.xformers_cuda import XFormersCudaBackend
+
+    if device == "cpu":
+        from .xformers_emulation import install
+
+        install(monkeypatch)
+    calls = []
+    real = triton_paged.attend
+    monkeypatch.setattr(triton_paged, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    b = make_batch(SHAPES[shape], num_heads=8, num_kv_heads=2, dtype=torch.float16 if device == "cuda" else
+                   torch.float32)
+    q, k, v, cache, meta = _to(b, device)
+    torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+    p = batch_params(b, 0.125)
+    ref = reference_step(b, 0.125)
+    for triton, want_calls in ((False, 0), (True, 3)):
+        calls.clear()
+        backend = XFormersCudaBackend(triton=triton)
+        for _ in range(3):  # the first call checked on its own result, the next two used
+            out = backend.attend(q, k, v, cache, meta, p).cpu()
+            torch.testing.assert_close(out.double(), ref, atol=TOL[q.dtype], rtol=TOL[q.dtype])
+        assert len(calls) == want_calls, triton
