@@ -14,6 +14,7 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
     python benchmarks/generate_cuda.py --quick        # a smoke run (small model, few tokens)
     python benchmarks/generate_cuda.py --no-graphs    # also the engine with cuda_graphs=False
     python benchmarks/generate_cuda.py --triton-eager # also the engine with every step's attention in Triton
+    python benchmarks/generate_cuda.py --freeze       # also the engine with the step compiled under freezing
 """
 
 from __future__ import annotations
@@ -62,7 +63,17 @@ def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
     from pagedattn import PagedEngine
 
     kw = {"target": "cuda", **kw}
-    engine, seconds = _timed(lambda: PagedEngine(model, block_size=16, num_blocks=num_blocks,
+    if kw.pop("freeze", False):  # the step rewritten, then compiled with Inductor's freezing before the engine
+        from pagedattn.adapter import prepare_model
+
+        def frozen():
+            step = prepare_model(model, target=kw["target"], compile=False).step
+            return step.compile_paged(freeze=True)
+        model = frozen
+    else:
+        given = model
+        model = lambda: given  # noqa: E731
+    engine, seconds = _timed(lambda: PagedEngine(model(), block_size=16, num_blocks=num_blocks,
                                                  max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
                                                  progress=False, **kw))
     return engine, seconds
@@ -165,6 +176,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--quick", action="store_true", help="a small model and workload (smoke run)")
     p.add_argument("--no-graphs", action="store_true", help="also time the engine with cuda_graphs=False")
+    p.add_argument("--freeze", action="store_true",
+                   help="also time the engine with the step compiled under Inductor's freezing (on the GPU it "
+                        "concatenates q/k/v and gate/up into one GEMM each)")
     p.add_argument("--triton-eager", action="store_true",
                    help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
                         "attention through the Triton kernels too")
@@ -204,6 +218,8 @@ def main(argv=None) -> None:
     variants = [("PagedEngine (default: compiled, CUDA graphs)", {})]
     if a.no_graphs:
         variants.append(("PagedEngine cuda_graphs=False (compiled)", {"cuda_graphs": False}))
+    if a.freeze:
+        variants.append(("PagedEngine, Inductor freezing", {"freeze": True}))
     if a.triton_eager:
         from pagedattn.backends.xformers_cuda import XFormersCudaBackend
 
