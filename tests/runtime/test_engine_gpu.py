@@ -63,6 +63,22 @@ def test_swap_preemption_fp16_matches_hf_generate(llama_fp16, prefix_caching, ma
     assert any(kind == "decode" and op.startswith("triton_splitK") for kind, op in backend.paths), backend.paths
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("max_num_tokens", [16, 128])  # chunked prefill, or whole prompts
+def test_every_step_through_the_triton_kernels_matches_hf_generate(llama_fp16, max_num_tokens, compiled):
+    # XFormersCudaBackend(triton=True): prefills, chunked prefills and mixed steps through the tile kernel after
+    # each kind's first check (decode-only steps run in their CUDA graphs, through the decode kernel)
+    from pagedattn.backends.xformers_cuda import XFormersCudaBackend
+
+    model, ref = llama_fp16
+    backend = XFormersCudaBackend(triton=True)
+    engine = PagedEngine(model, compile=compiled, target=backend, num_blocks=64, block_size=16,
+                         max_num_tokens=max_num_tokens)
+    assert engine.generate(_prompts(), max_new_tokens=NEW) == ref
+    verdicts = backend.triton.verdicts
+    assert all(verdicts.values()) and any(kind[5] > 1 for kind in verdicts), verdicts  # [5]: queries per program
+
+
 def test_swap_preemption_fp32_matches_cpu_generate():
     # fp32 (the SDPA fallback) with 4-token blocks; too little swap space for every victim: some recompute
     cpu_model = tiny_model("llama", "eager")
