@@ -182,7 +182,9 @@ def main(argv=None) -> None:
     p.add_argument("--triton-eager", action="store_true",
                    help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
                         "attention through the Triton kernels too")
-    p.add_argument("--skip", nargs="*", default=[], choices=["padded", "hf_cb", "kinds"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["padded", "hf_cb", "kinds", "default"],
+                   help="parts to leave out: HF's padded generate, HF's generate_batch, the synthetic step kinds, "
+                        "the engine with its defaults (to time only the variants asked for)")
     p.add_argument("--profile", action="store_true", help="only: the kernels of a decode step at batch 64")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -215,7 +217,7 @@ def main(argv=None) -> None:
         limit = roofline.padded_batch_cost(shape, lens, a.new).limit_s(machine)
         print(f"{'HF generate, padded batch (sdpa)':44} {rows['hf']:7.2f} {total / rows['hf']:10.0f}   "
               f"({limit / rows['hf']:.0%} of its own limit, padding not counted)")
-    variants = [("PagedEngine (default: compiled, CUDA graphs)", {})]
+    variants = [] if "default" in a.skip else [("PagedEngine (default: compiled, CUDA graphs)", {})]
     if a.no_graphs:
         variants.append(("PagedEngine cuda_graphs=False (compiled)", {"cuda_graphs": False}))
     if a.freeze:
