@@ -107,8 +107,8 @@ def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMeta
 
 def step_mode(device: torch.device | str):
     """The grad mode a packed step runs in (a compiled step's guards check it: the same step in another mode
-    compiles again). On the CPU, inference mode, not just no_grad: every op of the step (the
-    paged ops' Python kernels above all) skips the autograd dispatch layer, ~5 % of a small model's decode step
-    (same-process A/B, llama16m and BART). Elsewhere no_grad: torch_xla's functionalization sets version counters,
-    which inference tensors refuse."""
+    compiles again). On the CPU, inference mode, not just no_grad: every op of the step (the paged ops' Python
+    kernels above all) skips the autograd dispatch layer, ~5 % of a small model's decode step (same-process A/B,
+    llama16m and BART). Elsewhere no_grad: torch_xla's functionalization sets version counters, which inference
+    tensors refuse."""
     return torch.inference_mode() if torch.device(device).type == "cpu" else torch.no_grad()

@@ -49,8 +49,8 @@ from pagedattn.runtime.context import paged_context, step_mode
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed", "no_host_reads",
-           "HostRead", "reproduces"]
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed",
+           "no_host_reads", "HostRead", "reproduces"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
 
