@@ -44,8 +44,7 @@ SMALL_ROWS = {torch.bfloat16: 128, torch.float32: 128}
 def small_linears_available(dtype: torch.dtype) -> bool:
     """Whether the native library has the small-row linear kernel for ``dtype`` on this machine."""
     lib = native.library()
-    code = {torch.float32: native.FEATURE_LINEAR_F32, torch.bfloat16: native.FEATURE_LINEAR_BF16}.get(dtype)
-    return lib is not None and code is not None and bool(native.features(lib) & code)
+    return lib is not None and dtype in native.linear_dtypes(lib)
 
 
 def proven_layout(packed: Tensor) -> Optional[int]:

@@ -45,7 +45,7 @@ log = logging.getLogger("pagedattn")
 __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
            "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
-           "FEATURE_LINEAR_BF16", "linear", "LINEAR_PLAIN", "LINEAR_PANELS", "to_panels",
+           "FEATURE_LINEAR_BF16", "linear", "linear_dtypes", "LINEAR_PLAIN", "LINEAR_PANELS", "to_panels",
            "linear_panel_bytes", "onednn_bytes"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -443,8 +443,8 @@ _LINEAR_DTYPES = {torch.float32: (0, FEATURE_LINEAR_F32), torch.bfloat16: (1, FE
 
 
 @functools.lru_cache(maxsize=8)
-def _linear_codes(lib: ctypes.CDLL) -> dict:
-    """The dtypes ``lib`` has a linear kernel for, with their codes."""
+def linear_dtypes(lib: ctypes.CDLL) -> dict:
+    """The dtypes ``lib`` has a linear kernel for on this machine, with their codes."""
     return {dtype: code for dtype, (code, feature) in _LINEAR_DTYPES.items() if features(lib) & feature}
 
 
@@ -464,18 +464,22 @@ LINEAR_PLAIN = 0  # pagedattn_linear's weight layouts: [N, K], rows contiguous
 LINEAR_PANELS = 1  # oneDNN's packed weights in panels of 64 columns (csrc/small_linear.c, linear_panels)
 
 
+def _panel_step(dtype: torch.dtype) -> tuple[int, int]:
+    """(k per step of a panel, k per 4-byte slot): a step of 64 columns is 4 KiB, bfloat16 in pairs of k."""
+    return (32, 2) if dtype == torch.bfloat16 else (16, 1)
+
+
 def linear_panel_bytes(weight: Tensor) -> int:
     """Bytes of ``weight [N, K]`` laid out in :data:`LINEAR_PANELS` (N and K padded with zeros)."""
     n, k = weight.shape
-    if weight.dtype == torch.bfloat16:
-        return -(-n // 64) * -(-k // 32) * 4096
-    return -(-n // 64) * -(-k // 16) * 4096
+    step, _ = _panel_step(weight.dtype)
+    return -(-n // 64) * -(-k // step) * 64 * step * weight.element_size()
 
 
 def to_panels(weight: Tensor) -> Tensor:
     """``weight [N, K]`` (float32 or bfloat16) in :data:`LINEAR_PANELS`, flat: the bytes the kernel reads."""
     n, k = weight.shape
-    step, inner = (32, 2) if weight.dtype == torch.bfloat16 else (16, 1)
+    step, inner = _panel_step(weight.dtype)
     np_, kp = -(-n // 64) * 64, -(-k // step) * step
     padded = weight.new_zeros((np_, kp))
     padded[:n, :k] = weight
@@ -491,7 +495,7 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     ``weight`` that is contiguous (:data:`LINEAR_PLAIN`) or a oneDNN tensor whose buffer has the size of ``layout``
     (:data:`LINEAR_PLAIN` or :data:`LINEAR_PANELS`: that it holds that layout is the caller's to prove, as
     ``cpu_linear.proven_layout`` does)."""
-    code = _linear_codes(lib).get(x.dtype)
+    code = linear_dtypes(lib).get(x.dtype)
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
     if code is None or weight.dtype != x.dtype or k == 0 or x.dim() == 0 or x.shape[-1] != k or not x.is_cpu \
             or x.is_mkldnn \
@@ -499,7 +503,7 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
                                           and bias.shape == (n,) and bias.is_contiguous())):
         return None
     if weight.is_mkldnn:
-        if _onednn_nbytes is None:
+        if _onednn_nbytes is None or _onednn_data_ptr is None:
             return None
         w, size = _onednn_data_ptr(weight), _onednn_nbytes(weight)
     elif layout == LINEAR_PLAIN and weight.is_cpu and weight.is_contiguous():

@@ -45,7 +45,7 @@ from pagedattn.backends.params import AttentionParams
 log = logging.getLogger("pagedattn")
 
 __all__ = ["available", "usable", "unusable_reasons", "attend", "variant", "write_variant", "split_plan", "write",
-           "write_usable", "CheckedKernels", "AGREE", "key_tile", "tf32_exact", "queries_per_tile", "TILE_ROWS",
+           "write_usable", "CheckedKernels", "AGREE", "key_tile", "tf32_exact", "queries_per_tile", "launch_plan", "TILE_ROWS",
            "MAX_HEAD_SIZE", "MAX_SPLITS", "TARGET_PROGRAMS"]
 
 MAX_HEAD_SIZE = 256
@@ -110,9 +110,8 @@ def variant(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params
     per KV head, the query tokens a program takes (:func:`queries_per_tile`), block size, the site's kinds of score
     terms and visibility, and how Triton specialises the integer arguments (a value of 1, a multiple of 16: each
     combination is compiled on its own)."""
-    T, S, group = query.shape[0], metadata.block_tables.shape[0], query.shape[1] // kv_cache.shape[3]
-    bq = queries_per_tile(T, S, group)
-    num_splits, per = split_plan(metadata.block_tables.shape[1], (T if bq == 1 else T // bq + S) * kv_cache.shape[3])
+    S, group = metadata.block_tables.shape[0], query.shape[1] // kv_cache.shape[3]
+    bq, _, num_splits, per = launch_plan(query.shape[0], S, group, kv_cache.shape[3], metadata.block_tables.shape[1])
     ints = (S, group, per * kv_cache.shape[2], num_splits, params.window, params.chunk, *query.stride()[:2],
             *kv_cache.stride()[1:4], metadata.block_tables.stride(0))
     return (query.dtype, kv_cache.dtype, query.shape[-1], kv_cache.shape[-1], group, bq, kv_cache.shape[2],
@@ -132,6 +131,17 @@ def write_variant(key: Tensor, value: Tensor, kv_cache: Tensor) -> tuple:
 def _specialised(ints: tuple) -> tuple:
     """How Triton specialises integer arguments: each compiled on its own when 1, or a multiple of 16."""
     return tuple((v == 1, v % 16 == 0) for v in ints)
+
+
+def launch_plan(num_tokens: int, num_seqs: int, group: int, num_kv_heads: int, width: int,
+                queries: Optional[int] = None, programs: int = TARGET_PROGRAMS) -> tuple[int, int, int, int]:
+    """``(queries per program, programs along the tokens, splits, blocks per split)`` of :func:`attend` for a step
+    of these shapes (``queries``: :func:`queries_per_tile` unless given): a token a program (the decode kernel), or
+    tiles of queries, each sequence's tiles starting at a program of their own (``tokens // queries + sequences``
+    programs hold every sequence's tiles)."""
+    bq = queries or queries_per_tile(num_tokens, num_seqs, group)
+    grid0 = num_tokens if bq == 1 else num_tokens // bq + num_seqs
+    return (bq, grid0, *split_plan(width, grid0 * num_kv_heads, programs))
 
 
 def split_plan(width: int, rows: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
@@ -223,9 +233,7 @@ def attend(query: Tensor, kv_cache: Tensor, metadata: AttentionMetadata, params:
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     group = hq // hkv
-    bq = queries or queries_per_tile(T, S, group)
-    grid0 = T if bq == 1 else T // bq + S
-    num_splits, per = split_plan(tables.shape[1], grid0 * hkv, programs)
+    bq, grid0, num_splits, per = launch_plan(T, S, group, hkv, tables.shape[1], queries, programs)
     o_part = torch.empty((T, hq, num_splits, dv), dtype=torch.float32, device=dev)
     m_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)
     l_part = torch.empty((T, hq, num_splits), dtype=torch.float32, device=dev)

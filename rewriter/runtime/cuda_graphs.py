@@ -139,8 +139,9 @@ class DecodeBuffers:
             raise ValueError(f"a decode step of {n} sequences does not fit {n_rows} of {self.size} rows")
         if (cross_tables is None) != (self.cross_tables is None):
             raise ValueError("an encoder-decoder's decode step loads its cross blocks, a decoder-only step none")
-        # one flat list of rows [token, position, slot, length, table padded to W], grown by list extends (a
-        # list per element costs ~4x as much at 64 sequences of 64 columns: this runs while the GPU waits)
+        # one flat list of rows [token, position, slot, length, table padded to W], grown by list extends (a list
+        # per row flattened element by element took 2.8x as long at 64 sequences of 64 columns, and this runs while
+        # the GPU waits)
         flat: list[int] = []
         for tok, pos, slot, table, length in zip(ids, positions, slots, tables, seq_lens):
             if len(table) > W:
@@ -166,7 +167,7 @@ class DecodeBuffers:
         if self.copied is not None and not self.copied.query():  # the previous step's copy out of the staging
             self.copied.synchronize()  # buffer must be done before it is overwritten; it long is, so no wait
         host = self.staging[:len(flat)]
-        host.copy_(torch.frombuffer(array.array("q", flat), dtype=torch.long))  # ~5x torch.tensor(flat)
+        host.copy_(torch.frombuffer(array.array("q", flat), dtype=torch.long))  # ~4x faster than torch.tensor(flat)
         dev = self.ids.device
         on_dev = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
         table = on_dev[:n_rows * (4 + W)].view(n_rows, 4 + W)

@@ -31,8 +31,7 @@ def _flags() -> set:
 
 def _lib_for(dtype):
     lib = native.load()
-    if not native.features(lib) & {torch.float32: native.FEATURE_LINEAR_F32,
-                                   torch.bfloat16: native.FEATURE_LINEAR_BF16}[dtype]:
+    if dtype not in native.linear_dtypes(lib):
         pytest.skip(f"no native {dtype} linear on this CPU")
     return lib
 

@@ -272,21 +272,24 @@ def test_the_xformers_backend_takes_the_kernels_for_every_step_when_asked(device
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seqs=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 20)), min_size=1, max_size=5),
+@given(seqs=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 20)), min_size=1, max_size=5),
        group=st.sampled_from([1, 2, 3, 4]), kv_heads=st.sampled_from([1, 2]), head_size=st.sampled_from([8, 24, 64]),
        block_size=st.sampled_from([16, 32]), visibility=st.sampled_from(["causal", "window", "chunk", "all"]),
-       reach=st.integers(1, 40), queries=st.sampled_from([None, 1, 2, 3, 5]), pad=st.integers(0, 3))
+       reach=st.integers(1, 40), queries=st.sampled_from([None, 1, 2, 3, 5]), pad=st.integers(0, 3),
+       programs=st.sampled_from([1, 8, triton_paged.TARGET_PROGRAMS]))
 def test_any_batch_through_either_kernel_matches_the_portable_path(device, seqs, group, kv_heads, head_size,
-                                                                    block_size, visibility, reach, queries, pad):
+                                                                    block_size, visibility, reach, queries, pad,
+                                                                    programs):
     # random steps (sequences with or without cached keys, padding tokens), GQA groups that are not powers of
-    # two, windows and chunks of any reach, and tiles of any number of queries that cut sequences anywhere: both
-    # kernels against the portable path (itself checked against the reference)
+    # two, windows and chunks of any reach, tiles of any number of queries that cut sequences anywhere, and few
+    # programs (one split a row: a program's loop runs over several tiles of keys, its online softmax rescaling):
+    # both kernels against the portable path (itself checked against the reference)
     b = make_batch(seqs, num_heads=group * kv_heads, num_kv_heads=kv_heads, head_size=head_size,
                    block_size=block_size, pad_tokens=pad)
     q, k, v, cache, meta = _to(b, device)
     torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
     p = AttentionParams(0.3, visibility != "all", reach if visibility == "window" else 0, 0.0, None, kv_heads,
                         head_size, chunk_size=reach if visibility == "chunk" else 0)
-    out = triton_paged.attend(q, cache, meta, p, queries=queries).cpu()
+    out = triton_paged.attend(q, cache, meta, p, queries=queries, programs=programs).cpu()
     want = static_paged.attend(b.query, cache.cpu(), b.meta, p)
     torch.testing.assert_close(out, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
