@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pagedattn.backends import native
+from pagedattn.backends import native, native_ops
 from pagedattn.backends.metadata import validation_enabled
 
 log = logging.getLogger("pagedattn")
@@ -75,14 +75,16 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Te
             out = native.linear(lib, x, weight, bias, torch.get_num_threads(), layout)
             if out is not None:
                 return out
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    # oneDNN reads a bias as contiguous whatever its strides (torch 2.13): one with gaps goes as a contiguous copy
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None if bias is None else bias.contiguous(), "none", [], "")
 
 
 def _pass_fingerprint() -> str:
     source = resources.files("pagedattn.backends")
     h = hashlib.sha256()
-    for name in ("cpu_linear.py", "native.py", "csrc/small_linear.c"):
+    for name in ("cpu_linear.py", "native.py", "native_ops.py", "csrc/small_linear.c", f"csrc/{native_ops.SOURCE}"):
         h.update(source.joinpath(name).read_bytes())
+    h.update(b"c++ operator" if native_ops.linear_op() is not None else b"python kernel")  # the op the graph calls
     return h.hexdigest()
 
 
@@ -125,8 +127,9 @@ def _mkl_swappable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[Te
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, x, weight, bias, layout: int) -> None:
+    op = native_ops.linear_op() or torch.ops.pagedattn.linear.default  # the same kernel, without Python where built
     with graph.inserting_before(node):
-        call = graph.call_function(torch.ops.pagedattn.linear.default, (x, weight, bias, layout))
+        call = graph.call_function(op, (x, weight, bias, layout))
     call.meta.update(node.meta)
     node.replace_all_uses_with(call)
     graph.erase_node(node)

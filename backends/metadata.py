@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,8 @@ __all__ = [
     "cross_slot_mapping",
     "validation_enabled",
     "set_validation",
+    "validation_override",
+    "on_validation_change",
     "validate_write",
     "validate_attend",
     "check_write_cheap",
@@ -246,6 +248,23 @@ def set_validation(enabled: Optional[bool]) -> None:
     """Turn metadata validation on or off; ``None`` defers to ``PAGEDATTN_VALIDATE``."""
     global _VALIDATE_OVERRIDE
     _VALIDATE_OVERRIDE = enabled
+    for listener in _VALIDATION_LISTENERS:
+        listener(enabled)
+
+
+def validation_override() -> Optional[bool]:
+    """What ``set_validation`` last set (None: ``PAGEDATTN_VALIDATE`` decides)."""
+    return _VALIDATE_OVERRIDE
+
+
+def on_validation_change(listener: Callable[[Optional[bool]], None]) -> None:
+    """Call ``listener`` with every later ``set_validation`` value: for kernels outside Python that read the setting
+    (``native_ops``)."""
+    if listener not in _VALIDATION_LISTENERS:
+        _VALIDATION_LISTENERS.append(listener)
+
+
+_VALIDATION_LISTENERS: list = []
 
 
 def _check(cond: bool, msg: str) -> None:

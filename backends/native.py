@@ -11,7 +11,9 @@ The same library writes the cache (one call a layer) and takes greedy sampling's
 CPU argmax costs ~8x its max).
 
 Why plain C through ctypes, not a torch C++ extension: it compiles in seconds (~7 s on 2 cores) with no torch or
-Python headers (an extension takes minutes and ninja), and the call needs nothing but pointers. The shared object
+Python headers (``torch.utils.cpp_extension`` takes minutes and ninja), and the call needs nothing but pointers.
+Where a ctypes call's Python costs as much as its kernel (a decode step's linears), :mod:`native_ops` registers a
+C++ operator that calls the same kernel by address (torch's headers only, :func:`build_shared`). The shared object
 is cached under ``$PAGEDATTN_CACHE_DIR`` (default ``~/.cache/pagedattn``), keyed by the source, the compiler, its
 flags and the machine, so a second process loads it without compiling; it is loaded from there only while that
 folder and file can be written by this user alone (loading runs the file's code).
@@ -35,7 +37,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,7 +48,7 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
            "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "linear", "linear_dtypes", "LINEAR_PLAIN", "LINEAR_PANELS", "to_panels",
-           "linear_panel_bytes", "onednn_bytes"]
+           "linear_panel_bytes", "onednn_bytes", "build_shared"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
@@ -176,20 +178,26 @@ def _private(path: Path) -> bool:
 
 
 def _build(sources: dict[str, bytes], cc: str, defines: tuple[str, ...] = ()) -> Optional[Path]:
-    """The shared object of ``sources`` (file name: text): cached, else compiled into the cache (atomically:
-    processes may race). A cache folder others may write to is not used: the object is then built afresh in a
-    private temporary folder."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    """The C library's shared object (:func:`build_shared` with the kernels' flags)."""
+    return build_shared(sources, cc, (*_FLAGS, *(f"-D{d}" for d in defines)), "paged_decode", libs=("-lm",))
+
+
+def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str], stem: str, *, key: bytes = b"",
+                 libs: Sequence[str] = ()) -> Optional[Path]:
+    """The shared object of ``sources`` (file name: text) built by ``compiler`` with ``flags``: cached under
+    ``stem-<hash>.so``, else compiled into the cache (atomically: processes may race); None where it does not
+    compile. The hash covers the sources, the compiler's version, the flags, the machine and ``key``. A cache folder
+    others may write to is not used: the object is then built afresh in a private temporary folder."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     named = [b"%s\0%s" % (name.encode(), text) for name, text in sorted(sources.items())]
-    key = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(),
-                                     platform.machine().encode(), platform.node().encode(),
-                                     _cpu_features().encode()])).hexdigest()[:24]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    digest = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(), " ".join(libs).encode(),
+                                        platform.machine().encode(), platform.node().encode(),
+                                        _cpu_features().encode(), key])).hexdigest()[:24]
+    target = _cache_dir() / f"{stem}-{digest}.so"
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not _private(target.parent):
-        log.debug("pagedattn: %s is writable by others: the native kernel is built in a private folder instead",
-                  target.parent)
+        log.debug("pagedattn: %s is writable by others: %s is built in a private folder instead", target.parent,
+                  target.name)
         target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
     if target.exists() and _private(target):
         return target
@@ -198,10 +206,10 @@ def _build(sources: dict[str, bytes], cc: str, defines: tuple[str, ...] = ()) ->
         for f in files:
             f.write_bytes(sources[f.name])
         obj = Path(tmp) / "out.so"
-        done = subprocess.run([cc, *flags, *map(str, files), "-o", str(obj), "-lm"], capture_output=True, text=True,
-                              check=False)
+        done = subprocess.run([compiler, *flags, *map(str, files), "-o", str(obj), *libs], capture_output=True,
+                              text=True, check=False)
         if done.returncode:
-            log.debug("pagedattn: the native decode kernel did not compile (%s): %s", cc, done.stderr[-2000:])
+            log.debug("pagedattn: %s did not compile (%s): %s", stem, compiler, done.stderr[-2000:])
             return None
         os.replace(obj, target)
     return target

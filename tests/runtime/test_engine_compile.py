@@ -102,8 +102,10 @@ def test_frozen_step_guards_its_inputs_not_its_modules(llama, eager, monkeypatch
 def test_serving_steps_leave_out_inductors_output_checks_only_outside_validation(llama, eager, monkeypatch):
     # the generated code's per-call checks that each kernel's output matches its fake stay under validation (as
     # the tests run: every kernel is held to its fake) and are left out when serving
+    from torch.profiler import profile
+
     import pagedattn.program as program
-    from pagedattn.backends import set_validation
+    from pagedattn.backends import cpu_linear, native_ops, set_validation
 
     seen, real = [], program.torch.compile
 
@@ -116,8 +118,14 @@ def test_serving_steps_leave_out_inductors_output_checks_only_outside_validation
     set_validation(False)
     engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
     ps = prompts()[:3]
-    assert engine.generate(ps, max_new_tokens=4) == eager.generate(ps, max_new_tokens=4)
+    with profile() as prof:
+        out = engine.generate(ps, max_new_tokens=4)
+    assert out == eager.generate(ps, max_new_tokens=4)
     assert seen and all(o["size_asserts"] is False and o["alignment_asserts"] is False for o in seen)
+    # and the linears run in the C++ operator, with no Python kernel around them (where both are built here)
+    ops = {e.key for e in prof.key_averages()}
+    if cpu_linear.small_linears_available(torch.float32) and native_ops.linear_op() is not None:
+        assert "pagedattn_native::linear" in ops and not ops & {"pagedattn::linear", "mkldnn::_linear_pointwise"}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

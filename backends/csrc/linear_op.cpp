@@ -1,0 +1,158 @@
+/* pagedattn_native::linear: pagedattn::linear's CPU kernel as a dispatcher kernel in C++.
+
+   A decode step of a small model calls its linears ~25 times; through the Python kernel (backends/cpu_linear.py)
+   each call pays ~7 us of Python around a ~6 us kernel. This kernel does what that one does, in the same order:
+   calls of at most the bound number of rows go to small_linear.c's pagedattn_linear (its address is bound once by
+   native_ops.py, so this file needs no symbol of that library), everything else, and any call that kernel refuses,
+   to oneDNN's mkldnn::_linear_pointwise on the same weight. While pagedattn's validation is on, calls go to
+   pagedattn::linear instead, whose Python kernel re-proves the weight's layout at every call.
+
+   Built by native_ops.py with the torch headers only (no Python or pybind headers: a few seconds to compile). */
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <strings.h>
+
+extern "C" {
+/* small_linear.c's linear_args, field for field */
+typedef struct {
+    const void *x;
+    int64_t x_row;
+    const void *w;
+    const void *bias;
+    void *out;
+    int64_t o_row;
+    int64_t M, N, K;
+    int32_t dtype;
+    int32_t num_threads;
+    int32_t layout;
+    int64_t w_bytes;
+} linear_args;
+}
+
+namespace {
+
+using linear_fn = int (*)(const linear_args *);
+
+constexpr int64_t LAYOUT_PLAIN = 0;
+std::atomic<linear_fn> bound_kernel{nullptr};
+std::atomic<int64_t> small_rows[2] = {0, 0}; /* by dtype code (0 float32, 1 bfloat16): 0 where the kernel has none */
+std::atomic<int> validation{-1};             /* pagedattn's set_validation: -1 none (the environment decides), 0, 1 */
+
+bool validating() {
+    int v = validation.load(std::memory_order_relaxed);
+    if (v >= 0) return v == 1;
+    const char *env = std::getenv("PAGEDATTN_VALIDATE"); /* as metadata.validation_enabled reads it */
+    return env && (!strcasecmp(env, "1") || !strcasecmp(env, "true") || !strcasecmp(env, "yes") ||
+                   !strcasecmp(env, "on"));
+}
+
+/* oneDNN reads a bias as contiguous whatever its strides (torch 2.13): one with gaps goes as a contiguous copy */
+at::Tensor onednn_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                         .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &,
+                                           c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                           std::optional<c10::string_view>)>();
+    const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
+    return op.call(x, w, b, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
+
+at::Tensor python_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias,
+                         int64_t layout) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("pagedattn::linear", "")
+                         .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const std::optional<at::Tensor> &,
+                                           int64_t)>();
+    return op.call(x, w, bias, layout);
+}
+
+/* The weight's buffer and its size in bytes, as the kernel reads them; false where it does not read this weight. */
+bool weight_buffer(const at::Tensor &w, int64_t layout, const void **ptr, int64_t *bytes) {
+    if (w.is_mkldnn()) {
+        static auto data = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::data_ptr", "")
+                               .typed<int64_t(const at::Tensor &)>();
+        static auto size = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mkldnn::_nbytes", "")
+                               .typed<int64_t(const at::Tensor &)>();
+        *ptr = reinterpret_cast<const void *>(data.call(w));
+        *bytes = size.call(w);
+        return true;
+    }
+    if (layout == LAYOUT_PLAIN && w.device().is_cpu() && w.is_contiguous()) {
+        *ptr = w.data_ptr();
+        *bytes = w.numel() * static_cast<int64_t>(w.element_size());
+        return true;
+    }
+    return false;
+}
+
+/* x [..., K] @ w [N, K]^T (+ bias [N]) by the bound kernel; an undefined tensor where it does not take the call */
+at::Tensor native_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias,
+                         int64_t layout) {
+    linear_fn kernel = bound_kernel.load(std::memory_order_relaxed);
+    const int code = x.scalar_type() == at::kFloat ? 0 : x.scalar_type() == at::kBFloat16 ? 1 : -1;
+    if (!kernel || code < 0 || x.dim() == 0 || w.dim() != 2 || w.scalar_type() != x.scalar_type() ||
+        !x.device().is_cpu() || x.is_mkldnn())
+        return {};
+    const int64_t n = w.size(0), k = w.size(1);
+    if (k == 0 || x.size(-1) != k || x.numel() / k > small_rows[code].load(std::memory_order_relaxed)) return {};
+    if (bias.has_value() && !(bias->scalar_type() == x.scalar_type() && bias->device().is_cpu() &&
+                              !bias->is_mkldnn() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous()))
+        return {};
+    const void *wp = nullptr;
+    int64_t bytes = 0;
+    if (!weight_buffer(w, layout, &wp, &bytes)) return {};
+    at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, k}); /* [M, K] */
+    if (rows.stride(1) != 1) rows = rows.contiguous();
+    const int64_t m = rows.size(0);
+    at::Tensor out = at::empty({m, n}, x.options());
+    const linear_args a{rows.data_ptr(), rows.stride(0), wp, bias.has_value() ? bias->data_ptr() : nullptr,
+                        out.data_ptr(), n, m, n, k, code, static_cast<int32_t>(at::get_num_threads()),
+                        static_cast<int32_t>(layout), bytes};
+    if (kernel(&a)) return {}; /* a layout it does not know, or a buffer of another size: nothing written */
+    if (x.dim() == 2) return out;
+    auto shape = x.sizes().vec();
+    shape.back() = n;
+    return out.view(shape);
+}
+
+at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias, int64_t layout) {
+    if (validating()) return python_linear(x, w, bias, layout);
+    at::Tensor out = native_linear(x, w, bias, layout);
+    return out.defined() ? out : onednn_linear(x, w, bias);
+}
+
+void bind_linear(int64_t kernel, int64_t rows_float32, int64_t rows_bfloat16) {
+    small_rows[0].store(rows_float32);
+    small_rows[1].store(rows_bfloat16);
+    bound_kernel.store(reinterpret_cast<linear_fn>(kernel));
+}
+
+void set_validation(int64_t mode) { validation.store(mode < 0 ? -1 : mode ? 1 : 0); }
+
+} // namespace
+
+TORCH_LIBRARY(pagedattn_native, m) {
+    m.def("linear(Tensor x, Tensor weight, Tensor? bias, int layout) -> Tensor");
+    m.def("bind_linear(int kernel, int rows_float32, int rows_bfloat16) -> ()");
+    m.def("set_validation(int mode) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) { m.impl("linear", &linear); }
+
+TORCH_LIBRARY_IMPL(pagedattn_native, MkldnnCPU, m) { m.impl("linear", &linear); }
+
+TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {
+    m.impl("bind_linear", &bind_linear);
+    m.impl("set_validation", &set_validation);
+}

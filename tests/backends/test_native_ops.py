@@ -1,0 +1,149 @@
+"""pagedattn's C++ operators (backends/native_ops.py, backends/csrc/linear_op.cpp): ``pagedattn_native::linear``
+gives the Python kernel's results bit for bit (same native kernel, same row limit, same oneDNN fallback), defers to
+it under validation (set in Python or in the environment), and is left out where it cannot be built."""
+
+import pytest
+import torch
+
+from pagedattn.backends import cpu_linear, native, native_ops, set_validation
+
+from ..support import skip_unless_missing_prerequisite
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if native.load() is None:
+        skip_unless_missing_prerequisite()
+    if not native_ops.load():
+        if native_ops._compiler() is not None:
+            pytest.fail("the C++ operators did not build (run with --log-level=DEBUG for the compiler's output)")
+        pytest.skip("no C++ compiler")
+    set_validation(False)  # the fast path; the tests run with validation on otherwise (tests/conftest.py)
+    yield
+    set_validation(True)
+
+
+def _dtypes():
+    lib = native.load()
+    return [d for d in (torch.float32, torch.bfloat16) if d in native.linear_dtypes(lib)]
+
+
+def _python(x, w, b, layout):
+    return torch.ops.pagedattn.linear(x, w, b, layout)
+
+
+def _cpp(x, w, b, layout):
+    return torch.ops.pagedattn_native.linear(x, w, b, layout)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 128, 129, 300])
+def test_the_operator_gives_the_python_kernels_results_bit_for_bit(rows):
+    # few rows through small_linear.c in both layouts, many through oneDNN, with and without a bias, x of 2 and 3
+    # dimensions and rows that are not contiguous
+    torch.manual_seed(rows)
+    for dtype in _dtypes():
+        w = torch.randn(200, 96).to(dtype)
+        bias = torch.randn(200).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 16)
+        weights = [(packed, cpu_linear.proven_layout(packed)), (w, native.LINEAR_PLAIN)]
+        wide = torch.randn(rows, 160).to(dtype)
+        for weight, layout in weights:
+            assert layout is not None
+            for x in (wide[:, :96], wide[:, :96].contiguous().view(1, rows, 96)):
+                for b in (None, bias):
+                    got, want = _cpp(x, weight, b, layout), _python(x, weight, b, layout)
+                    assert got.shape == want.shape == (*x.shape[:-1], 200)
+                    assert torch.equal(got, want)
+                    if rows:
+                        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+                        torch.testing.assert_close(got.double(), ref, atol=0.05 if dtype == torch.bfloat16 else 1e-4,
+                                                   rtol=0.02 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_the_row_limit_is_the_python_kernels():
+    # up to SMALL_ROWS rows the native kernel's result, beyond it oneDNN's (their sums run in other orders)
+    dtype = _dtypes()[0]
+    limit = cpu_linear.SMALL_ROWS[dtype]
+    w = torch.randn(256, 512).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 16)
+    layout = cpu_linear.proven_layout(packed)
+    lib = native.load()
+    for rows in (limit, limit + 1):
+        x = torch.randn(rows, 512).to(dtype)
+        got = _cpp(x, packed, None, layout)
+        if rows <= limit:
+            assert torch.equal(got, native.linear(lib, x, packed, None, torch.get_num_threads(), layout))
+        else:
+            assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+def test_calls_the_kernel_refuses_go_to_onednn():
+    # a layout the buffer's size does not fit, a layout the kernel does not know, a bias with gaps: oneDNN
+    w = torch.randn(64, 32)
+    x = torch.randn(3, 32)
+    ref = x.double() @ w.double().T
+    torch.testing.assert_close(_cpp(x, w, None, native.LINEAR_PANELS).double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_cpp(x, w, None, 7).double(), ref, atol=1e-4, rtol=1e-4)
+    bias = torch.randn(128)[::2]  # not contiguous
+    for op in (_cpp, _python):
+        torch.testing.assert_close(op(x, w, bias, 0).double(), ref + bias.double(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError):
+        _cpp(torch.randn(3, 31), w, None, 0)  # oneDNN refuses mismatched shapes, as it does for the Python kernel
+
+
+def test_under_validation_calls_go_to_the_python_kernel(monkeypatch):
+    # float32 packed for one row keeps oneDNN's plain layout here, of the same size as the panels at 64 x 32: only the
+    # bytes tell them apart, and only the Python kernel's proof reads them
+    w = torch.randn(64, 32)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.clone(), 1)
+    if torch.float32 not in _dtypes() or cpu_linear.proven_layout(packed) != native.LINEAR_PLAIN:
+        pytest.skip("oneDNN packs float32 for one row in another layout here")
+    x = torch.randn(2, 32)
+    _cpp(x, packed, None, native.LINEAR_PANELS)  # validation off: no proof (the pass proved the layout it gives)
+    set_validation(True)
+    with pytest.raises(ValueError, match="does not hold layout"):
+        _cpp(x, packed, None, native.LINEAR_PANELS)
+    set_validation(None)  # the environment decides, in C++ as in Python
+    monkeypatch.setenv("PAGEDATTN_VALIDATE", "on")
+    with pytest.raises(ValueError, match="does not hold layout"):
+        _cpp(x, packed, None, native.LINEAR_PANELS)
+    monkeypatch.setenv("PAGEDATTN_VALIDATE", "0")
+    _cpp(x, packed, None, native.LINEAR_PANELS)
+
+
+def test_the_pass_puts_in_the_operator_and_the_python_op_without_it(monkeypatch):
+    w = torch.randn(96, 64).to(_dtypes()[0])
+    for available, target in ((True, torch.ops.pagedattn_native.linear.default),
+                              (False, torch.ops.pagedattn.linear.default)):
+        if not available:
+            monkeypatch.setattr(native_ops, "linear_op", lambda: None)
+        gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        gm.register_buffer("w", torch.ops.mkldnn._reorder_linear_weight(w.clone(), 16))
+        x = gm.graph.placeholder("x")
+        gm.graph.output(gm.graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                               (x, gm.graph.get_attr("w"), None, "none", [], "")))
+        gm.recompile()
+        cpu_linear.SmallLinears()(gm.graph)
+        assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [target]
+
+
+def test_without_a_cxx_compiler_or_with_a_failed_build_it_is_off(monkeypatch, tmp_path):
+    try:
+        native_ops.load.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(native_ops, "_compiler", lambda: None)
+            assert native_ops.load() is False and native_ops.linear_op() is None
+        native_ops.load.cache_clear()
+        with monkeypatch.context() as m:
+            m.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))  # nothing cached there: the load builds
+            m.setattr(native_ops, "_flags", lambda: ("-fno-such-flag",))
+            assert native_ops.load() is False and not list(tmp_path.glob("native_ops-*.so"))
+        native_ops.load.cache_clear()
+        with monkeypatch.context() as m:
+            m.setenv("PAGEDATTN_NATIVE", "0")
+            assert native_ops.linear_op() is None
+    finally:
+        native_ops.load.cache_clear()
+    assert native_ops.load()  # loaded again for the tests after this one
