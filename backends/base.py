@@ -128,8 +128,16 @@ class AttentionBackend:
     def check_write(self, key, value, kv_cache, slot_mapping, full: bool = False) -> None:
         nb, bs, hkv, _ = self.cache_geometry(kv_cache)
         d = self.stored_head_size(kv_cache, key, "write_kv_cache")
-        check = validate_write if full else check_write_cheap
-        check(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
+        if full:
+            validate_write(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping)
+        else:
+            check_write_cheap(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping,
+                              values=not self.write_checks_slots(key, value, kv_cache, slot_mapping))
+
+    def write_checks_slots(self, key, value, kv_cache, slot_mapping) -> bool:
+        """Whether ``write`` checks every slot's value before it writes any, refusing as
+        ``metadata.check_slot_values`` does: the per-call checks then leave the values to it. Default: no."""
+        return False
 
     def check_attend(self, query, kv_cache, metadata: AttentionMetadata, params: AttentionParams,
                      full: bool = False) -> None:

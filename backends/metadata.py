@@ -33,6 +33,7 @@ __all__ = [
     "validate_write",
     "validate_attend",
     "check_write_cheap",
+    "check_slot_values",
     "check_attend_cheap",
 ]
 
@@ -405,8 +406,10 @@ _MEMO_ENTRIES = 4
 
 
 def check_write_cheap(key: torch.Tensor, value: torch.Tensor, num_slots: int, kv_heads: int, head_size: int,
-                      cache_dtype: torch.dtype, cache_device: torch.device, slot_mapping: torch.Tensor) -> None:
-    """The O(tokens) checks of a cache write that run on every call."""
+                      cache_dtype: torch.dtype, cache_device: torch.device, slot_mapping: torch.Tensor,
+                      values: bool = True) -> None:
+    """The O(tokens) checks of a cache write that run on every call. ``values=False`` leaves out the slots' values
+    (:func:`check_slot_values`), for a caller whose kernel checks every slot before it writes any."""
     op = "write_kv_cache"
     if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
         _fail(op, f"key and value must be [tokens, kv_heads, head_size] alike, got {tuple(key.shape)} and "
@@ -423,10 +426,21 @@ def check_write_cheap(key: torch.Tensor, value: torch.Tensor, num_slots: int, kv
     if not (key.device == value.device == slot_mapping.device == cache_device):
         _fail(op, f"key, value, slot_mapping and the cache must share a device ({key.device}, {value.device}, "
                   f"{slot_mapping.device}, {cache_device})")
+    if values:
+        check_slot_values(slot_mapping, num_slots)
+
+
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot is -1 (padding) or one of the cache's ``num_slots``; once per tensor (unchanged)."""
     if slot_mapping.numel() == 0 or slot_mapping.device.type not in ("cpu", "cuda") or \
             _checked("write", (slot_mapping,), (num_slots,)):
         return
-    lo, hi = torch.aminmax(slot_mapping)
+    op = "write_kv_cache"
+    if _values_on_host(slot_mapping):
+        slots = slot_mapping.tolist()
+        lo, hi = min(slots), max(slots)
+    else:
+        lo, hi = torch.aminmax(slot_mapping)
     _value_check(op, lo >= -1, "a slot is negative other than -1 (padding); fix slot_mapping")
     _value_check(op, hi < num_slots, f"a slot is outside the cache's {num_slots} slots; allocate more blocks "
                                      "or fix slot_mapping")

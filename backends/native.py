@@ -25,6 +25,7 @@ keeps its SDPA path. ``PAGEDATTN_NATIVE=0`` turns it off.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -41,6 +42,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from pagedattn.backends.metadata import check_slot_values
 
 log = logging.getLogger("pagedattn")
 
@@ -292,17 +295,20 @@ class DecodeCall:
     """
 
     def __init__(self, lib: ctypes.CDLL, items, part_keys: int, num_threads: int):
-        # on the host: a step's few items cost less as a list than as tensor ops
+        # on the host: a step's few items cost less as a list than as tensor ops, and an array's buffer becomes a
+        # tensor without a copy (the arrays stay with the call)
         if isinstance(items, Tensor):
             rows = items.tolist()
         else:
-            rows, items = items, torch.tensor(items, dtype=torch.int64).reshape(-1, 4)
+            rows, self._flat = items, array.array("q", [v for row in items for v in row])
+            items = torch.frombuffer(self._flat, dtype=torch.int64).view(-1, 4) if self._flat else \
+                torch.empty(0, 4, dtype=torch.int64)
         self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
-        starts, total = [0], 0
+        self._starts, total = array.array("q", [0]), 0
         for _, _, first, keys in rows:
             total += -(-max(1, keys - first) // part_keys)
-            starts.append(total)
-        self.parts_start = torch.tensor(starts, dtype=torch.int64)  # [n + 1]
+            self._starts.append(total)
+        self.parts_start = torch.frombuffer(self._starts, dtype=torch.int64)  # [n + 1]
         self.num_parts = total
         self._scratch: Optional[Tensor] = None
         # the arguments every layer of the step shares, set once; a call sets those of its own tensors
@@ -386,8 +392,10 @@ def write(lib: ctypes.CDLL, key: Tensor, value: Tensor, kv_cache: Tensor, slot_m
                    cs[3], slot_mapping.data_ptr(), slot_mapping.dtype == torch.int64, key.shape[0], shape[1],
                    shape[3], shape[4], shape[2], esz)
     if lib.pagedattn_write_kv(ctypes.byref(a)):
-        raise ValueError(f"write_kv_cache: a slot is outside the cache's {kv_cache.shape[1] * kv_cache.shape[2]} "
-                         "slots (other than -1, padding); fix slot_mapping")
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        check_slot_values(slot_mapping, num_slots)  # which slot is wrong, as the checks word it
+        raise ValueError(f"write_kv_cache: a slot is outside the cache's {num_slots} slots (other than -1, padding); "
+                         "fix slot_mapping")
     return True
 
 

@@ -143,6 +143,11 @@ class SdpaCpuBackend(SplitKVBackend):
         if lib is None or not native.write(lib, key, value, kv_cache, slot_mapping):
             super().write(key, value, kv_cache, slot_mapping)
 
+    def write_checks_slots(self, key, value, kv_cache, slot_mapping) -> bool:
+        # the native write reads every slot before it writes any
+        return native.library() is not None and not self._overridden("write") and \
+            native.write_usable(key, value, kv_cache, slot_mapping)
+
     def _overridden(self, name: str) -> bool:
         """Whether ``name`` is not this class's own (a subclass's or an instance's): calls prepared from this class's
         code would bypass it."""
@@ -550,8 +555,11 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
     plans = _step_plans(block_tables)
     found = plans.get(key)
     if found is None:
-        rows = [(s.start, s.index, reference.earliest_visible_key(s.kv_len - 1, params), s.kv_len)
-                for s in split.single]
+        if params.window or params.chunk:
+            rows = [(s.start, s.index, reference.earliest_visible_key(s.kv_len - 1, params), s.kv_len)
+                    for s in split.single]
+        else:  # every key visible: the step's first call makes one row per sequence, at decode sizes its cost shows
+            rows = [(s.start, s.index, 0, s.kv_len) for s in split.single]
         total = sum(keys - first for _, _, first, keys in rows)
         call = native.DecodeCall(lib, rows, native.part_keys(total, threads, kv_cache.shape[2]), threads)
         found = plans[key] = (call, block_tables.to(torch.int32).contiguous())

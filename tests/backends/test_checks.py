@@ -105,8 +105,28 @@ def test_good_metadata_is_checked_once_per_step(monkeypatch):
         torch.ops.pagedattn.paged_attention(
             b.query, b.key, b.value, b.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             0.125, True, 0, 0.0, None, b.key.shape[1], b.value.shape[2])
-    # one step: the write's two value checks and the attend's three, not one set per layer
-    assert calls.count("write_kv_cache") == 2 and calls.count("paged_attention") == 3
+    # one step: the write's two value checks and the attend's three, not one set per layer; none for the write where
+    # its kernel reads every slot before it writes any (the native one)
+    from pagedattn.backends import active_backend
+
+    kernel_checks = active_backend(b.kv_cache.device).write_checks_slots(b.key, b.value, b.kv_cache, meta.slot_mapping)
+    assert calls.count("write_kv_cache") == (0 if kernel_checks else 2) and calls.count("paged_attention") == 3
+
+
+def test_the_native_write_refuses_bad_slots_as_the_checks_word_it(monkeypatch):
+    # the checks leave the values to a kernel that reads them all first; its refusal names the slot's fault
+    from pagedattn.backends import active_backend
+
+    b = make_batch([(0, 4)], head_size=16, block_size=4)
+    if not active_backend(b.kv_cache.device).write_checks_slots(b.key, b.value, b.kv_cache, b.meta.slot_mapping):
+        pytest.skip("no native write here")
+    for bad, match in ((-2, "negative other than -1"), (10_000, "outside the cache's 16 slots")):
+        slots = b.meta.slot_mapping.clone()
+        slots[2] = bad
+        before = b.kv_cache.clone()
+        with pytest.raises(ValueError, match=match):
+            _write(b, slots)
+        assert torch.equal(b.kv_cache, before)
 
 
 def test_alternating_metadata_is_checked_once_per_step(monkeypatch):
