@@ -142,8 +142,10 @@ class ServableModel:
             kwargs = self.packed_inputs(ids, pos, rows, token_types)
         if self.values is not None:
             values = step_values(self.values, values, meta.num_seqs, self.device)
+        at = getattr(self.step, "output_index", None)
+        at = at("logits") if at is not None else None
         with step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
-            out = self.step(**kwargs)
+            out = self.step(**kwargs) if at is None else self.step.forward_flat(**kwargs)[at]  # the logits alone
         logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
         return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
 

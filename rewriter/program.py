@@ -62,6 +62,14 @@ class ModelInfo:
         return cls(d.get("vocab_size"), d.get("eos_token_id"), d.get("model_type"), d.get("max_length"))
 
 
+_SCALARS = (bool, int, float, str)  # leaves for pytree, as tensors are
+
+
+def _spec_children(spec) -> list:
+    """A pytree spec's child specs (``children()`` in newer torch, ``children_specs`` before)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
 def _max_length(cfg) -> Optional[int]:
     """A config's longest sequence (the first of the names transformers' configs use for it)."""
     for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx",
@@ -207,6 +215,7 @@ class RewrittenModel(nn.Module):
         # caches, filled once per request by cross_writer (see write_cross_kv)
         self.num_cross_sites = 0
         self.cross_writer: Optional[GraphModule] = None
+        self._keyword_spec: Optional[tuple] = None  # (in_spec, its keyword names): see _keyword_leaves
 
     @property
     def target(self) -> str:
@@ -234,6 +243,10 @@ class RewrittenModel(nn.Module):
     # --- running
 
     def flatten_inputs(self, args, kwargs) -> list:
+        names = self._keyword_leaves()
+        if names is not None and not args and kwargs and tuple(kwargs) == names and \
+                all(isinstance(v, torch.Tensor) or type(v) in _SCALARS for v in kwargs.values()):
+            return list(kwargs.values())  # what pytree gives for these, without its ~25 us a call
         flat, spec = pytree.tree_flatten((args, kwargs or {}))
         if self.in_spec is not None and spec != self.in_spec:
             raise TypeError(
@@ -242,14 +255,57 @@ class RewrittenModel(nn.Module):
                 f"(expected {self.in_spec}, got {spec})")
         return flat
 
+    def _keyword_leaves(self) -> Optional[tuple]:
+        """The keyword inputs' names, in order, where the traced inputs are keyword inputs alone, each one leaf (a
+        tensor or a scalar): a call passing those names in that order, with such values, flattens to its values."""
+        spec = self.in_spec
+        if self._keyword_spec is not None and self._keyword_spec[0] is spec:
+            return self._keyword_spec[1]
+        names = None
+        try:
+            args, kwargs = _spec_children(spec)
+            if spec.type is tuple and args.num_leaves == 0 and kwargs.type is dict and \
+                    all(c.is_leaf() for c in _spec_children(kwargs)):
+                names = tuple(kwargs.context)
+        except Exception:  # no spec, or one of another shape: the pytree path decides
+            names = None
+        self._keyword_spec = (spec, names)
+        return names
+
     def _unflatten(self, out):
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return pytree.tree_unflatten(out, self.out_spec) if self.out_spec is not None else tuple(out)
 
+    def output_index(self, name: str) -> Optional[int]:
+        """Where :meth:`forward_flat`'s list holds the output field ``name`` (a ``ModelOutput``'s or a dict's key)
+        when that field is one tensor; None otherwise (then read it from ``forward``'s output)."""
+        spec = self.out_spec
+        try:
+            keys = list(spec.context) if isinstance(spec.context, (list, tuple)) else []
+            if name not in keys or self.static_sizes:  # a variant traced again may order its outputs otherwise
+                return None
+            children = _spec_children(spec)
+            i = keys.index(name)
+            return sum(c.num_leaves for c in children[:i]) if children[i].is_leaf() else None
+        except Exception:
+            return None
+
     def forward(self, *args, **kwargs):
+        runner, out = self._run(args, kwargs)
+        return runner._unflatten(out)
+
+    def forward_flat(self, *args, **kwargs) -> list:
+        """``forward``'s outputs as the graph returns them, flat (their structure is ``out_spec``), for a caller that
+        reads one (:meth:`output_index`) without building the model's output object (a ``ModelOutput`` costs ~40 us,
+        a few percent of a small model's decode step)."""
+        out = self._run(args, kwargs)[1]
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    def _run(self, args, kwargs) -> tuple["RewrittenModel", object]:
+        """The program that ran (this one or a variant traced for other sizes) and its flat outputs."""
         flat = self.flatten_inputs(args, kwargs)
         if self.static_sizes and not fits_static_sizes(flat, self.static_sizes):
-            return self._variant(flat, args, kwargs)(*args, **kwargs)
+            return self._variant(flat, args, kwargs)._run(args, kwargs)
         ctx = current_context()
         if ctx is None:
             if self.dropin_module is None:
@@ -258,13 +314,13 @@ class RewrittenModel(nn.Module):
             check_positions(flat, self.position_inputs)
             check_padding(flat, self.padding_inputs)
             check_values(flat, self.value_inputs)
-            return self._unflatten(self.dropin_module(*flat))
+            return self, self.dropin_module(*flat)
         refuse_if_unpaged(self._skipped)
         with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
-                return self._unflatten(self.graph_module(*flat))
-            return self._unflatten(self.graph_module(*flat, *ctx.graph_inputs(
-                self.num_sites, cross=self.num_cross_sites > 0, values=bool(self.value_inputs))))
+                return self, self.graph_module(*flat)
+            return self, self.graph_module(*flat, *ctx.graph_inputs(
+                self.num_sites, cross=self.num_cross_sites > 0, values=bool(self.value_inputs)))
 
     def write_cross_kv(self, encoder_inputs: dict, kv_caches, slot_mapping: torch.Tensor) -> None:
         """Write the cross-attention K/V of a padded encoder batch into the cross-attention caches.

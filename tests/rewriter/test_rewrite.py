@@ -222,3 +222,25 @@ def test_a_multimodal_gemma3_runs_its_own_example():
            "use_cache": False}
     with torch.no_grad():
         torch.testing.assert_close(rm(**kw2).logits, m(**kw2).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_keyword_calls_skip_pytree_and_flat_outputs_give_the_logits():
+    # a call with the traced keywords in their order, each a tensor or scalar, flattens to its values as pytree would;
+    # any other call takes pytree's path and its checks; forward_flat's entry at output_index("logits") is forward's
+    from ..support import engine_example, tiny_model
+
+    model = tiny_model("llama")
+    example = engine_example(model)
+    rm = pagedattn.rewrite(model, kwargs=example)
+    names = list(example)
+    assert rm._keyword_leaves() == tuple(names)
+    flat = rm.flatten_inputs((), example)
+    assert all(a is b for a, b in zip(flat, torch.utils._pytree.tree_flatten(((), example))[0]))
+    with pytest.raises(TypeError, match="argument structure"):
+        rm.flatten_inputs((), dict(reversed(list(example.items()))))  # the same keywords in another order
+    with pytest.raises(TypeError, match="argument structure"):
+        rm.flatten_inputs((), {**example, names[0]: [example[names[0]]]})  # a list where a tensor was traced
+    at = rm.output_index("logits")
+    assert at is not None and rm.output_index("past_key_values") is None and rm.output_index("no_such") is None
+    with torch.no_grad():
+        assert torch.equal(rm.forward_flat(**example)[at], rm(**example).logits)
