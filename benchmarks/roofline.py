@@ -32,6 +32,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from pagedattn.runtime.frames import call_with_frame_room
+
 # (context tokens already cached, new tokens this step, whether the chunk's last logits are needed)
 StepChunk = tuple[int, int, bool]
 
@@ -217,7 +219,11 @@ class StepRecorder:
         return out
 
     def run(self) -> None:
-        """Step until every request finished."""
+        """Step until every request finished, in one frame-stack chunk as ``engine.generate``'s and the server's
+        loops run (``pagedattn.runtime.frames``)."""
+        call_with_frame_room(self._run)
+
+    def _run(self) -> None:
         while self.engine.has_unfinished():
             self.step()
 

@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from pagedattn.runtime.frames import call_with_frame_room
+
 log = logging.getLogger("pagedattn.serve")
 
 __all__ = ["EngineCore", "EngineInfo", "Gauges", "EngineProcess", "EngineThread", "EngineStartError",
@@ -120,6 +122,9 @@ class EngineCore:
 
     def run(self) -> Gauges:
         """Serve commands and step until ``("stop",)``; then abort what is left and return the final gauges."""
+        return call_with_frame_room(self._run)  # one frame-stack chunk for every step, as engine.generate's loop
+
+    def _run(self) -> Gauges:
         while True:
             if not self._take(block=self._idle()):
                 break

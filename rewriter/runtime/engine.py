@@ -401,6 +401,9 @@ class PagedEngine:
         """Run one batch step; returns the requests that finished in it.
 
         Requests added or aborted from other threads meanwhile are taken in before it schedules and as it ends.
+        A loop of steps runs faster inside ``pagedattn.runtime.frames.call_with_frame_room(loop)``, as ``generate``'s
+        and the server's loops run: one frame-stack chunk for all its steps, not one mapped per step (~4 % of a
+        small model's decode step on the CPU).
         """
         with self._step_lock:
             self._take_commands()
