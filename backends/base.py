@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from pagedattn.backends import native_ops
 from pagedattn.backends.metadata import (
     AttentionMetadata,
     check_attend_cheap,
@@ -133,6 +134,11 @@ class AttentionBackend:
         else:
             check_write_cheap(key, value, nb * bs, hkv, d, kv_cache.dtype, kv_cache.device, slot_mapping,
                               values=not self.write_checks_slots(key, value, kv_cache, slot_mapping))
+
+    def native_ops_stand_in(self) -> bool:
+        """Whether ``native_ops``' C++ paged ops may run this backend's calls themselves (they do what
+        :class:`SdpaCpuBackend` does with its native kernels, and nothing else). Default: no."""
+        return False
 
     def write_checks_slots(self, key, value, kv_cache, slot_mapping) -> bool:
         """Whether ``write`` checks every slot's value before it writes any, refusing as
@@ -306,10 +312,14 @@ _ACTIVE: contextvars.ContextVar[Optional[AttentionBackend]] = contextvars.Contex
 def use_backend(backend: Optional[AttentionBackend]) -> Iterator[None]:
     """Run the paged ops inside with ``backend`` for tensors on its device type (``None``: the defaults)."""
     token = _ACTIVE.set(backend)
+    # the C++ stand-ins of the paged ops (native_ops) run a call themselves only under a backend they stand in for
+    was = native_ops.plain_backend(backend is not None and backend.native_ops_stand_in())
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        if was is not None:
+            native_ops.plain_backend(was)
 
 
 def active_backend(device: torch.device) -> AttentionBackend:

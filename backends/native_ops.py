@@ -1,17 +1,26 @@
-"""pagedattn's C++ operators (``csrc/linear_op.cpp``): kernels a compiled CPU step calls many times a step, registered
-with torch's dispatcher so that a call runs no Python.
+"""pagedattn's C++ operators (``csrc/linear_op.cpp``, ``csrc/paged_ops.cpp``): kernels a compiled CPU step calls many
+times a step, registered with torch's dispatcher so that a call runs no Python.
 
 ``pagedattn_native::linear`` is ``pagedattn::linear`` (a serving step's linears over frozen weights, see
 :mod:`pagedattn.backends.cpu_linear`) with its CPU kernel in C++: the same native kernel (``csrc/small_linear.c``,
 bound by address), the same row limits, the same oneDNN fallback, so its results are the Python kernel's bit for bit.
 On llama16m bf16 (16 requests, 2-core EPYC) a decode step calls 25 linears; the Python kernel costs ~14 us a call
-against ~8 us for this one (``benchmarks/RESULTS.md``). While validation is on (``PAGEDATTN_VALIDATE``,
-``metadata.set_validation``) a call goes to ``pagedattn::linear``, which re-proves the weight's layout.
+against ~8 us for this one (``benchmarks/RESULTS.md``).
 
-Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~6 s on 2 cores),
-cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the source,
+``pagedattn_native::write_kv_cache`` and ``pagedattn_native::paged_attention`` take the paged ops' arguments and give
+their results: a call runs ``csrc/paged_decode.c``'s write or decode kernel from C++ when it is one the Python path
+would send there with no further work (the bound backend is the plain :class:`SdpaCpuBackend`: :func:`use_backend`
+tells the C++ side per thread; every check passes; every sequence has one new token; no tensor parameters or
+position program), and otherwise goes to the ``pagedattn::`` op unchanged, which then does what it always does.
+:class:`NativePagedOps` puts them in a compiled CPU step.
+
+While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
+op (the linear's re-proves the weight's layout).
+
+Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~10 s on 2 cores),
+cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
 the compiler, torch's version and the machine) and loaded with ``torch.ops.load_library``. Without a C++ compiler,
-or where the C library is not built, :func:`load` returns False and the step keeps ``pagedattn::linear``.
+or where the C library is not built, :func:`load` returns False and steps keep the ``pagedattn::`` ops.
 ``PAGEDATTN_NATIVE=0`` turns both off.
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -32,9 +42,9 @@ from pagedattn.backends import metadata, native
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "linear_op", "SOURCE"]
+__all__ = ["load", "loaded", "linear_op", "paged_ops", "plain_backend", "NativePagedOps", "SOURCES"]
 
-SOURCE = "linear_op.cpp"
+SOURCES = ("linear_op.cpp", "paged_ops.cpp")
 
 
 def _compiler() -> Optional[str]:
@@ -61,10 +71,11 @@ def load() -> bool:
     if lib is None or cxx is None:
         log.debug("pagedattn: C++ operators off: %s", "no C library" if lib is None else "no C++ compiler (set CXX)")
         return False
-    source = resources.files("pagedattn.backends").joinpath("csrc", SOURCE).read_bytes()
+    csrc = resources.files("pagedattn.backends").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in SOURCES}
     key = f"{torch.__version__} {torch.version.git_version}".encode()
     try:
-        path = native.build_shared({SOURCE: source}, cxx, _flags(), "native_ops", key=key, libs=_libs())
+        path = native.build_shared(sources, cxx, _flags(), "native_ops", key=key, libs=_libs())
         if path is None:
             return False
         torch.ops.load_library(str(path))
@@ -75,23 +86,101 @@ def load() -> bool:
 
     rows = {dtype: SMALL_ROWS.get(dtype, 0) if dtype in native.linear_dtypes(lib) else 0
             for dtype in (torch.float32, torch.bfloat16)}
-    kernel = ctypes.cast(lib.pagedattn_linear, ctypes.c_void_p).value
-    torch.ops.pagedattn_native.bind_linear(kernel, rows[torch.float32], rows[torch.bfloat16])
+    address = functools.partial(_address, lib)
+    ops = torch.ops.pagedattn_native
+    ops.bind_linear(address("pagedattn_linear"), rows[torch.float32], rows[torch.bfloat16])
+    ops.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"))
     torch.library.register_fake("pagedattn_native::linear", _fake_linear)
+    torch.library.register_fake("pagedattn_native::write_kv_cache", _fake_write)
+    torch.library.register_fake("pagedattn_native::paged_attention", _fake_attention)
     metadata.on_validation_change(_sync_validation)
     _sync_validation(metadata.validation_override())
     return True
+
+
+def loaded() -> bool:
+    """Whether :func:`load` ran and succeeded (never builds)."""
+    return load.cache_info().currsize > 0 and load()
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
 def _fake_linear(x, weight, bias, layout):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _fake_write(key, value, kv_cache, slot_mapping):
+    return None
+
+
+def _fake_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):
+    return query.new_empty((query.shape[0], query.shape[1], params[PARAMS_HEAD_SIZE_V]))
+
+
+PARAMS_HEAD_SIZE_V = 6  # head_size_v among the attention's parameters (after scale, causal, window, softcap, alibi, kv)
+
+
 def _sync_validation(enabled: Optional[bool]) -> None:
     """Tell the C++ side about ``metadata.set_validation`` (None: the environment decides, as in Python)."""
-    torch.ops.pagedattn_native.set_validation(-1 if enabled is None else int(enabled))
+    mode = -1 if enabled is None else int(enabled)
+    torch.ops.pagedattn_native.set_validation(mode)
+    torch.ops.pagedattn_native.set_paged_validation(mode)
 
 
 def linear_op():
     """``torch.ops.pagedattn_native.linear.default`` where the operators run here (:func:`load`), else None."""
     return torch.ops.pagedattn_native.linear.default if native.enabled() and load() else None
+
+
+def paged_ops() -> Optional[tuple]:
+    """``(write_kv_cache, paged_attention)``: the C++ stand-ins of the paged ops where the operators run here
+    (:func:`load`), else None."""
+    if not (native.enabled() and load()):
+        return None
+    ops = torch.ops.pagedattn_native
+    return ops.write_kv_cache.default, ops.paged_attention.default
+
+
+def plain_backend(on: bool) -> Optional[bool]:
+    """Tell this thread's C++ paged ops whether the bound backend is one they stand in for (``on``); the previous
+    setting, None where the operators are not loaded (nothing to tell)."""
+    return torch.ops.pagedattn_native.set_plain_backend(on) if loaded() else None
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - torch without Inductor's custom passes
+    CustomGraphPass = object
+
+
+class NativePagedOps(CustomGraphPass):
+    """Inductor post-grad pass (before Inductor's own): the paged ops of a compiled CPU step become their C++
+    stand-ins (:func:`paged_ops`), the cache write inside its functionalized wrapper as well. The stand-ins decide per
+    call whether they run it, so the pass needs to know nothing about the backend that will be bound."""
+
+    def __call__(self, graph) -> None:
+        found = paged_ops()
+        if found is None:
+            return
+        write, attend = found
+        swap = {torch.ops.pagedattn.write_kv_cache.default: write, torch.ops.pagedattn.paged_attention.default: attend}
+        wrappers = {getattr(torch.ops.higher_order, name, None) for name in ("auto_functionalized",
+                                                                              "auto_functionalized_v2")} - {None}
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in swap:
+                node.target = swap[node.target]
+            elif node.target in wrappers and node.args and node.args[0] in swap:
+                node.args = (swap[node.args[0]], *node.args[1:])
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(b"native paged ops")
+        csrc = resources.files("pagedattn.backends").joinpath("csrc")
+        for name in SOURCES:
+            h.update(csrc.joinpath(name).read_bytes())
+        h.update(resources.files("pagedattn.backends").joinpath("native_ops.py").read_bytes())
+        h.update(b"c++" if paged_ops() is not None else b"python")
+        return h.hexdigest()

@@ -129,6 +129,12 @@ def _with_sinks(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: 
 # ------------------------------------------------------------------------ backend
 
 
+# what the C++ stand-ins of the paged ops do in this class's place (native_ops): an instance that replaces any of
+# them keeps the Python path
+_NATIVE_PATH = ("write", "attend", "prepare_write", "prepare_attend", "check_write", "check_attend", "cache_geometry",
+                "stored_head_size", "write_checks_slots")
+
+
 class SdpaCpuBackend(SplitKVBackend):
     name = "sdpa_cpu"
     device_type = "cpu"
@@ -142,6 +148,11 @@ class SdpaCpuBackend(SplitKVBackend):
         lib = native.library()
         if lib is None or not native.write(lib, key, value, kv_cache, slot_mapping):
             super().write(key, value, kv_cache, slot_mapping)
+
+    def native_ops_stand_in(self) -> bool:
+        # this class's own methods, its native kernels: what the C++ stand-ins do
+        return type(self) is SdpaCpuBackend and not any(name in vars(self) for name in _NATIVE_PATH) and \
+            native.library() is not None
 
     def write_checks_slots(self, key, value, kv_cache, slot_mapping) -> bool:
         # the native write reads every slot before it writes any

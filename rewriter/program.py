@@ -11,8 +11,17 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from pagedattn.backends import AttentionBackend, CacheSpec, get_backend, position_mod, use_backend, validation_enabled
+from pagedattn.backends import (
+    AttentionBackend,
+    CacheSpec,
+    get_backend,
+    native_ops,
+    position_mod,
+    use_backend,
+    validation_enabled,
+)
 from pagedattn.backends.cpu_linear import SmallLinears
+from pagedattn.backends.native_ops import NativePagedOps
 from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
@@ -168,6 +177,26 @@ def serving_step_options() -> dict:
     CPU). Dynamo's guards still check the step's inputs. Under full validation (``set_validation(True)``, as
     pagedattn's tests run) the checks stay, so that tests hold every kernel to its fake."""
     return {} if validation_enabled() else {"size_asserts": False, "alignment_asserts": False}
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - torch without Inductor's custom passes
+    CustomGraphPass = object
+
+
+class PostGradPasses(CustomGraphPass):
+    """Inductor post-grad passes run in order as its one ``post_grad_custom_pre_pass``; its cache key is theirs."""
+
+    def __init__(self, passes: tuple):
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> str:
+        return ":".join(f"{type(p).__name__}={p.uuid()}" for p in self.passes)
 
 
 class RewrittenModel(nn.Module):
@@ -390,8 +419,13 @@ class RewrittenModel(nn.Module):
             options = {**(options or {}), **serving_step_options()} or None
         if small_linears and not (freeze and self.target == "cpu"):
             raise ValueError("small_linears=True needs a CPU step compiled with freezing (freeze=True)")
+        passes = []
         if freeze and self.target == "cpu" and small_linears is not False:
-            options = {**(options or {}), "post_grad_custom_pre_pass": SmallLinears()}
+            passes.append(SmallLinears())
+        if backend == "inductor" and self.target == "cpu" and native_ops.paged_ops() is not None:
+            passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
+        if passes:
+            options = {**(options or {}), "post_grad_custom_pre_pass": PostGradPasses(tuple(passes))}
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True, options=options)
         if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
             self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True, options=options)

@@ -1,13 +1,18 @@
-"""pagedattn's C++ operators (backends/native_ops.py, backends/csrc/linear_op.cpp): ``pagedattn_native::linear``
-gives the Python kernel's results bit for bit (same native kernel, same row limit, same oneDNN fallback), defers to
-it under validation (set in Python or in the environment), and is left out where it cannot be built."""
+"""pagedattn's C++ operators (backends/native_ops.py, backends/csrc/linear_op.cpp, paged_ops.cpp):
+``pagedattn_native::linear`` gives the Python kernel's results bit for bit (same native kernel, same row limit, same
+oneDNN fallback), defers to it under validation (set in Python or in the environment), and is left out where it cannot
+be built. The paged ops' stand-ins write and attend decode steps in C++ under the plain CPU backend, bit for bit as the
+Python path does, and send every other call (prefills, ALiBi, sinks, int64 tables, another backend or a replaced
+method, validation, no backend bound) and bad metadata to the ``pagedattn::`` ops, which refuse it in their words."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from pagedattn.backends import cpu_linear, native, native_ops, set_validation
 
-from ..support import skip_unless_missing_prerequisite
+from ..support import batch_params, make_batch, skip_unless_missing_prerequisite
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -147,3 +152,142 @@ def test_without_a_cxx_compiler_or_with_a_failed_build_it_is_off(monkeypatch, tm
     finally:
         native_ops.load.cache_clear()
     assert native_ops.load()  # loaded again for the tests after this one
+
+
+# ---------------------------------------------------------------- the paged ops' C++ stand-ins
+
+
+def _native_paged(b, params, write=True):
+    n = torch.ops.pagedattn_native
+    if write:
+        n.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    m = b.meta
+    return n.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                             *params.args())
+
+
+def _python_paged(b, params, write=True):
+    p = torch.ops.pagedattn
+    if write:
+        p.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    m = b.meta
+    return p.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                             *params.args())
+
+
+@pytest.fixture
+def python_calls(monkeypatch):
+    """How many calls reached the Python paged ops (their checks run on every path they take)."""
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    calls = []
+    for name in ("check_write", "check_attend"):
+        real = getattr(SdpaCpuBackend, name)
+        monkeypatch.setattr(SdpaCpuBackend, name, lambda self, *a, _r=real, _n=name, **k: calls.append(_n) or
+                            _r(self, *a, **k))
+    return calls
+
+
+def test_the_stand_ins_have_the_paged_ops_schemas():
+    for name in ("write_kv_cache", "paged_attention"):
+        native = str(getattr(torch.ops.pagedattn_native, name).default._schema)
+        assert native.replace("pagedattn_native::", "pagedattn::") == str(getattr(torch.ops.pagedattn, name).default._schema)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("site", ["plain", "window", "chunk", "softcap", "bidirectional", "padded"])
+def test_the_stand_ins_run_decodes_as_the_python_path_does(dtype, site, python_calls):
+    # a decode step under the plain CPU backend: written and attended in C++, bit for bit what the Python path gives
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    seqs = [(37, 1), (5, 1), (130, 1), (0, 1)]
+    kw = dict(num_heads=6, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype, pad_tokens=3 if site == "padded" else 0)
+    args = dict(scale=0.125, causal=site != "bidirectional", window=20 if site == "window" else 0,
+                softcap=30.0 if site == "softcap" else 0.0)
+    outs, caches = [], []
+    for run in (_native_paged, _python_paged):
+        b = make_batch(seqs, **kw)
+        params = batch_params(b, **args)
+        if site == "chunk":
+            params = dataclasses.replace(params, chunk_size=32)
+        with use_backend(SdpaCpuBackend()):
+            before = len(python_calls)
+            outs.append(run(b, params))
+            if run is _native_paged:
+                assert len(python_calls) == before  # no Python kernel ran
+        caches.append(b.kv_cache)
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(outs[0], outs[1])
+
+
+def _case(kind):
+    """A step, its parameters and a description of why the stand-ins leave it to the Python op."""
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    seqs = [(20, 1), (0, 5), (9, 3)] if kind == "prefill" else [(20, 1), (33, 1)]
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params = batch_params(b, 0.125)
+    backend = SdpaCpuBackend()
+    if kind == "alibi":
+        params = dataclasses.replace(params, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    elif kind == "sinks":
+        params = dataclasses.replace(params, sinks=torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    elif kind == "int64_tables":
+        b = dataclasses.replace(b, meta=dataclasses.replace(b.meta, block_tables=b.meta.block_tables.long()))
+    elif kind == "subclass":
+        backend = type("Sub", (SdpaCpuBackend,), {})()
+    elif kind == "instance_override":
+        backend.attend = lambda *a, _real=backend.attend: _real(*a)
+    return b, params, backend
+
+
+@pytest.mark.parametrize("kind", ["prefill", "alibi", "sinks", "int64_tables", "subclass", "instance_override",
+                                  "validation", "no_backend_bound"])
+def test_what_the_stand_ins_do_not_run_goes_to_the_python_op(kind, python_calls):
+    from pagedattn.backends import use_backend
+
+    outs, caches = [], []
+    for run in (_native_paged, _python_paged):
+        b, params, backend = _case(kind)
+        if kind == "validation":
+            set_validation(True)
+        bound = use_backend(None) if kind == "no_backend_bound" else use_backend(backend)
+        with bound:
+            before = len(python_calls)
+            outs.append(run(b, params))
+            assert len(python_calls) > before
+        caches.append(b.kv_cache)
+    assert torch.equal(caches[0], caches[1]) and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("slot", "outside the cache's"),
+    ("negative_slot", "negative other than -1"),
+    ("seq_len", "longer than its block table"),
+    ("max_seq_len", "longer than"),
+])
+def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params = batch_params(b, 0.125)
+    m = b.meta
+    with use_backend(SdpaCpuBackend()):
+        if bad in ("slot", "negative_slot"):
+            slots = m.slot_mapping.clone()
+            slots[1] = 10_000 if bad == "slot" else -3
+            before = b.kv_cache.clone()
+            with pytest.raises(ValueError, match=match):
+                torch.ops.pagedattn_native.write_kv_cache(b.key, b.value, b.kv_cache, slots)
+            assert torch.equal(b.kv_cache, before)
+            return
+        lens = m.seq_lens.clone()
+        if bad == "seq_len":
+            lens[1] = m.block_tables.shape[1] * 16 + 1
+        else:
+            params = dataclasses.replace(params, max_seq_len=30)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.pagedattn_native.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, lens,
+                                                       m.query_start_loc, *params.args())

@@ -1,0 +1,353 @@
+/* pagedattn_native::write_kv_cache and pagedattn_native::paged_attention: pagedattn's paged ops with their CPU
+   fast paths in C++, for a compiled CPU step's decodes.
+
+   Each takes the same arguments as the pagedattn:: op of its name and gives the same result. A call runs here only
+   when everything about it is what the Python path would send to the native kernels with no further work: the
+   bound backend is the plain CPU one (native_ops.py sets that flag per thread, from use_backend), validation is
+   off, the tensors have the kernels' layouts, every check passes and (attention) every sequence has one new token
+   and the site has no tensor parameters (ALiBi, sinks) or position program. Any other call, and any call a kernel
+   refuses, goes to the pagedattn:: op, boxed as it came: its Python kernel then does what it always does,
+   refusals and their messages included. The kernels are paged_decode.c's, bound by address (native_ops.py).
+
+   A step calls the attention once per layer with the same metadata tensors: what a call derives from them (the
+   checks, the decode items, the int32 block tables) is kept per thread for the next calls, keyed by the tensors
+   themselves and their versions, as backends/ops.py keeps its prepared calls. */
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <strings.h>
+#include <vector>
+
+extern "C" {
+/* paged_decode.c's decode_args and write_args, field for field */
+typedef struct {
+    const void *query;
+    int64_t q_row, q_head;
+    void *out;
+    int64_t o_row, o_head;
+    const void *k_cache, *v_cache;
+    int64_t c_block, c_token, c_head;
+    const int32_t *block_tables;
+    int64_t table_width;
+    const int64_t *items;
+    int64_t num_items;
+    int32_t num_heads, num_kv_heads, head_size, block_size;
+    float scale, softcap;
+    const float *alibi_slopes;
+    const float *sinks;
+    int32_t dtype;
+    int32_t part_keys;
+    float *scratch;
+    int32_t num_threads;
+    int64_t num_blocks, num_rows, num_seqs;
+} decode_args;
+
+typedef struct {
+    const void *key, *value;
+    int64_t k_row, k_head, v_row, v_head;
+    void *k_cache, *v_cache;
+    int64_t c_block, c_token, c_head;
+    const void *slots;
+    int32_t slots_are_64_bit;
+    int64_t num_tokens, num_blocks;
+    int32_t num_kv_heads, head_size, block_size, element_size;
+} write_args;
+}
+
+namespace {
+
+using decode_fn = int (*)(const decode_args *, const int64_t *);
+using write_fn = int (*)(const write_args *);
+
+constexpr int64_t MAX_HEAD = 512, MAX_GROUP = 64; /* paged_decode.c's bounds */
+constexpr size_t KEPT = 4;                        /* an encoder-decoder step alternates two sets of metadata */
+
+std::atomic<decode_fn> bound_decode{nullptr};
+std::atomic<write_fn> bound_write{nullptr};
+std::atomic<int> validation{-1}; /* as linear_op.cpp's: -1 the environment decides */
+thread_local bool plain_backend = false;
+
+bool validating() {
+    int v = validation.load(std::memory_order_relaxed);
+    if (v >= 0) return v == 1;
+    const char *env = std::getenv("PAGEDATTN_VALIDATE");
+    return env && (!strcasecmp(env, "1") || !strcasecmp(env, "true") || !strcasecmp(env, "yes") ||
+                   !strcasecmp(env, "on"));
+}
+
+int dtype_code(at::ScalarType t) {
+    return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;
+}
+
+/* the pagedattn:: op of this name, called with the stack as it came */
+void python_op(const char *name, torch::jit::Stack *stack) {
+    c10::Dispatcher::singleton().findSchemaOrThrow(name, "").callBoxed(stack);
+}
+
+bool is_cpu_tensor(const c10::IValue &v) { return v.isTensor() && v.toTensor().device().is_cpu(); }
+
+/* ---- the write */
+
+bool write_fast(const at::Tensor &key, const at::Tensor &value, const at::Tensor &cache, const at::Tensor &slots) {
+    write_fn fn = bound_write.load(std::memory_order_relaxed);
+    if (!fn || !plain_backend || validating()) return false;
+    const int code = dtype_code(cache.scalar_type());
+    if (code < 0 || key.scalar_type() != cache.scalar_type() || value.scalar_type() != cache.scalar_type()) return false;
+    if (!key.device().is_cpu() || !value.device().is_cpu() || !cache.device().is_cpu() || !slots.device().is_cpu())
+        return false;
+    if (cache.dim() != 5 || cache.size(0) != 2 || cache.stride(-1) != 1 || key.dim() != 3 || value.dim() != 3 ||
+        key.stride(-1) != 1 || value.stride(-1) != 1)
+        return false;
+    if (slots.dim() != 1 || (slots.scalar_type() != at::kInt && slots.scalar_type() != at::kLong) ||
+        slots.stride(0) != 1)
+        return false;
+    const int64_t t = key.size(0);
+    if (value.size(0) != t || slots.size(0) != t || key.size(1) != cache.size(3) || key.size(2) != cache.size(4) ||
+        value.size(1) != cache.size(3) || value.size(2) != cache.size(4))
+        return false;
+    const int64_t esz = cache.element_size();
+    char *k = static_cast<char *>(cache.data_ptr());
+    const write_args a{key.data_ptr(),  value.data_ptr(), key.stride(0),   key.stride(1),   value.stride(0),
+                       value.stride(1), k,                k + cache.stride(0) * esz,        cache.stride(1),
+                       cache.stride(2), cache.stride(3),  slots.data_ptr(), slots.scalar_type() == at::kLong,
+                       t,               cache.size(1),    static_cast<int32_t>(cache.size(3)),
+                       static_cast<int32_t>(cache.size(4)), static_cast<int32_t>(cache.size(2)),
+                       static_cast<int32_t>(esz)};
+    return fn(&a) == 0; /* a refusal writes nothing: the Python op then says which slot is wrong */
+}
+
+void write_kv_cache(const c10::OperatorHandle &, torch::jit::Stack *stack) {
+    auto args = torch::jit::last(*stack, 4);
+    if (args[0].isTensor() && args[1].isTensor() && args[2].isTensor() && args[3].isTensor() &&
+        write_fast(args[0].toTensor(), args[1].toTensor(), args[2].toTensor(), args[3].toTensor())) {
+        torch::jit::drop(*stack, 4);
+        return;
+    }
+    python_op("pagedattn::write_kv_cache", stack);
+}
+
+/* ---- the attention's decode steps */
+
+struct Plan { /* what the step's metadata gives every layer */
+    at::Tensor tables, seq_lens, qsl;   /* the metadata tensors themselves: the key */
+    int64_t versions[3];
+    int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads;
+    bool causal;
+    at::Tensor tables_i32, items, parts_start; /* int32 [S, W] contiguous; int64 [S, 4]; int64 [S + 1] */
+    int64_t num_parts, part_keys;
+    bool every_row; /* the items cover every query row: none to zero */
+};
+
+thread_local std::vector<Plan> plans;
+
+int64_t version(const at::Tensor &t) { return t.unsafeGetTensorImpl()->version_counter().current_version(); }
+
+/* reference.earliest_visible_key for the query at q */
+int64_t first_visible(int64_t q, int64_t window, int64_t chunk) {
+    int64_t lo = 0;
+    if (window > 0) lo = std::max(lo, q - window + 1);
+    if (chunk > 0) lo = std::max(lo, q - q % chunk);
+    return lo;
+}
+
+/* native.part_keys */
+int64_t part_keys(int64_t total, int64_t threads, int64_t block_size) {
+    const int64_t want = (total + 8 * std::max<int64_t>(1, threads) - 1) / (8 * std::max<int64_t>(1, threads));
+    return std::max<int64_t>(64, (want + block_size - 1) / block_size * block_size);
+}
+
+/* The plan for these metadata tensors, checked as metadata.check_attend_cheap checks them; false where they fail a
+   check or are not a decode-only step (the Python op then refuses or runs them). */
+bool make_plan(Plan &p) {
+    const at::Tensor &tables = p.tables, &lens_t = p.seq_lens, &qsl_t = p.qsl;
+    for (const at::Tensor *t : {&tables, &lens_t, &qsl_t})
+        if (!t->device().is_cpu() || (t->scalar_type() != at::kInt && t->scalar_type() != at::kLong)) return false;
+    if (tables.scalar_type() != at::kInt) return false; /* int64 ids would be narrowed for the kernel: the Python op */
+    if (lens_t.dim() != 1 || tables.dim() != 2) return false;
+    const int64_t n = lens_t.size(0);
+    if (n == 0 || tables.size(0) != n || qsl_t.dim() != 1 || qsl_t.size(0) != n + 1) return false;
+    const at::Tensor lens = lens_t.to(at::kLong).contiguous(), qsl = qsl_t.to(at::kLong).contiguous();
+    const int64_t *l = lens.data_ptr<int64_t>(), *q = qsl.data_ptr<int64_t>();
+    const int64_t covered = tables.size(1) * p.block_size;
+    if (q[0] != 0 || q[n] > p.rows) return false;
+    std::vector<int64_t> items(4 * n), starts(n + 1, 0);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (q[i + 1] - q[i] != 1) return false; /* not a decode: the Python op (a prefill, or a padded sequence) */
+        if (l[i] < 1 || l[i] > covered || (p.max_seq_len > 0 && l[i] > p.max_seq_len)) return false;
+        const int64_t first = (p.window > 0 || p.chunk > 0) ? first_visible(l[i] - 1, p.window, p.chunk) : 0;
+        items[4 * i] = q[i], items[4 * i + 1] = i, items[4 * i + 2] = first, items[4 * i + 3] = l[i];
+        total += l[i] - first;
+    }
+    p.part_keys = part_keys(total, p.threads, p.block_size);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t keys = std::max<int64_t>(1, items[4 * i + 3] - items[4 * i + 2]);
+        starts[i + 1] = starts[i] + (keys + p.part_keys - 1) / p.part_keys;
+    }
+    p.num_parts = starts[n];
+    p.items = at::empty({n, 4}, at::kLong);
+    std::copy(items.begin(), items.end(), p.items.data_ptr<int64_t>());
+    p.parts_start = at::empty({n + 1}, at::kLong);
+    std::copy(starts.begin(), starts.end(), p.parts_start.data_ptr<int64_t>());
+    p.tables_i32 = tables.to(at::kInt).contiguous();
+    p.every_row = n == p.rows;
+    return true;
+}
+
+const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at::Tensor &qsl, int64_t rows,
+                      int64_t window, int64_t chunk, int64_t block_size, bool causal, int64_t max_seq_len,
+                      int64_t num_kv_heads, Plan *scratch_plan) {
+    const int64_t threads = at::get_num_threads();
+    const bool keyed = !tables.is_inference() && !lens.is_inference() && !qsl.is_inference();
+    if (keyed) {
+        const int64_t v[3] = {version(tables), version(lens), version(qsl)};
+        for (const Plan &p : plans)
+            if (p.tables.is_same(tables) && p.seq_lens.is_same(lens) && p.qsl.is_same(qsl) && p.versions[0] == v[0] &&
+                p.versions[1] == v[1] && p.versions[2] == v[2] && p.rows == rows && p.window == window &&
+                p.chunk == chunk && p.block_size == block_size && p.threads == threads && p.causal == causal &&
+                p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads)
+                return &p;
+    }
+    Plan p;
+    p.tables = tables, p.seq_lens = lens, p.qsl = qsl;
+    p.rows = rows, p.window = window, p.chunk = chunk, p.block_size = block_size, p.threads = threads;
+    p.causal = causal, p.max_seq_len = max_seq_len, p.num_kv_heads = num_kv_heads;
+    if (!make_plan(p)) return nullptr;
+    if (!keyed) {
+        *scratch_plan = std::move(p);
+        return scratch_plan;
+    }
+    p.versions[0] = version(tables), p.versions[1] = version(lens), p.versions[2] = version(qsl);
+    plans.insert(plans.begin(), std::move(p));
+    if (plans.size() > KEPT) plans.pop_back();
+    return &plans.front();
+}
+
+/* the attention computed here, or an undefined tensor (then the Python op) */
+at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
+    decode_fn fn = bound_decode.load(std::memory_order_relaxed);
+    if (!fn || !plain_backend || validating()) return {};
+    auto arg = [&](size_t i) -> const c10::IValue & { return stack[base + i]; };
+    /* no tensor parameters (ALiBi slopes 11, sinks 14, position tables 19 and data 20), no position program (18) */
+    if (!arg(11).isNone() || !arg(14).isNone() || !arg(19).isNone() || !arg(20).isNone() ||
+        !arg(18).toStringRef().empty())
+        return {};
+    if (!is_cpu_tensor(arg(0)) || !is_cpu_tensor(arg(3)) || !arg(4).isTensor() || !arg(5).isTensor() ||
+        !arg(6).isTensor())
+        return {};
+    const at::Tensor query = arg(0).toTensor(), cache = arg(3).toTensor();
+    const double scale = arg(7).toDouble(), softcap = arg(10).toDouble();
+    const bool causal = arg(8).toBool();
+    const int64_t window = causal && arg(9).toInt() > 0 ? arg(9).toInt() : 0;
+    const int64_t chunk = causal && arg(15).toInt() > 0 ? arg(15).toInt() : 0;
+    const int64_t hkv = arg(12).toInt(), head_v = arg(13).toInt(), max_seq_len = arg(16).toInt();
+    /* the checks that need no metadata values (check_attend_cheap) and the kernel's layouts (native.usable) */
+    const int code = dtype_code(cache.scalar_type());
+    if (code < 0 || cache.dim() != 5 || cache.size(0) != 2 || cache.stride(-1) != 1 || query.dim() != 3 ||
+        query.scalar_type() != cache.scalar_type() || query.stride(-1) != 1)
+        return {};
+    const int64_t hq = query.size(1), d = cache.size(4), bs = cache.size(2);
+    if (hkv != cache.size(3) || hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || query.size(2) != d ||
+        d > MAX_HEAD || head_v != d)
+        return {};
+    Plan local;
+    const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
+                              bs, causal, max_seq_len, hkv, &local);
+    if (!p) return {};
+    at::Tensor out = p->every_row ? at::empty({query.size(0), hq, d}, query.options())
+                                  : at::zeros({query.size(0), hq, d}, query.options());
+    at::Tensor scratch = at::empty({p->num_parts * hq * (d + 2)}, query.options().dtype(at::kFloat));
+    const int64_t esz = cache.element_size();
+    const char *k = static_cast<const char *>(cache.data_ptr());
+    const decode_args a{query.data_ptr(),
+                        query.stride(0),
+                        query.stride(1),
+                        out.data_ptr(),
+                        out.stride(0),
+                        out.stride(1),
+                        k,
+                        k + cache.stride(0) * esz,
+                        cache.stride(1),
+                        cache.stride(2),
+                        cache.stride(3),
+                        p->tables_i32.data_ptr<int32_t>(),
+                        p->tables_i32.size(1),
+                        p->items.data_ptr<int64_t>(),
+                        p->items.size(0),
+                        static_cast<int32_t>(hq),
+                        static_cast<int32_t>(hkv),
+                        static_cast<int32_t>(d),
+                        static_cast<int32_t>(bs),
+                        static_cast<float>(scale),
+                        static_cast<float>(softcap),
+                        nullptr,
+                        nullptr,
+                        code,
+                        static_cast<int32_t>(p->part_keys),
+                        scratch.data_ptr<float>(),
+                        static_cast<int32_t>(p->threads),
+                        cache.size(1),
+                        query.size(0),
+                        p->tables_i32.size(0)};
+    if (fn(&a, p->parts_start.data_ptr<int64_t>())) return {}; /* refused, nothing written: the Python op says why */
+    return out;
+}
+
+void paged_attention(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
+    const size_t n = op.schema().arguments().size();
+    at::Tensor out = attend_fast(*stack, stack->size() - n);
+    if (!out.defined()) {
+        python_op("pagedattn::paged_attention", stack);
+        return;
+    }
+    torch::jit::drop(*stack, n);
+    torch::jit::push(*stack, std::move(out));
+}
+
+void bind_paged(int64_t decode, int64_t write) {
+    bound_decode.store(reinterpret_cast<decode_fn>(decode));
+    bound_write.store(reinterpret_cast<write_fn>(write));
+}
+
+bool set_plain_backend(bool on) {
+    const bool was = plain_backend;
+    plain_backend = on;
+    if (!on) plans.clear(); /* the tensors they hold go with the step that used them */
+    return was;
+}
+
+void set_paged_validation(int64_t mode) { validation.store(mode < 0 ? -1 : mode ? 1 : 0); }
+
+} // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
+    m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+    m.def("paged_attention(Tensor query, Tensor? key, Tensor? value, Tensor kv_cache, Tensor block_tables, "
+          "Tensor seq_lens, Tensor query_start_loc, float scale, bool causal, int sliding_window, float softcap, "
+          "Tensor? alibi_slopes, int num_kv_heads, int head_size_v, Tensor? sinks=None, int chunk_size=0, "
+          "int max_seq_len=0, bool positions_from_first_key=False, str position_mod=\"\", "
+          "Tensor? position_tables=None, Tensor? position_data=None) -> Tensor");
+    m.def("bind_paged(int decode, int write) -> ()");
+    m.def("set_plain_backend(bool on) -> bool");
+    m.def("set_paged_validation(int mode) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
+    m.impl("write_kv_cache", torch::CppFunction::makeFromBoxedFunction<&write_kv_cache>());
+    m.impl("paged_attention", torch::CppFunction::makeFromBoxedFunction<&paged_attention>());
+}
+
+TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {
+    m.impl("bind_paged", &bind_paged);
+    m.impl("set_plain_backend", &set_plain_backend);
+    m.impl("set_paged_validation", &set_paged_validation);
+}
