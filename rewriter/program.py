@@ -245,6 +245,7 @@ class RewrittenModel(nn.Module):
         self.num_cross_sites = 0
         self.cross_writer: Optional[GraphModule] = None
         self._keyword_spec: Optional[tuple] = None  # (in_spec, its keyword names): see _keyword_leaves
+        self._output_index: Optional[tuple] = None  # ((out_spec, variants?, name), index): see output_index
 
     @property
     def target(self) -> str:
@@ -308,6 +309,15 @@ class RewrittenModel(nn.Module):
     def output_index(self, name: str) -> Optional[int]:
         """Where :meth:`forward_flat`'s list holds the output field ``name`` (a ``ModelOutput``'s or a dict's key)
         when that field is one tensor; None otherwise (then read it from ``forward``'s output)."""
+        key = (self.out_spec, bool(self.static_sizes), name)
+        known = self._output_index
+        if known is not None and known[0][0] is key[0] and known[0][1:] == key[1:]:
+            return known[1]
+        at = self._find_output(name)
+        self._output_index = (key, at)
+        return at
+
+    def _find_output(self, name: str) -> Optional[int]:
         spec = self.out_spec
         try:
             keys = list(spec.context) if isinstance(spec.context, (list, tuple)) else []

@@ -94,15 +94,30 @@ def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata
 def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
                       backend: Optional[AttentionBackend]) -> None:
     """Slots and block tables mean nothing for a cache of another block size: refuse, never misread."""
+    by_type: dict = {}  # a step's caches share a device: one backend lookup
     for i, cache in enumerate(kv_caches):
-        b = backend if backend is not None and backend.device_type == cache.device.type else None
+        kind = cache.device.type
+        b = by_type.get(kind)
+        if b is None:
+            b = by_type[kind] = backend if backend is not None and backend.device_type == kind else \
+                _backend_or_none(cache.device)
         try:
-            block_size = (b or get_backend(cache.device)).cache_geometry(cache)[1]
+            if b is False:
+                raise NotImplementedError
+            block_size = b.cache_geometry(cache)[1]
         except (ValueError, NotImplementedError):  # no backend for this device: the op itself will say so
             continue
         if block_size != metadata.block_size:
             raise ValueError(f"KV cache {i} has blocks of {block_size} tokens but the metadata was built for "
                              f"{metadata.block_size}; build it with build_metadata(..., block_size={block_size})")
+
+
+def _backend_or_none(device: torch.device):
+    """The default backend for ``device``, False where there is none."""
+    try:
+        return get_backend(device)
+    except (ValueError, NotImplementedError):
+        return False
 
 
 def step_mode(device: torch.device | str):

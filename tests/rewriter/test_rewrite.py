@@ -244,3 +244,7 @@ def test_keyword_calls_skip_pytree_and_flat_outputs_give_the_logits():
     assert at is not None and rm.output_index("past_key_values") is None and rm.output_index("no_such") is None
     with torch.no_grad():
         assert torch.equal(rm.forward_flat(**example)[at], rm(**example).logits)
+    spec, rm.out_spec = rm.out_spec, None  # what it answers follows the program's output structure
+    assert rm.output_index("logits") is None
+    rm.out_spec = spec
+    assert rm.output_index("logits") == at
