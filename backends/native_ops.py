@@ -17,7 +17,7 @@ position program), and otherwise goes to the ``pagedattn::`` op unchanged, which
 While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
 op (the linear's re-proves the weight's layout).
 
-Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~10 s on 2 cores),
+Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~12 s on 2 cores for both files),
 cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
 the compiler, torch's version and the machine) and loaded with ``torch.ops.load_library``. Without a C++ compiler,
 or where the C library is not built, :func:`load` returns False and steps keep the ``pagedattn::`` ops.
