@@ -115,8 +115,9 @@ def _fake_write(key, value, kv_cache, slot_mapping):
     return None
 
 
-def _fake_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):
-    return query.new_empty((query.shape[0], query.shape[1], params[PARAMS_HEAD_SIZE_V]))
+def _fake_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params, **named):
+    head_size_v = params[PARAMS_HEAD_SIZE_V] if len(params) > PARAMS_HEAD_SIZE_V else named["head_size_v"]
+    return query.new_empty((query.shape[0], query.shape[1], head_size_v))
 
 
 PARAMS_HEAD_SIZE_V = 6  # head_size_v among the attention's parameters (after scale, causal, window, softcap, alibi, kv)

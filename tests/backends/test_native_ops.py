@@ -291,3 +291,20 @@ def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
         with pytest.raises(ValueError, match=match):
             torch.ops.pagedattn_native.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, lens,
                                                        m.query_start_loc, *params.args())
+
+
+def test_the_stand_ins_fakes_give_the_ops_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params = batch_params(b, 0.125)
+    m = b.meta
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens,
+                                              m.query_start_loc)]
+        out = torch.ops.pagedattn_native.paged_attention(*fake, *params.args()[:7],
+                                                         **dict(zip(("sinks", "chunk_size", "max_seq_len"),
+                                                                    params.args()[7:10])))
+        assert out.shape == b.query.shape and out.dtype == b.query.dtype
+        assert torch.ops.pagedattn_native.write_kv_cache(fake[1], fake[2], fake[3], mode.from_tensor(m.slot_mapping)) \
+            is None
