@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedattn.backends import cpu_linear, native, native_ops, set_validation
 
@@ -308,3 +310,28 @@ def test_the_stand_ins_fakes_give_the_ops_shapes():
         assert out.shape == b.query.shape and out.dtype == b.query.dtype
         assert torch.ops.pagedattn_native.write_kv_cache(fake[1], fake[2], fake[3], mode.from_tensor(m.slot_mapping)) \
             is None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=9), st.sampled_from([8, 16, 32]),
+       st.sampled_from([(4, 4), (6, 2), (8, 1), (12, 4)]), st.sampled_from([32, 64, 128]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 3), st.integers(0, 2), st.integers(0, 1000))
+def test_random_decode_steps_through_the_stand_ins_are_the_python_paths(contexts, block_size, heads, head_size, dtype,
+                                                                       pad, limits, seed):
+    # any decode step the stand-ins take (contexts, block sizes, GQA groups, head sizes, padding rows, windows or
+    # chunks of any reach): the cache and the output bit for bit what the Python path gives
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    seqs = [(c, 1) for c in contexts]
+    outs, caches = [], []
+    for run in (_native_paged, _python_paged):
+        b = make_batch(seqs, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size, block_size=block_size,
+                       dtype=dtype, pad_tokens=pad, generator=torch.Generator().manual_seed(seed))
+        params = batch_params(b, head_size ** -0.5, window=[0, 1 + seed % 97, 0][limits])
+        if limits == 2:
+            params = dataclasses.replace(params, chunk_size=1 + seed % 50)
+        with use_backend(SdpaCpuBackend()):
+            outs.append(run(b, params))
+        caches.append(b.kv_cache)
+    assert torch.equal(caches[0], caches[1]) and torch.equal(outs[0], outs[1])
