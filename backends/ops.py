@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from pagedattn.backends import cpu_linear, position_mod, reference
 from pagedattn.backends.base import active_backend
@@ -38,7 +39,8 @@ PARAMS_OFFSET = {"attention": 4, "paged_attention": 7}
 # The paged ops run on every step of a serving loop, so they are defined with ``torch.library.Library`` and a
 # kernel for CompositeExplicitAutograd: ``torch.library.custom_op``'s Python wrappers (its autograd Function,
 # the aliasing check, the in-place version bump in Python) cost ~30-40 us a call on top of the kernel, a few
-# percent of a small model's decode step. The dispatcher's C++ fallbacks bump the written cache's version.
+# percent of a small model's decode step. The dispatcher does not bump a custom op's written tensor's version
+# (torch 2.13): the write does it itself, so memos keyed on a cache's version see every write.
 _LIB = torch.library.Library("pagedattn", "FRAGMENT")
 _LIB.define("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()")
 _LIB.define("write_kv_cache_functional(Tensor key, Tensor value, Tensor kv_cache, Tensor slot_mapping) -> Tensor")
@@ -93,6 +95,12 @@ def _attend_signature(backend, query: Tensor, key: Optional[Tensor], kv_cache: T
 
 def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write the new tokens' K ``[T, Hkv, D]`` and V into ``kv_cache`` at ``slot_mapping`` (-1 skips)."""
+    _write(key, value, kv_cache, slot_mapping)
+    if not kv_cache.is_inference():  # an inference tensor has no version to bump
+        increment_version(kv_cache)
+
+
+def _write(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     backend = active_backend(kv_cache.device)
     full = validation_enabled()
     prepare = backend.prepares_calls and not full

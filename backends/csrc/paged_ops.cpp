@@ -122,7 +122,9 @@ bool write_fast(const at::Tensor &key, const at::Tensor &value, const at::Tensor
                        t,               cache.size(1),    static_cast<int32_t>(cache.size(3)),
                        static_cast<int32_t>(cache.size(4)), static_cast<int32_t>(cache.size(2)),
                        static_cast<int32_t>(esz)};
-    return fn(&a) == 0; /* a refusal writes nothing: the Python op then says which slot is wrong */
+    if (fn(&a)) return false; /* a refusal writes nothing: the Python op then says which slot is wrong */
+    if (!cache.is_inference()) cache.unsafeGetTensorImpl()->bump_version(); /* as the Python op does */
+    return true;
 }
 
 void write_kv_cache(const c10::OperatorHandle &, torch::jit::Stack *stack) {

@@ -335,3 +335,18 @@ def test_random_decode_steps_through_the_stand_ins_are_the_python_paths(contexts
             outs.append(run(b, params))
         caches.append(b.kv_cache)
     assert torch.equal(caches[0], caches[1]) and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("op", ["pagedattn", "pagedattn_native"])
+def test_a_write_bumps_the_caches_version(op):
+    # memos keyed on a cache's version (the kept cross-attention gathers) must see every write, in either op
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    b = make_batch([(5, 1), (9, 1)], head_size=64, block_size=16)
+    write = getattr(torch.ops, op).write_kv_cache
+    for mode in (torch.enable_grad(), torch.no_grad(), torch.inference_mode()):
+        before = b.kv_cache._version
+        with mode, use_backend(SdpaCpuBackend()):
+            write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+        assert b.kv_cache._version > before

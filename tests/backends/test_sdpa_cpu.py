@@ -349,6 +349,15 @@ def test_decodes_over_unwritten_caches_reuse_their_gather_until_the_cache_change
     cache[1, 3] += 1.0  # sequence 1's second block changes
     changed, m = attend(cache)
     assert m == n and not torch.allclose(changed[1], first[1]) and torch.equal(changed[0], first[0])
+    # a write through the op (as a new request's cross K/V are written) is seen too, by the native write where it is
+    # built (an in-place write through ctypes: the op bumps the version itself)
+    monkeypatch.setenv("PAGEDATTN_NATIVE", "1")
+    torch.ops.pagedattn.write_kv_cache(torch.randn(1, 2, 16), torch.randn(1, 2, 16), cache,
+                                       torch.tensor([6 * 8 + 2]))  # sequence 2's block 6, slot 2
+    monkeypatch.setenv("PAGEDATTN_NATIVE", "0")
+    written, m = attend(cache)
+    assert m == n and not torch.allclose(written[2], changed[2]) and torch.equal(written[0], changed[0])
+    changed = written
     monkeypatch.setattr(sdpa_cpu, "_gathered", lambda c, plan: None)  # the same call, gathered afresh
     torch.testing.assert_close(attend(cache)[0], changed)
     ref = weakref.ref(cache)
