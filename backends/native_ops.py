@@ -17,8 +17,8 @@ position program), and otherwise goes to the ``pagedattn::`` op unchanged, which
 While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
 op (the linear's re-proves the weight's layout).
 
-Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~12 s on 2 cores for both files),
-cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
+Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~12 s on 2 cores for
+both files), cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
 the compiler, torch's version and the machine) and loaded with ``torch.ops.load_library``. Without a C++ compiler,
 or where the C library is not built, :func:`load` returns False and steps keep the ``pagedattn::`` ops.
 ``PAGEDATTN_NATIVE=0`` turns both off.
@@ -42,12 +42,13 @@ from pagedattn.backends import metadata, native
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "loaded", "linear_op", "paged_ops", "plain_backend", "NativePagedOps", "SOURCES"]
+__all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "plain_backend", "NativePagedOps", "SOURCES"]
 
 SOURCES = ("linear_op.cpp", "paged_ops.cpp")
 
 
-def _compiler() -> Optional[str]:
+def cxx_compiler() -> Optional[str]:
+    """The C++ compiler the operators are built with (``CXX``, else ``c++``, else ``g++``), None where there is none."""
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
 
 
@@ -67,7 +68,7 @@ def load() -> bool:
     """Build (or find in the cache) and load the operators, bound to the C library's kernels; False where they cannot
     run here (no C++ compiler, no C library, a failed build: the reason goes to the debug log)."""
     lib = native.load()
-    cxx = _compiler()
+    cxx = cxx_compiler()
     if lib is None or cxx is None:
         log.debug("pagedattn: C++ operators off: %s", "no C library" if lib is None else "no C++ compiler (set CXX)")
         return False

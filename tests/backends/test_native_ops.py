@@ -24,7 +24,7 @@ def _built():
     if native.load() is None:
         skip_unless_missing_prerequisite()
     if not native_ops.load():
-        if native_ops._compiler() is not None:
+        if native_ops.cxx_compiler() is not None:
             pytest.fail("the C++ operators did not build (run with --log-level=DEBUG for the compiler's output)")
         pytest.skip("no C++ compiler")
     set_validation(False)  # the fast path; the tests run with validation on otherwise (tests/conftest.py)
@@ -140,7 +140,7 @@ def test_without_a_cxx_compiler_or_with_a_failed_build_it_is_off(monkeypatch, tm
     try:
         native_ops.load.cache_clear()
         with monkeypatch.context() as m:
-            m.setattr(native_ops, "_compiler", lambda: None)
+            m.setattr(native_ops, "cxx_compiler", lambda: None)
             assert native_ops.load() is False and native_ops.linear_op() is None
         native_ops.load.cache_clear()
         with monkeypatch.context() as m:
