@@ -313,13 +313,13 @@ def use_backend(backend: Optional[AttentionBackend]) -> Iterator[None]:
     """Run the paged ops inside with ``backend`` for tensors on its device type (``None``: the defaults)."""
     token = _ACTIVE.set(backend)
     # the C++ stand-ins of the paged ops (native_ops) run a call themselves only under a backend they stand in for
-    was = native_ops.plain_backend(backend is not None and backend.native_ops_stand_in())
+    was = native_ops.bind_backend(backend)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
         if was is not None:
-            native_ops.plain_backend(was)
+            native_ops.restore_backend(was)
 
 
 def active_backend(device: torch.device) -> AttentionBackend:

@@ -82,9 +82,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Te
 def _pass_fingerprint() -> str:
     source = resources.files("pagedattn.backends")
     h = hashlib.sha256()
-    for name in ("cpu_linear.py", "native.py", "native_ops.py", "csrc/small_linear.c",
-                 *(f"csrc/{n}" for n in native_ops.SOURCES)):
+    for name in ("cpu_linear.py", "native.py", "csrc/small_linear.c"):
         h.update(source.joinpath(name).read_bytes())
+    h.update(native_ops.source_digest())
     h.update(b"c++ operator" if native_ops.linear_op() is not None else b"python kernel")  # the op the graph calls
     return h.hexdigest()
 

@@ -54,14 +54,14 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "linear_panel_bytes", "onednn_bytes", "build_shared"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_HEAD_SIZE = 512  # csrc/paged_decode.c's MAX_HEAD
-MAX_GROUP = 64  # and MAX_GROUP
-_SOURCES = ("paged_decode.c", "small_linear.c")
+MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
+MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
+_SOURCES = ("pagedattn_abi.h", "paged_decode.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 
 class _Args(ctypes.Structure):
-    """``decode_args`` of ``csrc/paged_decode.c``, field for field."""
+    """``decode_args`` of ``csrc/pagedattn_abi.h``, field for field."""
 
     _fields_ = [
         ("query", ctypes.c_void_p), ("q_row", ctypes.c_int64), ("q_head", ctypes.c_int64),
@@ -81,7 +81,7 @@ class _Args(ctypes.Structure):
 
 
 class _WriteArgs(ctypes.Structure):
-    """``write_args`` of ``csrc/paged_decode.c``, field for field."""
+    """``write_args`` of ``csrc/pagedattn_abi.h``, field for field."""
 
     _fields_ = [
         ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
@@ -96,7 +96,7 @@ class _WriteArgs(ctypes.Structure):
 
 
 class _LinearArgs(ctypes.Structure):
-    """``linear_args`` of ``csrc/small_linear.c``, field for field."""
+    """``linear_args`` of ``csrc/pagedattn_abi.h``, field for field."""
 
     _fields_ = [
         ("x", ctypes.c_void_p), ("x_row", ctypes.c_int64), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
@@ -209,8 +209,9 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         for f in files:
             f.write_bytes(sources[f.name])
         obj = Path(tmp) / "out.so"
-        done = subprocess.run([compiler, *flags, *map(str, files), "-o", str(obj), *libs], capture_output=True,
-                              text=True, check=False)
+        units = [str(f) for f in files if f.suffix != ".h"]  # headers are there to be included
+        done = subprocess.run([compiler, *flags, *units, "-o", str(obj), *libs], capture_output=True, text=True,
+                              check=False)
         if done.returncode:
             log.debug("pagedattn: %s did not compile (%s): %s", stem, compiler, done.stderr[-2000:])
             return None

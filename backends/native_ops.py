@@ -42,9 +42,10 @@ from pagedattn.backends import metadata, native
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "plain_backend", "NativePagedOps", "SOURCES"]
+__all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
+           "NativePagedOps", "source_digest", "SOURCES"]
 
-SOURCES = ("linear_op.cpp", "paged_ops.cpp")
+SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
 
 
 def cxx_compiler() -> Optional[str]:
@@ -91,9 +92,11 @@ def load() -> bool:
     ops = torch.ops.pagedattn_native
     ops.bind_linear(address("pagedattn_linear"), rows[torch.float32], rows[torch.bfloat16])
     ops.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"))
+    from pagedattn.backends import ops  # the paged ops' own fakes (ops imports this module through base)
+
     torch.library.register_fake("pagedattn_native::linear", _fake_linear)
-    torch.library.register_fake("pagedattn_native::write_kv_cache", _fake_write)
-    torch.library.register_fake("pagedattn_native::paged_attention", _fake_attention)
+    torch.library.register_fake("pagedattn_native::write_kv_cache", ops.fake_write_kv_cache)
+    torch.library.register_fake("pagedattn_native::paged_attention", ops.fake_paged_attention)
     metadata.on_validation_change(_sync_validation)
     _sync_validation(metadata.validation_override())
     return True
@@ -112,23 +115,9 @@ def _fake_linear(x, weight, bias, layout):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _fake_write(key, value, kv_cache, slot_mapping):
-    return None
-
-
-def _fake_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params, **named):
-    head_size_v = params[PARAMS_HEAD_SIZE_V] if len(params) > PARAMS_HEAD_SIZE_V else named["head_size_v"]
-    return query.new_empty((query.shape[0], query.shape[1], head_size_v))
-
-
-PARAMS_HEAD_SIZE_V = 6  # head_size_v among the attention's parameters (after scale, causal, window, softcap, alibi, kv)
-
-
 def _sync_validation(enabled: Optional[bool]) -> None:
     """Tell the C++ side about ``metadata.set_validation`` (None: the environment decides, as in Python)."""
-    mode = -1 if enabled is None else int(enabled)
-    torch.ops.pagedattn_native.set_validation(mode)
-    torch.ops.pagedattn_native.set_paged_validation(mode)
+    torch.ops.pagedattn_native.set_validation(-1 if enabled is None else int(enabled))
 
 
 def linear_op():
@@ -145,10 +134,18 @@ def paged_ops() -> Optional[tuple]:
     return ops.write_kv_cache.default, ops.paged_attention.default
 
 
-def plain_backend(on: bool) -> Optional[bool]:
-    """Tell this thread's C++ paged ops whether the bound backend is one they stand in for (``on``); the previous
-    setting, None where the operators are not loaded (nothing to tell)."""
-    return torch.ops.pagedattn_native.set_plain_backend(on) if loaded() else None
+def bind_backend(backend) -> Optional[bool]:
+    """Tell this thread's C++ paged ops whether they stand in for ``backend`` (``use_backend``'s; None: the
+    defaults, which they leave to the Python ops); the previous setting, for :func:`restore_backend`, or None where
+    the operators are not loaded (nothing to tell)."""
+    if not loaded():
+        return None
+    return torch.ops.pagedattn_native.set_plain_backend(backend is not None and backend.native_ops_stand_in())
+
+
+def restore_backend(was: bool) -> None:
+    """Give this thread's C++ paged ops back the setting :func:`bind_backend` returned."""
+    torch.ops.pagedattn_native.set_plain_backend(was)
 
 
 try:
@@ -179,10 +176,13 @@ class NativePagedOps(CustomGraphPass):
                 node.args = (swap[node.args[0]], *node.args[1:])
 
     def uuid(self) -> str:
-        h = hashlib.sha256(b"native paged ops")
-        csrc = resources.files("pagedattn.backends").joinpath("csrc")
-        for name in SOURCES:
-            h.update(csrc.joinpath(name).read_bytes())
-        h.update(resources.files("pagedattn.backends").joinpath("native_ops.py").read_bytes())
-        h.update(b"c++" if paged_ops() is not None else b"python")
-        return h.hexdigest()
+        return hashlib.sha256(b"native paged ops " + source_digest() + (b"c++" if paged_ops() else b"python")).hexdigest()
+
+
+def source_digest() -> bytes:
+    """A digest of the operators' sources and this module: part of the cache key of a pass that puts them in."""
+    package = resources.files("pagedattn.backends")
+    h = hashlib.sha256(package.joinpath("native_ops.py").read_bytes())
+    for name in SOURCES:
+        h.update(package.joinpath("csrc", name).read_bytes())
+    return h.digest()

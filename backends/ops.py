@@ -29,6 +29,7 @@ from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_
 from pagedattn.backends.params import AttentionParams, params_schema
 
 __all__ = ["write_kv_cache", "write_kv_cache_functional", "paged_attention", "attention", "PARAMS_OFFSET",
+           "fake_paged_attention", "fake_write_kv_cache",
            "dropin_values", "forget_prepared_calls"]
 
 _PARAMS = params_schema()
@@ -177,9 +178,15 @@ def _paged_attention_autograd(*args) -> Tensor:
     return _InferenceOnly.apply(out, *inputs) if inputs else out
 
 
-def _fake_paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params):
-    p = AttentionParams.from_args(params)
+def fake_paged_attention(query, key, value, kv_cache, block_tables, seq_lens, query_start_loc, *params, **named):
+    """``paged_attention``'s fake kernel (its output's shape), also its C++ stand-in's (``native_ops``)."""
+    p = AttentionParams.from_args(params) if not named else AttentionParams(*params, **named)
     return query.new_empty((query.shape[0], query.shape[1], p.head_size_v))
+
+
+def fake_write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
+    """``write_kv_cache``'s fake kernel (nothing to return), also its C++ stand-in's."""
+    return None
 
 
 # Dynamo must not trace into a kernel that runs eagerly inside a compiled region (a graph an eager backend hands
@@ -188,10 +195,10 @@ _LIB.impl("write_kv_cache", torch.compiler.disable(write_kv_cache), "CompositeEx
 _LIB.impl("write_kv_cache_functional", torch.compiler.disable(write_kv_cache_functional), "CompositeExplicitAutograd")
 _LIB.impl("paged_attention", torch.compiler.disable(paged_attention), "CompositeExplicitAutograd")
 _LIB.impl("paged_attention", torch.compiler.disable(_paged_attention_autograd), "Autograd")
-torch.library.register_fake("pagedattn::write_kv_cache", lambda key, value, kv_cache, slot_mapping: None, lib=_LIB)
+torch.library.register_fake("pagedattn::write_kv_cache", fake_write_kv_cache, lib=_LIB)
 torch.library.register_fake("pagedattn::write_kv_cache_functional",
                             lambda key, value, kv_cache, slot_mapping: torch.empty_like(kv_cache), lib=_LIB)
-torch.library.register_fake("pagedattn::paged_attention", _fake_paged_attention, lib=_LIB)
+torch.library.register_fake("pagedattn::paged_attention", fake_paged_attention, lib=_LIB)
 
 
 # ---------------------------------------------------------------- a serving step's linears on the CPU

@@ -151,13 +151,19 @@ class SdpaCpuBackend(SplitKVBackend):
 
     def native_ops_stand_in(self) -> bool:
         # this class's own methods, its native kernels: what the C++ stand-ins do
-        return type(self) is SdpaCpuBackend and not any(name in vars(self) for name in _NATIVE_PATH) and \
+        return type(self) is SdpaCpuBackend and not any(map(self._overridden, _NATIVE_PATH)) and \
             native.library() is not None
 
     def write_checks_slots(self, key, value, kv_cache, slot_mapping) -> bool:
         # the native write reads every slot before it writes any
-        return native.library() is not None and not self._overridden("write") and \
-            native.write_usable(key, value, kv_cache, slot_mapping)
+        return self._native_write_lib(key, value, kv_cache, slot_mapping) is not None
+
+    def _native_write_lib(self, key, value, kv_cache, slot_mapping):
+        """The native library where this class's own write runs these tensors natively as they are, else None."""
+        lib = native.library()
+        if lib is None or self._overridden("write") or not native.write_usable(key, value, kv_cache, slot_mapping):
+            return None
+        return lib
 
     def _overridden(self, name: str) -> bool:
         """Whether ``name`` is not this class's own (a subclass's or an instance's): calls prepared from this class's
@@ -165,10 +171,8 @@ class SdpaCpuBackend(SplitKVBackend):
         return name in vars(self) or getattr(type(self), name) is not getattr(SdpaCpuBackend, name)
 
     def prepare_write(self, key, value, kv_cache, slot_mapping):
-        lib = native.library()
-        if lib is None or self._overridden("write") or not native.write_usable(key, value, kv_cache, slot_mapping):
-            return None
-        return functools.partial(native.write, lib, slot_mapping=slot_mapping, checked=True)
+        lib = self._native_write_lib(key, value, kv_cache, slot_mapping)
+        return None if lib is None else functools.partial(native.write, lib, slot_mapping=slot_mapping, checked=True)
 
     def prepare_attend(self, query, key, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         # a decode-only step (every sequence one new token) where the native kernel runs it: one kernel call a

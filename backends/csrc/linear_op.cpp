@@ -3,7 +3,7 @@
    A decode step of a small model calls its linears ~25 times; through the Python kernel (backends/cpu_linear.py)
    each call pays ~7 us of Python around a ~6 us kernel. This kernel does what that one does, in the same order:
    calls of at most the bound number of rows go to small_linear.c's pagedattn_linear (its address is bound once by
-   native_ops.py, so this file needs no symbol of that library), everything else, and any call that kernel refuses,
+   native_ops.py: this library links to no symbol of that one), everything else, and any call that kernel refuses,
    to oneDNN's mkldnn::_linear_pointwise on the same weight. While pagedattn's validation is on, calls go to
    pagedattn::linear instead, whose Python kernel re-proves the weight's layout at every call.
 
@@ -21,32 +21,14 @@
 #include <cstring>
 #include <strings.h>
 
-extern "C" {
-/* small_linear.c's linear_args, field for field */
-typedef struct {
-    const void *x;
-    int64_t x_row;
-    const void *w;
-    const void *bias;
-    void *out;
-    int64_t o_row;
-    int64_t M, N, K;
-    int32_t dtype;
-    int32_t num_threads;
-    int32_t layout;
-    int64_t w_bytes;
-} linear_args;
-}
+#include "pagedattn_abi.h"
 
 namespace {
+std::atomic<int> validation{-1}; /* pagedattn's set_validation: -1 none (the environment decides), 0, 1 */
+} // namespace
 
-using linear_fn = int (*)(const linear_args *);
-
-constexpr int64_t LAYOUT_PLAIN = 0;
-std::atomic<linear_fn> bound_kernel{nullptr};
-std::atomic<int64_t> small_rows[2] = {0, 0}; /* by dtype code (0 float32, 1 bfloat16): 0 where the kernel has none */
-std::atomic<int> validation{-1};             /* pagedattn's set_validation: -1 none (the environment decides), 0, 1 */
-
+namespace pagedattn_native {
+/* whether pagedattn's validation is on: what metadata.validation_enabled says (paged_ops.cpp asks it too) */
 bool validating() {
     int v = validation.load(std::memory_order_relaxed);
     if (v >= 0) return v == 1;
@@ -54,6 +36,16 @@ bool validating() {
     return env && (!strcasecmp(env, "1") || !strcasecmp(env, "true") || !strcasecmp(env, "yes") ||
                    !strcasecmp(env, "on"));
 }
+} // namespace pagedattn_native
+
+namespace {
+
+using pagedattn_native::validating;
+using linear_fn = decltype(&pagedattn_linear);
+
+constexpr int64_t LAYOUT_PLAIN = 0;
+std::atomic<linear_fn> bound_kernel{nullptr};
+std::atomic<int64_t> small_rows[2] = {0, 0}; /* by dtype code (0 float32, 1 bfloat16): 0 where the kernel has none */
 
 /* oneDNN reads a bias as contiguous whatever its strides (torch 2.13): one with gaps goes as a contiguous copy */
 at::Tensor onednn_linear(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &bias) {

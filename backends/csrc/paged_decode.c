@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pagedattn_abi.h"
+
 /* bfloat16 scores by AVX512-BF16's pair dot products (exact bfloat16 products, float sums; bfloat16 subnormals,
  * below 1.2e-38, count as zero) where the target has them; PAGEDATTN_NO_DPBF16 keeps the widening path */
 #if defined(__AVX512BF16__) && !defined(PAGEDATTN_NO_DPBF16)
@@ -29,8 +31,8 @@
 #define HAVE_DPBF16 0
 #endif
 
-#define MAX_HEAD 512  /* head size bound */
-#define MAX_GROUP 64  /* query heads per KV head */
+#define MAX_HEAD PAGEDATTN_MAX_HEAD   /* head size bound */
+#define MAX_GROUP PAGEDATTN_MAX_GROUP /* query heads per KV head */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192  /* K and V bytes read ahead of the key being scored (prefetch_ahead): on a 2-core EPYC,
                               * half as far made decodes from DRAM 7-15 % slower, twice as far 0-9 % */
@@ -84,30 +86,6 @@ static inline float exp_neg(float x) {
     return p * s;
 }
 
-typedef struct {
-    /* query [rows, Hq, D] and out [rows, Hq, D]: element strides of a row and of a head (D contiguous) */
-    const void *query;
-    int64_t q_row, q_head;
-    void *out;
-    int64_t o_row, o_head;
-    /* K and V caches: element strides of a block, a token in a block and a KV head (D contiguous) */
-    const void *k_cache, *v_cache;
-    int64_t c_block, c_token, c_head;
-    const int32_t *block_tables;  /* [seqs, table_width] */
-    int64_t table_width;
-    /* per item: query row, sequence (block table row), first visible key, keys (the query is key hi - 1) */
-    const int64_t *items;
-    int64_t num_items;
-    int32_t num_heads, num_kv_heads, head_size, block_size;
-    float scale, softcap;
-    const float *alibi_slopes; /* [Hq] or NULL */
-    const float *sinks;        /* [Hq] or NULL */
-    int32_t dtype;             /* 0 float32, 1 bfloat16, 2 float16 */
-    int32_t part_keys;         /* keys per unit */
-    float *scratch;            /* per unit and query head: D sums, then max and normaliser */
-    int32_t num_threads;
-    int64_t num_blocks, num_rows, num_seqs; /* bounds every index read is checked against */
-} decode_args;
 
 /* n rows of D elements (row stride in elements) into float dst [n][D] */
 static inline __attribute__((always_inline)) void load_rows(float *restrict dst, const char *const *src, int n,
@@ -666,18 +644,7 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
     return failed ? 5 : 0;
 }
 
-/* ---- the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding,
- * skipped) */
-typedef struct {
-    const void *key, *value;
-    int64_t k_row, k_head, v_row, v_head;   /* element strides of a token and of a head (D contiguous) */
-    void *k_cache, *v_cache;
-    int64_t c_block, c_token, c_head;       /* as in decode_args */
-    const void *slots;                      /* [tokens] */
-    int32_t slots_are_64_bit;
-    int64_t num_tokens, num_blocks;
-    int32_t num_kv_heads, head_size, block_size, element_size;
-} write_args;
+/* ---- the cache write (write_args, pagedattn_abi.h) */
 
 /* 0, or 6 when a slot is outside the cache (other than -1) with nothing written */
 int pagedattn_write_kv(const write_args *a) {

@@ -23,66 +23,25 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <strings.h>
 #include <vector>
 
-extern "C" {
-/* paged_decode.c's decode_args and write_args, field for field */
-typedef struct {
-    const void *query;
-    int64_t q_row, q_head;
-    void *out;
-    int64_t o_row, o_head;
-    const void *k_cache, *v_cache;
-    int64_t c_block, c_token, c_head;
-    const int32_t *block_tables;
-    int64_t table_width;
-    const int64_t *items;
-    int64_t num_items;
-    int32_t num_heads, num_kv_heads, head_size, block_size;
-    float scale, softcap;
-    const float *alibi_slopes;
-    const float *sinks;
-    int32_t dtype;
-    int32_t part_keys;
-    float *scratch;
-    int32_t num_threads;
-    int64_t num_blocks, num_rows, num_seqs;
-} decode_args;
+#include "pagedattn_abi.h"
 
-typedef struct {
-    const void *key, *value;
-    int64_t k_row, k_head, v_row, v_head;
-    void *k_cache, *v_cache;
-    int64_t c_block, c_token, c_head;
-    const void *slots;
-    int32_t slots_are_64_bit;
-    int64_t num_tokens, num_blocks;
-    int32_t num_kv_heads, head_size, block_size, element_size;
-} write_args;
+namespace pagedattn_native {
+bool validating(); /* linear_op.cpp's */
 }
 
 namespace {
 
-using decode_fn = int (*)(const decode_args *, const int64_t *);
-using write_fn = int (*)(const write_args *);
+using pagedattn_native::validating;
+using decode_fn = decltype(&pagedattn_paged_decode);
+using write_fn = decltype(&pagedattn_write_kv);
 
-constexpr int64_t MAX_HEAD = 512, MAX_GROUP = 64; /* paged_decode.c's bounds */
-constexpr size_t KEPT = 4;                        /* an encoder-decoder step alternates two sets of metadata */
+constexpr size_t KEPT = 4; /* an encoder-decoder step alternates two sets of metadata */
 
 std::atomic<decode_fn> bound_decode{nullptr};
 std::atomic<write_fn> bound_write{nullptr};
-std::atomic<int> validation{-1}; /* as linear_op.cpp's: -1 the environment decides */
 thread_local bool plain_backend = false;
-
-bool validating() {
-    int v = validation.load(std::memory_order_relaxed);
-    if (v >= 0) return v == 1;
-    const char *env = std::getenv("PAGEDATTN_VALIDATE");
-    return env && (!strcasecmp(env, "1") || !strcasecmp(env, "true") || !strcasecmp(env, "yes") ||
-                   !strcasecmp(env, "on"));
-}
 
 int dtype_code(at::ScalarType t) {
     return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;
@@ -258,8 +217,8 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
         query.scalar_type() != cache.scalar_type() || query.stride(-1) != 1)
         return {};
     const int64_t hq = query.size(1), d = cache.size(4), bs = cache.size(2);
-    if (hkv != cache.size(3) || hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || query.size(2) != d ||
-        d > MAX_HEAD || head_v != d)
+    if (hkv != cache.size(3) || hkv <= 0 || hq % hkv || hq / hkv > PAGEDATTN_MAX_GROUP || query.size(2) != d ||
+        d > PAGEDATTN_MAX_HEAD || head_v != d)
         return {};
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
@@ -327,8 +286,6 @@ bool set_plain_backend(bool on) {
     return was;
 }
 
-void set_paged_validation(int64_t mode) { validation.store(mode < 0 ? -1 : mode ? 1 : 0); }
-
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
@@ -340,7 +297,6 @@ TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
           "Tensor? position_tables=None, Tensor? position_data=None) -> Tensor");
     m.def("bind_paged(int decode, int write) -> ()");
     m.def("set_plain_backend(bool on) -> bool");
-    m.def("set_paged_validation(int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
@@ -351,5 +307,4 @@ TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
 TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {
     m.impl("bind_paged", &bind_paged);
     m.impl("set_plain_backend", &set_plain_backend);
-    m.impl("set_paged_validation", &set_paged_validation);
 }

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pagedattn_abi.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_LINEAR_F32 1
@@ -131,19 +133,6 @@ static inline float lin_bf16_to_f32(lin_bf16_t v) {
     return f;
 }
 
-typedef struct {
-    const void *x;
-    int64_t x_row; /* elements between rows of x */
-    const void *w; /* layout 0: [N, K], rows contiguous; 1: panels (see linear_panels) */
-    const void *bias; /* [N] or NULL */
-    void *out;
-    int64_t o_row;
-    int64_t M, N, K;
-    int32_t dtype; /* 0 float32, 1 bfloat16 */
-    int32_t num_threads;
-    int32_t layout;
-    int64_t w_bytes; /* the weight buffer's size: the layout's own, or the call refuses */
-} linear_args;
 
 /* One 4 x 4 block of out: rows m0.., columns n0.., mb x nb of them valid */
 static inline __attribute__((always_inline)) void block(const linear_args *a, int64_t m0, int mb, int64_t n0, int nb, const int bf) {
@@ -377,7 +366,6 @@ int pagedattn_linear(const linear_args *a) {
 }
 
 #else
-typedef struct linear_args linear_args;
 int pagedattn_linear(const linear_args *a) {
     (void)a;
     return 1;

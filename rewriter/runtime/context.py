@@ -97,27 +97,27 @@ def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMeta
     by_type: dict = {}  # a step's caches share a device: one backend lookup
     for i, cache in enumerate(kv_caches):
         kind = cache.device.type
-        b = by_type.get(kind)
-        if b is None:
-            b = by_type[kind] = backend if backend is not None and backend.device_type == kind else \
+        if kind not in by_type:
+            by_type[kind] = backend if backend is not None and backend.device_type == kind else \
                 _backend_or_none(cache.device)
+        b = by_type[kind]
+        if b is None:  # no backend for this device: the op itself will say so
+            continue
         try:
-            if b is False:
-                raise NotImplementedError
             block_size = b.cache_geometry(cache)[1]
-        except (ValueError, NotImplementedError):  # no backend for this device: the op itself will say so
+        except (ValueError, NotImplementedError):  # not a cache of that backend's layout: the op will say so
             continue
         if block_size != metadata.block_size:
             raise ValueError(f"KV cache {i} has blocks of {block_size} tokens but the metadata was built for "
                              f"{metadata.block_size}; build it with build_metadata(..., block_size={block_size})")
 
 
-def _backend_or_none(device: torch.device):
-    """The default backend for ``device``, False where there is none."""
+def _backend_or_none(device: torch.device) -> Optional[AttentionBackend]:
+    """The default backend for ``device``, None where there is none."""
     try:
         return get_backend(device)
     except (ValueError, NotImplementedError):
-        return False
+        return None
 
 
 def step_mode(device: torch.device | str):

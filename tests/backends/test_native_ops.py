@@ -6,6 +6,7 @@ Python path does, and send every other call (prefills, ALiBi, sinks, int64 table
 method, validation, no backend bound) and bad metadata to the ``pagedattn::`` ops, which refuse it in their words."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -159,22 +160,16 @@ def test_without_a_cxx_compiler_or_with_a_failed_build_it_is_off(monkeypatch, tm
 # ---------------------------------------------------------------- the paged ops' C++ stand-ins
 
 
-def _native_paged(b, params, write=True):
-    n = torch.ops.pagedattn_native
-    if write:
-        n.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    m = b.meta
-    return n.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                             *params.args())
+def _paged(namespace, b, params):
+    """The step's write and attention through the ops of ``namespace`` (``pagedattn_native``: the C++ stand-ins)."""
+    ops, m = getattr(torch.ops, namespace), b.meta
+    ops.write_kv_cache(b.key, b.value, b.kv_cache, m.slot_mapping)
+    return ops.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                               *params.args())
 
 
-def _python_paged(b, params, write=True):
-    p = torch.ops.pagedattn
-    if write:
-        p.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
-    m = b.meta
-    return p.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                             *params.args())
+_native_paged = functools.partial(_paged, "pagedattn_native")
+_python_paged = functools.partial(_paged, "pagedattn")
 
 
 @pytest.fixture

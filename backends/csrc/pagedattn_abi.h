@@ -1,0 +1,76 @@
+/* The native library's call arguments: shared by its C sources (paged_decode.c, small_linear.c) and by the C++
+ * operators that call it by address (linear_op.cpp, paged_ops.cpp). native.py's ctypes Structures mirror them field
+ * for field. */
+#ifndef PAGEDATTN_ABI_H
+#define PAGEDATTN_ABI_H
+
+#include <stdint.h>
+
+#define PAGEDATTN_MAX_HEAD 512 /* the decode kernel's head size bound */
+#define PAGEDATTN_MAX_GROUP 64 /* and query heads per KV head */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    /* query [rows, Hq, D] and out [rows, Hq, D]: element strides of a row and of a head (D contiguous) */
+    const void *query;
+    int64_t q_row, q_head;
+    void *out;
+    int64_t o_row, o_head;
+    /* K and V caches: element strides of a block, a token in a block and a KV head (D contiguous) */
+    const void *k_cache, *v_cache;
+    int64_t c_block, c_token, c_head;
+    const int32_t *block_tables;  /* [seqs, table_width] */
+    int64_t table_width;
+    /* per item: query row, sequence (block table row), first visible key, keys (the query is key hi - 1) */
+    const int64_t *items;
+    int64_t num_items;
+    int32_t num_heads, num_kv_heads, head_size, block_size;
+    float scale, softcap;
+    const float *alibi_slopes; /* [Hq] or NULL */
+    const float *sinks;        /* [Hq] or NULL */
+    int32_t dtype;             /* 0 float32, 1 bfloat16, 2 float16 */
+    int32_t part_keys;         /* keys per unit */
+    float *scratch;            /* per unit and query head: D sums, then max and normaliser */
+    int32_t num_threads;
+    int64_t num_blocks, num_rows, num_seqs; /* bounds every index read is checked against */
+} decode_args;
+
+/* the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding, skipped) */
+typedef struct {
+    const void *key, *value;
+    int64_t k_row, k_head, v_row, v_head;   /* element strides of a token and of a head (D contiguous) */
+    void *k_cache, *v_cache;
+    int64_t c_block, c_token, c_head;       /* as in decode_args */
+    const void *slots;                      /* [tokens] */
+    int32_t slots_are_64_bit;
+    int64_t num_tokens, num_blocks;
+    int32_t num_kv_heads, head_size, block_size, element_size;
+} write_args;
+
+typedef struct {
+    const void *x;
+    int64_t x_row; /* elements between rows of x */
+    const void *w; /* layout 0: [N, K], rows contiguous; 1: panels (see small_linear.c's linear_panels) */
+    const void *bias; /* [N] or NULL */
+    void *out;
+    int64_t o_row;
+    int64_t M, N, K;
+    int32_t dtype; /* 0 float32, 1 bfloat16 */
+    int32_t num_threads;
+    int32_t layout;
+    int64_t w_bytes; /* the weight buffer's size: the layout's own, or the call refuses */
+} linear_args;
+
+/* 0, or the first check that failed with nothing written (see each definition) */
+int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start);
+int pagedattn_write_kv(const write_args *a);
+int pagedattn_linear(const linear_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
