@@ -22,6 +22,7 @@ from pagedattn.backends import (
 )
 from pagedattn.backends.cpu_linear import SmallLinears
 from pagedattn.backends.native_ops import NativePagedOps
+from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
@@ -432,8 +433,10 @@ class RewrittenModel(nn.Module):
         passes = []
         if freeze and self.target == "cpu" and small_linears is not False:
             passes.append(SmallLinears())
-        if backend == "inductor" and self.target == "cpu" and native_ops.paged_ops() is not None:
-            passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
+        if backend == "inductor" and self.target == "cpu":
+            passes.append(RealizeSharedValues())  # a rotary table's sines and cosines once a step, not per layer
+            if native_ops.paged_ops() is not None:
+                passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
         if passes:
             options = {**(options or {}), "post_grad_custom_pre_pass": PostGradPasses(tuple(passes))}
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True, options=options)

@@ -173,6 +173,7 @@ def test_small_linears_need_a_frozen_cpu_step(llama, monkeypatch):
     import pagedattn.program as program
     from pagedattn import rewrite
     from pagedattn.backends.cpu_linear import SmallLinears
+    from pagedattn.backends.shared_values import RealizeSharedValues
 
     with pytest.raises(ValueError, match="small_linears=True needs a CPU step compiled with freezing"):
         rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged(freeze=False, small_linears=True)
@@ -183,6 +184,7 @@ def test_small_linears_need_a_frozen_cpu_step(llama, monkeypatch):
     kinds = [[type(p) for p in o["post_grad_custom_pre_pass"].passes] if "post_grad_custom_pre_pass" in o else []
              for o in seen]
     assert SmallLinears in kinds[0] and SmallLinears not in kinds[1]
+    assert all(RealizeSharedValues in k for k in kinds)  # every Inductor CPU step computes a rotary table once
 
 
 def test_compile_false_and_progress_off(eager, capsys):
