@@ -93,6 +93,24 @@ def test_both_layouts_match_float64(dtype, rows, k, n, bias, threads, seed):
         _assert_close(native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS), x, w, b)
 
 
+def test_a_decode_batch_takes_k_in_chunks_with_each_rows_sums_unchanged():
+    # 7-24 rows (a decode step's batch) run K in chunks, each row group's sums kept between chunks: every row's result
+    # is the one it gets alone (one group, no chunks), bit for bit, across chunk, step and panel boundaries
+    for dtype in (torch.float32, torch.bfloat16):
+        lib = _lib_for(dtype)
+        for rows, k, n in ((7, 1025, 130), (16, 384, 1000), (24, 200, 65), (13, 33, 64)):
+            x = torch.randn(rows, k).to(dtype)
+            w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+            packed = _packed(w)
+            assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS
+            for threads in (1, 2):
+                out = native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS)
+                alone = torch.cat([native.linear(lib, x[i:i + 1], packed, b, threads, native.LINEAR_PANELS)
+                                   for i in range(rows)])
+                assert torch.equal(out, alone), (dtype, rows, k, n, threads)
+                _assert_close(out, x, w, b)
+
+
 def test_panels_read_no_value_of_x_past_k():
     # the padding of K holds zero weights; x past K is never read (a NaN there would make 0 * NaN = NaN)
     for dtype in (torch.float32, torch.bfloat16):
