@@ -8,8 +8,9 @@
  * Two weight layouts, each read once per call, one contiguous stretch per thread with the lines ahead requested:
  * - panels (linear_panels): oneDNN's own packed buffers, whose layout the caller has proved; each row of x adds one
  *   broadcast per k (or pair of k) to the sums of 64 columns, so they need no reduction across lanes; rows beyond
- *   one group of MAX_MR (a decode step's batch) take K in chunks that every group reads from L1, the weights asked
- *   for non-temporally so that they do not evict what the step reads again;
+ *   one group of MAX_MR (a decode step's batch) take K in chunks that every group reads from L1; the weights are
+ *   asked for non-temporally wherever every pass reads them from L1, so that they do not evict what the step reads
+ *   again;
  * - plain [N, K] rows (linear_plain): 4 x 4 blocks of (row, column) sums kept in registers along K, then one tree of
  *   shuffles from the block's 16 vectors of partial sums to one vector of 16 totals.
  * bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal bfloat16 inputs,
@@ -238,10 +239,10 @@ static int linear_plain(const linear_args *a) {
 #define LINEAR_CHUNK_STEPS 4 /* steps of K (4 KiB of a panel each) a chunk holds: 2 or 8 no faster */
 #endif
 
-/* a weight line asked for: non-temporal where K is taken in chunks (every pass reads the line from L1), so that
- * streaming the weights does not evict what the step reads again (its K/V, activations, the interpreter's data) from
- * L2 and L3 (llama16m decode steps at 16 requests with both changes: bf16 2-3 %, fp32 3-7 % faster); otherwise into
- * every level */
+/* a weight line asked for: non-temporal where every pass reads it from L1 (one group of rows, or K in chunks), so
+ * that streaming the weights does not evict what the step reads again (its K/V, activations, the interpreter's data)
+ * from L2 and L3 (llama16m decode steps at 16 requests with the chunks: bf16 2-3 %, fp32 3-7 % faster; a 64 MB model
+ * 6 %; a 10 MB one, whose weights L3 could keep, no slower); otherwise into every level, for the later passes */
 static inline __attribute__((always_inline)) void lin_prefetch(const char *p, int nta) {
     if (nta)
         _mm_prefetch(p, _MM_HINT_NTA);
@@ -356,7 +357,7 @@ static int linear_panels(const linear_args *a) {
      * group and then from L1 by the others, which meanwhile bring in the next chunk */
     const int groups = (int)((a->M + MAX_MR - 1) / MAX_MR);
     const int64_t chunk = groups > 1 && a->M <= CHUNKED_ROWS ? LINEAR_CHUNK_STEPS : steps;
-    const int nta = chunk < steps;  /* every pass reads its lines from L1 (measured only there) */
+    const int nta = groups == 1 || chunk < steps;  /* every pass reads its lines from L1 */
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
