@@ -361,10 +361,14 @@ def usable(query: Tensor, kv_cache: Tensor, num_kv_heads: int) -> bool:
             and query.shape[1] % num_kv_heads == 0 and query.shape[1] // num_kv_heads <= MAX_GROUP)
 
 
+UNITS_PER_THREAD = 4  # csrc/paged_ops.cpp's part_keys takes the same
+
+
 def part_keys(total_keys: int, num_threads: int, block_size: int) -> int:
     """Keys per unit of work (a part of one sequence's keys, every head): at least 64 (a unit's fixed cost), and
-    small enough that the threads get about eight units each of the step's keys."""
-    want = -(-total_keys // (8 * max(1, num_threads)))
+    small enough that the threads get about four units each of the step's keys (eight cut the streams shorter: a
+    decode of 8 x 256 or 1 x 1024 keys from DRAM ~10 % slower, benchmarks/RESULTS.md)."""
+    want = -(-total_keys // (UNITS_PER_THREAD * max(1, num_threads)))
     return max(64, -(-want // block_size) * block_size)
 
 

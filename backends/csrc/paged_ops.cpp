@@ -120,9 +120,10 @@ int64_t first_visible(int64_t q, int64_t window, int64_t chunk) {
     return lo;
 }
 
-/* native.part_keys */
+/* native.part_keys (UNITS_PER_THREAD units a thread) */
 int64_t part_keys(int64_t total, int64_t threads, int64_t block_size) {
-    const int64_t want = (total + 8 * std::max<int64_t>(1, threads) - 1) / (8 * std::max<int64_t>(1, threads));
+    const int64_t units = 4 * std::max<int64_t>(1, threads);
+    const int64_t want = (total + units - 1) / units;
     return std::max<int64_t>(64, (want + block_size - 1) / block_size * block_size);
 }
 
