@@ -16,12 +16,10 @@ node's own dtype, which is what eager mode computes too (Inductor's fused code k
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from importlib import resources
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 log = logging.getLogger("pagedattn")
 
@@ -80,4 +78,4 @@ class RealizeSharedValues(CustomGraphPass):
             log.debug("pagedattn: %d shared elementwise values computed once a step", marked)
 
     def uuid(self) -> str:
-        return hashlib.sha256(resources.files("pagedattn.backends").joinpath("shared_values.py").read_bytes()).hexdigest()
+        return get_hash_for_files((__file__,)).hex()  # the pass is this module

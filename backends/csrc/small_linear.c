@@ -273,7 +273,7 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
             for (int o = 0; o < 16 * SLICE_BYTES; o += 64)
                 if (wst + LINEAR_PREFETCH_BYTES + o < prefetch_stop) lin_prefetch(wst + LINEAR_PREFETCH_BYTES + o, nta);
         if (next && (st - st0) % shares == share) /* a later pass: its share of the next chunk, brought in meanwhile */
-            for (int o = 0; o < 16 * SLICE_BYTES; o += 64) lin_prefetch(next + (st - st0) * 16 * SLICE_BYTES + o, 1);
+            for (int o = 0; o < 16 * SLICE_BYTES; o += 64) lin_prefetch(next + (st - st0) * 16 * SLICE_BYTES + o, nta);
         for (int sl = 0; sl < slices; sl++) {
             const char *w = wst + (size_t)sl * SLICE_BYTES;
             const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 64);
