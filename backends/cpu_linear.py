@@ -6,8 +6,9 @@ the copy rate: on llama16m bf16, 16 rows, the step's 25 linears took ~1.2 ms aga
 the copy rate. :class:`SmallLinears`, an Inductor post-grad pass for a step compiled with freezing, turns each plain
 ``mkldnn._linear_pointwise`` (no fused activation) over a frozen packed weight into ``pagedattn::linear`` over the
 same packed weight, once it has proved the weight's layout: its buffer's bytes equal the weight's own, unpacked,
-laid out as the kernel reads them (:func:`pagedattn.backends.native.to_panels`, panels of 64 columns, oneDNN's
-AVX-512 layouts) or plainly. A weight in any other layout keeps oneDNN. :func:`linear` runs calls of at most
+laid out as the kernel reads them (:func:`pagedattn.backends.native.to_panels`: panels of 64 columns, oneDNN's
+AVX-512 layouts, or for bfloat16 of 32, its AMX layout, which the kernel reads by AMX tiles where it may) or
+plainly. A weight in any other layout keeps oneDNN. :func:`linear` runs calls of at most
 :data:`SMALL_ROWS` rows with ``csrc/small_linear.c`` and larger ones with oneDNN on the same packed weight, so
 prefills are unchanged and memory holds one packed copy, as before. The pass runs before Inductor's own post-grad
 passes, so a residual add that oneDNN would have fused into the call becomes part of Inductor's next fused kernel.
@@ -48,14 +49,20 @@ def small_linears_available(dtype: torch.dtype) -> bool:
 
 
 def proven_layout(packed: Tensor) -> Optional[int]:
-    """The layout (``native.LINEAR_PANELS`` or ``LINEAR_PLAIN``) that a oneDNN-packed weight's buffer holds, proved
-    by comparing every byte with the weight's values laid out so; None for any other."""
+    """The layout (``native.LINEAR_PANELS``, ``LINEAR_PANELS32`` for bfloat16, or ``LINEAR_PLAIN``) that a
+    oneDNN-packed weight's buffer holds, proved by comparing every byte with the weight's values laid out so; None for
+    any other."""
     if not packed.is_mkldnn or packed.dim() != 2 or packed.dtype not in (torch.float32, torch.bfloat16):
         return None
     raw = native.onednn_bytes(packed)
     dense = packed.to_dense()  # a layout change: exact
-    if raw.numel() == native.linear_panel_bytes(dense) and torch.equal(raw, native.to_panels(dense).view(torch.uint8)):
-        return native.LINEAR_PANELS
+    panels = (native.LINEAR_PANELS, native.LINEAR_PANELS32) if dense.dtype == torch.bfloat16 else \
+        (native.LINEAR_PANELS,)
+    for layout in panels:
+        columns = native.PANEL_COLUMNS[layout]
+        if raw.numel() == native.linear_panel_bytes(dense, columns) and \
+                torch.equal(raw, native.to_panels(dense, columns).view(torch.uint8)):
+            return layout
     if raw.numel() == dense.numel() * dense.element_size() and torch.equal(raw, dense.contiguous().view(-1).view(
             torch.uint8)):
         return native.LINEAR_PLAIN
@@ -169,7 +176,7 @@ class SmallLinears(CustomGraphPass):
             if name not in layouts:
                 with unset_fake_temporarily():  # the real buffer, not the fake tensor mode's
                     layouts[name] = proven_layout(w)
-            if layouts[name] is None:
+            if layouts[name] not in native.linear_layouts(native.load(), w.dtype):  # None: unproved
                 continue
             _replace(graph, node, *node.args[:3], layouts[name])
             swapped += 1

@@ -275,6 +275,7 @@ def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
 FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products
 FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512)
 FEATURE_LINEAR_BF16 = 4  # and its bfloat16 one (AVX512-BF16)
+FEATURE_LINEAR_AMX = 8  # bfloat16 panels by AMX tiles, which the OS lets this process use (LINEAR_PANELS32)
 
 
 def features(lib: ctypes.CDLL) -> int:
@@ -483,29 +484,42 @@ _onednn_data_ptr = _onednn_op("data_ptr")
 
 LINEAR_PLAIN = 0  # pagedattn_linear's weight layouts: [N, K], rows contiguous
 LINEAR_PANELS = 1  # oneDNN's packed weights in panels of 64 columns (csrc/small_linear.c, linear_panels)
+LINEAR_PANELS32 = 2  # bfloat16 in panels of 32 columns, oneDNN's packing for AMX (small_linear.c, linear_amx)
+PANEL_COLUMNS = {LINEAR_PANELS: 64, LINEAR_PANELS32: 32}
+
+
+def linear_layouts(lib: ctypes.CDLL, dtype: torch.dtype) -> frozenset:
+    """The weight layouts ``lib``'s linear kernel takes for ``dtype`` on this machine (none where it has no kernel
+    for it)."""
+    if dtype not in linear_dtypes(lib):
+        return frozenset()
+    amx = dtype == torch.bfloat16 and features(lib) & FEATURE_LINEAR_AMX
+    return frozenset((LINEAR_PLAIN, LINEAR_PANELS, LINEAR_PANELS32) if amx else (LINEAR_PLAIN, LINEAR_PANELS))
 
 
 def _panel_step(dtype: torch.dtype) -> tuple[int, int]:
-    """(k per step of a panel, k per 4-byte slot): a step of 64 columns is 4 KiB, bfloat16 in pairs of k."""
+    """(k per step of a panel, k per 4-byte slot): bfloat16 in pairs of k, a step of 64 columns is 4 KiB."""
     return (32, 2) if dtype == torch.bfloat16 else (16, 1)
 
 
-def linear_panel_bytes(weight: Tensor) -> int:
-    """Bytes of ``weight [N, K]`` laid out in :data:`LINEAR_PANELS` (N and K padded with zeros)."""
+def linear_panel_bytes(weight: Tensor, columns: int = 64) -> int:
+    """Bytes of ``weight [N, K]`` laid out in panels of ``columns`` (:data:`PANEL_COLUMNS`; N and K padded with
+    zeros)."""
     n, k = weight.shape
     step, _ = _panel_step(weight.dtype)
-    return -(-n // 64) * -(-k // step) * 64 * step * weight.element_size()
+    return -(-n // columns) * -(-k // step) * columns * step * weight.element_size()
 
 
-def to_panels(weight: Tensor) -> Tensor:
-    """``weight [N, K]`` (float32 or bfloat16) in :data:`LINEAR_PANELS`, flat: the bytes the kernel reads."""
+def to_panels(weight: Tensor, columns: int = 64) -> Tensor:
+    """``weight [N, K]`` (float32 or bfloat16) in panels of ``columns`` (:data:`PANEL_COLUMNS`), flat: the bytes the
+    kernel reads."""
     n, k = weight.shape
     step, inner = _panel_step(weight.dtype)
-    np_, kp = -(-n // 64) * 64, -(-k // step) * step
+    np_, kp = -(-n // columns) * columns, -(-k // step) * step
     padded = weight.new_zeros((np_, kp))
     padded[:n, :k] = weight
-    # [panel, 64 columns, step, slices, inner] -> [panel, step, slices, 64 columns, inner]
-    return padded.reshape(np_ // 64, 64, kp // step, step // inner, inner).permute(0, 2, 3, 1, 4).reshape(-1)
+    # [panel, columns, step, slices, inner] -> [panel, step, slices, columns, inner]
+    return padded.reshape(np_ // columns, columns, kp // step, step // inner, inner).permute(0, 2, 3, 1, 4).reshape(-1)
 
 
 def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], num_threads: int,
@@ -514,7 +528,7 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     the weights once per call), or None (nothing computed) where the tensors do not suit it: then the caller computes
     it another way. It takes CPU tensors of one dtype the library has a kernel for, ``bias`` contiguous or None, and a
     ``weight`` that is contiguous (:data:`LINEAR_PLAIN`) or a oneDNN tensor whose buffer has the size of ``layout``
-    (:data:`LINEAR_PLAIN` or :data:`LINEAR_PANELS`: that it holds that layout is the caller's to prove, as
+    (one of :func:`linear_layouts`: that it holds that layout is the caller's to prove, as
     ``cpu_linear.proven_layout`` does)."""
     code = linear_dtypes(lib).get(x.dtype)
     n, k = weight.shape if weight.dim() == 2 else (0, 0)

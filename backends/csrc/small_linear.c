@@ -38,7 +38,11 @@
                                     * and 16 KiB were 0-10 % slower from DRAM, the hardware's prefetch alone ~1.6x */
 #endif
 
-int pagedattn_linear_features(void) { return (HAVE_LINEAR_F32 ? 1 : 0) | (HAVE_LINEAR_BF16 ? 2 : 0); }
+static int linear_amx_ready(void);
+/* 1 float32, 2 bfloat16, 4 bfloat16 by AMX tiles (layout 2's panels of 32 columns) */
+int pagedattn_linear_features(void) {
+    return (HAVE_LINEAR_F32 ? 1 : 0) | (HAVE_LINEAR_BF16 ? 2 : 0) | (linear_amx_ready() ? 4 : 0);
+}
 
 #if HAVE_LINEAR_F32
 #include <omp.h>
@@ -239,10 +243,14 @@ static int linear_plain(const linear_args *a) {
 #define LINEAR_CHUNK_STEPS 4 /* steps of K (4 KiB of a panel each) a chunk holds: 2 or 8 no faster */
 #endif
 
-/* a weight line asked for: non-temporal where every pass reads it from L1 (one group of rows, or K in chunks), so
- * that streaming the weights does not evict what the step reads again (its K/V, activations, the interpreter's data)
- * from L2 and L3 (llama16m decode steps at 16 requests with the chunks: bf16 2-3 %, fp32 3-7 % faster; a 64 MB model
- * 6 %; a 10 MB one, whose weights L3 could keep, no slower); otherwise into every level, for the later passes */
+/* a weight line asked for: non-temporal where every pass reads it from L1 (one group of rows, or K in chunks) and the
+ * CPU is AMD's, so that streaming the weights does not evict what the step reads again (its K/V, activations, the
+ * interpreter's data) from L2 and L3 (a 2-core EPYC, Zen 5, llama16m decode steps at 16 requests with the chunks:
+ * bf16 2-3 %, fp32 3-7 % faster; a 64 MB model 6 %; a 10 MB one, whose weights L3 could keep, no slower); otherwise
+ * into every level. On a Xeon (Sapphire Rapids class) non-temporal requests made llama16m's 25 linears 1.5-4.5x
+ * slower: its hardware prefetchers do not follow them (lin_nta_pays) */
+static inline int lin_nta_pays(void) { return __builtin_cpu_is("amd"); }
+
 static inline __attribute__((always_inline)) void lin_prefetch(const char *p, int nta) {
     if (nta)
         _mm_prefetch(p, _MM_HINT_NTA);
@@ -357,7 +365,7 @@ static int linear_panels(const linear_args *a) {
      * group and then from L1 by the others, which meanwhile bring in the next chunk */
     const int groups = (int)((a->M + MAX_MR - 1) / MAX_MR);
     const int64_t chunk = groups > 1 && a->M <= CHUNKED_ROWS ? LINEAR_CHUNK_STEPS : steps;
-    const int nta = groups == 1 || chunk < steps;  /* every pass reads its lines from L1 */
+    const int nta = (groups == 1 || chunk < steps) && lin_nta_pays();  /* every pass reads its lines from L1 */
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -393,21 +401,177 @@ static int linear_panels(const linear_args *a) {
     return 0;
 }
 
+/* bfloat16 panels by AMX tile dot products, where the CPU and the OS allow them (linear_amx_ready): layout 1's panels
+ * of 64 columns and layout 2's of 32 (AB16b32a2b, oneDNN's packing for its AMX GEMMs: a slice is one pair of k for 32
+ * columns, 128 bytes). Both are B tiles as they lie: 16 slices (a step of 32 k) of 64 bytes (16 columns) at the
+ * slice's stride. A tile is 16 rows of x over a step; each 16 x 16 block of sums is one C tile, so a row's sums never
+ * meet another row's. Two row groups and 32 columns at a time (4 C, 2 A, 2 B tiles): a tile product of a step costs
+ * ~16 cycles, a few times less than reading its 1 KiB of weights from L2, so the call is bound by reading them once.
+ * Rows of x that a tile would read past its end (a last group of fewer than 16 rows, K not a whole number of steps)
+ * are read from a zero-padded copy. Each product sums in float32 as vdpbf16ps does (bfloat16 inputs below 1.2e-38
+ * count as zero), and a row's sums take the same order whatever the call's other rows. */
+#if HAVE_LINEAR_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_LINEAR_AMX 1
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_STAGE_MAX_BYTES (4 << 20) /* zero-padded copies of x beyond this: the call takes another kernel */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Linux lets a process use AMX's tile data only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * the grant is the process's for good, so the answer is kept */
+static int linear_amx_ready(void) {
+    static int ready = -1; /* -1 not asked yet; the same answer whichever thread asks first */
+    if (ready < 0) {
+        int ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
+        if (ok) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        __atomic_store_n(&ready, ok, __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&ready, __ATOMIC_RELAXED);
+}
+
+/* a C tile's 16 x 16 sums (+ bias) into out's rows m0.. (rows of them valid) and columns n.. (up to N) */
+static inline void amx_store(const linear_args *a, const float *c, int64_t m0, int rows, int64_t n) {
+    if (n >= a->N) return;
+    const __mmask16 mk = a->N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (a->N - n)) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (a->bias)
+        b = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const lin_bf16_t *)a->bias + n)), 16));
+    for (int r = 0; r < rows; r++)
+        _mm256_mask_storeu_epi16((lin_bf16_t *)a->out + (m0 + r) * a->o_row + n, mk,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b)));
+}
+
+static int linear_amx(const linear_args *a, const int cols) {
+    const int64_t K = a->K, M = a->M, steps = (K + 31) / 32, kp = steps * 32;
+    const int64_t panels = (a->N + cols - 1) / cols;
+    const size_t slice = (size_t)cols * 4, step_bytes = 16 * slice, panel_bytes = (size_t)steps * step_bytes;
+    const int64_t groups = (M + 15) / 16;
+    /* each group of 16 rows: where its A tiles start and the bytes between its rows */
+    const int whole_k = K % 32 == 0;
+    const int64_t staged = whole_k ? (M % 16 ? 1 : 0) : groups; /* the last group, or every group */
+    if (staged * 16 * kp * 2 > AMX_STAGE_MAX_BYTES) return 1;
+    lin_bf16_t *stage = NULL;
+    if (staged) {
+        stage = (lin_bf16_t *)aligned_alloc(64, (size_t)staged * 16 * kp * 2);
+        if (!stage) return 1;
+        memset(stage, 0, (size_t)staged * 16 * kp * 2);
+        for (int64_t g = groups - staged; g < groups; g++)
+            for (int64_t r = 0; r < 16 && g * 16 + r < M; r++)
+                memcpy(stage + ((g - (groups - staged)) * 16 + r) * kp,
+                       (const lin_bf16_t *)a->x + (g * 16 + r) * a->x_row, (size_t)K * 2);
+    }
+    int threads = a->num_threads > 0 ? a->num_threads : 1;
+    if (threads > panels) threads = panels > 0 ? (int)panels : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        amx_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+        const char *stop = (const char *)a->w + (size_t)p1 * panel_bytes;
+        float c[4][256] __attribute__((aligned(64)));
+        for (int64_t p = p0; p < p1; p++) {
+            const char *panel = (const char *)a->w + (size_t)p * panel_bytes;
+            for (int cb = 0; cb < cols / 32; cb++) {
+                const int64_t n0 = p * cols + cb * 32;
+                if (n0 >= a->N) break;
+                for (int64_t g = 0; g < groups; g += 2) {
+                    const int two = g + 1 < groups;
+                    const char *xa[2];
+                    size_t xs[2];
+                    for (int i = 0; i < 1 + two; i++) {
+                        const int64_t gi = g + i;
+                        if (gi >= groups - staged) {
+                            xa[i] = (const char *)(stage + (gi - (groups - staged)) * 16 * kp), xs[i] = (size_t)kp * 2;
+                        } else {
+                            xa[i] = (const char *)a->x + (size_t)gi * 16 * a->x_row * 2, xs[i] = (size_t)a->x_row * 2;
+                        }
+                    }
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    const int first = cb == 0 && g == 0; /* the first pass over the panel brings it in */
+                    for (int64_t st = 0; st < steps; st++) {
+                        const char *wst = panel + (size_t)st * step_bytes;
+                        if (first)
+                            for (size_t o = 0; o < step_bytes; o += 64)
+                                if (wst + LINEAR_PREFETCH_BYTES + o < stop) _mm_prefetch(wst + LINEAR_PREFETCH_BYTES + o, _MM_HINT_T0);
+                        const char *wb = wst + cb * 128;
+                        _tile_loadd(6, wb, slice);
+                        _tile_loadd(7, wb + 64, slice);
+                        _tile_loadd(4, xa[0] + st * 64, xs[0]);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (two) {
+                            _tile_loadd(5, xa[1] + st * 64, xs[1]);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    if (two) {
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    for (int i = 0; i < 1 + two; i++) {
+                        const int64_t m0 = (g + i) * 16;
+                        const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+                        amx_store(a, c[2 * i], m0, rows, n0);
+                        amx_store(a, c[2 * i + 1], m0, rows, n0 + 16);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(stage);
+    return 0;
+}
+#else
+#define HAVE_LINEAR_AMX 0
+static int linear_amx_ready(void) { return 0; }
+static int linear_amx(const linear_args *a, const int cols) {
+    (void)a, (void)cols;
+    return 1;
+}
+#endif
+
 /* 0 done; 1 a dtype, layout or size this build does not take, 2 a weight buffer of another size than the layout's
  * (nothing written) */
 int pagedattn_linear(const linear_args *a) {
     if (a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30)) return 1;
     if (a->dtype == 1 ? !HAVE_LINEAR_BF16 : a->dtype != 0) return 1;
     const int64_t esz = a->dtype == 1 ? 2 : 4, step_k = a->dtype == 1 ? 32 : 16;
+    const int64_t steps = (a->K + step_k - 1) / step_k;
     if (a->layout == 0) return a->N * a->K * esz != a->w_bytes ? 2 : linear_plain(a);
-    if (a->layout == 1)
-        return (a->N + PANEL_COLS - 1) / PANEL_COLS * ((a->K + step_k - 1) / step_k) * 16 * SLICE_BYTES != a->w_bytes
-                   ? 2
-                   : linear_panels(a);
+    if (a->layout == 1) {
+        if ((a->N + PANEL_COLS - 1) / PANEL_COLS * steps * 16 * SLICE_BYTES != a->w_bytes) return 2;
+        if (a->dtype == 1 && linear_amx_ready() && linear_amx(a, PANEL_COLS) == 0) return 0;
+        return linear_panels(a);
+    }
+    if (a->layout == 2) { /* bfloat16 panels of 32 columns: AMX only */
+        if (a->dtype != 1 || !linear_amx_ready()) return 1;
+        if ((a->N + 31) / 32 * steps * 16 * 128 != a->w_bytes) return 2;
+        return linear_amx(a, 32);
+    }
     return 1;
 }
 
 #else
+static int linear_amx_ready(void) { return 0; }
 int pagedattn_linear(const linear_args *a) {
     (void)a;
     return 1;

@@ -45,6 +45,28 @@ def _packed(w: torch.Tensor, rows: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.clone(), rows)
 
 
+_PANELS = (native.LINEAR_PANELS, native.LINEAR_PANELS32)
+
+
+def _packed_as(w: torch.Tensor, layout: int):
+    """``w`` packed by oneDNN so that its buffer holds ``layout``, trying the row counts it packs differently for
+    (a CPU with AMX packs bfloat16 for AMX at most of them); None where none does here."""
+    for rows in (16, 1, None, 128):
+        packed = _packed(w, rows)
+        if cpu_linear.proven_layout(packed) == layout:
+            return packed
+    return None
+
+
+def _panel_layouts(dtype) -> list:
+    """The panel layouts the kernel takes for ``dtype`` here and oneDNN packs into: each test runs on every one."""
+    lib = _lib_for(dtype)
+    w = torch.randn(70, 40).to(dtype)
+    found = [p for p in _PANELS if p in native.linear_layouts(lib, dtype) and _packed_as(w, p) is not None]
+    assert found, f"no panel layout of {dtype} here"  # the fast path must not be lost silently
+    return found
+
+
 def _reference(x, w, b, dtype):
     out = x.double() @ w.double().t()
     return (out if b is None else out + b.double()).to(dtype)
@@ -68,6 +90,10 @@ def test_features_follow_the_cpus_instruction_sets():
     f, flags = native.features(native.load()), _flags()
     assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags)
     assert bool(f & native.FEATURE_LINEAR_BF16) == ({"avx512_bf16", "avx512bw"} <= flags)
+    assert bool(f & native.FEATURE_LINEAR_AMX) == ({"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= flags)
+    amx = native.LINEAR_PANELS32 in native.linear_layouts(native.load(), torch.bfloat16)
+    assert amx == bool(f & native.FEATURE_LINEAR_AMX)
+    assert native.LINEAR_PANELS32 not in native.linear_layouts(native.load(), torch.float32)  # AMX: bfloat16 only
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -88,74 +114,81 @@ def test_both_layouts_match_float64(dtype, rows, k, n, bias, threads, seed):
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     _assert_close(native.linear(lib, x, w, b, threads, native.LINEAR_PLAIN), x, w, b)
-    packed = _packed(w)
-    if cpu_linear.proven_layout(packed) == native.LINEAR_PANELS:
-        _assert_close(native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS), x, w, b)
+    for layout in _panel_layouts(dtype):
+        packed = _packed_as(w, layout)
+        if packed is not None:  # oneDNN may pack a small weight plainly
+            _assert_close(native.linear(lib, x, packed, b, threads, layout), x, w, b)
 
 
 def test_a_decode_batch_takes_k_in_chunks_with_each_rows_sums_unchanged():
-    # 7-24 rows (a decode step's batch) run K in chunks, each row group's sums kept between chunks: every row's result
-    # is the one it gets alone (one group, no chunks), bit for bit, across chunk, step and panel boundaries
+    # 7-24 rows (a decode step's batch) run K in chunks, each row group's sums kept between chunks (AVX-512), or in
+    # tiles of 16 rows, the last one read from a padded copy (AMX): every row's result is the one it gets alone, bit
+    # for bit, across chunk, step, tile and panel boundaries
     for dtype in (torch.float32, torch.bfloat16):
         lib = _lib_for(dtype)
-        for rows, k, n in ((7, 1025, 130), (16, 384, 1000), (24, 200, 65), (13, 33, 64)):
-            x = torch.randn(rows, k).to(dtype)
-            w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
-            packed = _packed(w)
-            assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS
-            for threads in (1, 2):
-                out = native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS)
-                alone = torch.cat([native.linear(lib, x[i:i + 1], packed, b, threads, native.LINEAR_PANELS)
-                                   for i in range(rows)])
-                assert torch.equal(out, alone), (dtype, rows, k, n, threads)
-                _assert_close(out, x, w, b)
+        for layout in _panel_layouts(dtype):
+            for rows, k, n in ((7, 1025, 130), (16, 384, 1000), (24, 200, 65), (13, 33, 64), (40, 64, 96)):
+                x = torch.randn(rows, k).to(dtype)
+                w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+                packed = _packed_as(w, layout)
+                assert packed is not None
+                for threads in (1, 2):
+                    out = native.linear(lib, x, packed, b, threads, layout)
+                    alone = torch.cat([native.linear(lib, x[i:i + 1], packed, b, threads, layout)
+                                       for i in range(rows)])
+                    assert torch.equal(out, alone), (dtype, layout, rows, k, n, threads)
+                    _assert_close(out, x, w, b)
 
 
 def test_panels_read_no_value_of_x_past_k():
     # the padding of K holds zero weights; x past K is never read (a NaN there would make 0 * NaN = NaN)
     for dtype in (torch.float32, torch.bfloat16):
         lib = _lib_for(dtype)
-        wide = torch.full((4, 48), float("nan"), dtype=dtype)
-        wide[:, :33] = torch.randn(4, 33).to(dtype)
-        x = wide[:, :33]  # rows of 33 values inside rows of 48: the rest is NaN
-        w = torch.randn(70, 33).to(dtype)
-        packed = _packed(w)
-        assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS
-        _assert_close(native.linear(lib, x, packed, None, 2, native.LINEAR_PANELS), x.contiguous(), w, None)
+        for layout in _panel_layouts(dtype):
+            for rows in (4, 16, 17):
+                wide = torch.full((rows, 48), float("nan"), dtype=dtype)
+                wide[:, :33] = torch.randn(rows, 33).to(dtype)
+                x = wide[:, :33]  # rows of 33 values inside rows of 48: the rest is NaN
+                w = torch.randn(70, 33).to(dtype)
+                packed = _packed_as(w, layout)
+                _assert_close(native.linear(lib, x, packed, None, 2, layout), x.contiguous(), w, None)
 
 
 def test_rows_of_x_may_be_strided_and_batched():
     lib = _lib_for(torch.bfloat16)
-    w = torch.randn(64, 40).bfloat16()
-    x = torch.randn(3, 5, 80).bfloat16()[..., ::2]  # rows not contiguous
-    out = native.linear(lib, x, _packed(w), None, 2, native.LINEAR_PANELS)
-    _assert_close(out.reshape(15, 64), x.reshape(15, 40), w, None)
-    x = torch.randn(3, 5, 80).bfloat16()[..., :40]  # contiguous elements, strided rows
-    out = native.linear(lib, x, _packed(w), None, 2, native.LINEAR_PANELS)
-    assert out.shape == (3, 5, 64)
-    _assert_close(out.reshape(15, 64), x.reshape(15, 40), w, None)
+    for layout in _panel_layouts(torch.bfloat16):
+        for k in (40, 64):  # a padded last step; whole steps, read in place
+            w = torch.randn(64, k).bfloat16()
+            packed = _packed_as(w, layout)
+            x = torch.randn(3, 6, 2 * k).bfloat16()[..., ::2]  # rows not contiguous
+            out = native.linear(lib, x, packed, None, 2, layout)
+            _assert_close(out.reshape(18, 64), x.reshape(18, k), w, None)
+            x = torch.randn(3, 6, 2 * k).bfloat16()[..., :k]  # contiguous elements, strided rows
+            out = native.linear(lib, x, packed, None, 2, layout)
+            assert out.shape == (3, 6, 64)
+            _assert_close(out.reshape(18, 64), x.reshape(18, k), w, None)
 
 
 _TO_PANELS = native.to_panels
 
 
-def _wrong_panels(weight):
+def _wrong_panels(weight, columns=64):
     """A wrong guess at the panels: columns and slices swapped within each step."""
-    flat = _TO_PANELS(weight)
-    n = flat.numel() // (16 * 64) if weight.dtype == torch.float32 else flat.numel() // (16 * 64 * 2)
+    flat = _TO_PANELS(weight, columns)
     inner = 1 if weight.dtype == torch.float32 else 2
-    return flat.view(n, 16, 64, inner).transpose(1, 2).reshape(-1)
+    return flat.view(-1, 16, columns, inner).transpose(1, 2).reshape(-1)
 
 
 def test_a_packed_weight_proves_its_layout_and_a_wrong_guess_does_not(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.randn(130, 70).to(dtype)
-        packed = _packed(w)
-        assert cpu_linear.proven_layout(packed) == native.LINEAR_PANELS  # oneDNN's AVX-512 layouts at 16 rows
+        for layout in _panel_layouts(dtype):
+            packed = _packed_as(w, layout)
+            assert cpu_linear.proven_layout(packed) == layout
+            with monkeypatch.context() as m:  # counter-example: the bytes do not read as the guessed layout
+                m.setattr(native, "to_panels", _wrong_panels)
+                assert cpu_linear.proven_layout(packed) is None
         assert cpu_linear.proven_layout(w) is None  # not a oneDNN tensor
-        with monkeypatch.context() as m:  # counter-example: the bytes do not read as the guessed layout
-            m.setattr(native, "to_panels", _wrong_panels)
-            assert cpu_linear.proven_layout(packed) is None
 
 
 def test_to_panels_places_each_weight_where_the_kernel_reads_it():
@@ -168,24 +201,38 @@ def test_to_panels_places_each_weight_where_the_kernel_reads_it():
     b = torch.randn(70, 40).bfloat16()
     pairs = native.to_panels(b).view(2, 2, 16, 64, 2)  # K to 64 in steps of 32 (pairs)
     assert pairs[0, 1, 0, 5, 1] == b[5, 33] and pairs[0, 1, 0, 5, 0] == b[5, 32]
+    narrow = native.to_panels(b, 32)  # oneDNN's AMX layout: panels of 32 columns, N to 96
+    assert narrow.numel() * 2 == native.linear_panel_bytes(b, 32) == 3 * 32 * 64 * 2
+    pairs = narrow.view(3, 2, 16, 32, 2)
+    assert pairs[2, 1, 3, 5, 1] == b[69, 39] and pairs[1, 0, 0, 31, 0] == b[63, 0]
+    assert pairs[2, :, :, 6:].eq(0).all() and pairs[:, 1, 4:].eq(0).all()  # past N and past K: zero
 
 
 def test_the_kernel_refuses_what_it_cannot_read():
     # None, nothing computed: the op then takes oneDNN
     lib = _lib_for(torch.bfloat16)
     w = torch.randn(64, 32).bfloat16()
-    packed, x = _packed(w), torch.randn(4, 32).bfloat16()
-    P, L = native.LINEAR_PANELS, native.LINEAR_PLAIN
-    assert native.linear(lib, x, packed, None, 2, P) is not None
-    assert native.linear(lib, x.float(), packed, None, 2, P) is None  # dtypes differ
-    assert native.linear(lib, x[:, :16], packed, None, 2, P) is None  # K differs
-    assert native.linear(lib, x, w, None, 2, P) is None  # a plain tensor read as panels
-    odd = _packed(torch.randn(13, 32).bfloat16())  # padded to 64 columns: its buffer is not 13 plain rows
-    assert native.linear(lib, x, odd, None, 2, P) is not None
-    assert native.linear(lib, x, odd, None, 2, L) is None
+    x = torch.randn(4, 32).bfloat16()
+    L = native.LINEAR_PLAIN
+    for P in _panel_layouts(torch.bfloat16):
+        packed = _packed_as(w, P)
+        assert native.linear(lib, x, packed, None, 2, P) is not None
+        assert native.linear(lib, x.float(), packed, None, 2, P) is None  # dtypes differ
+        assert native.linear(lib, x[:, :16], packed, None, 2, P) is None  # K differs
+        assert native.linear(lib, x, w, None, 2, P) is None  # a plain tensor read as panels
+        odd = _packed_as(torch.randn(13, 32).bfloat16(), P)  # padded to whole panels: not 13 plain rows
+        assert native.linear(lib, x, odd, None, 2, P) is not None
+        assert native.linear(lib, x, odd, None, 2, L) is None
+        assert native.linear(lib, x, packed, torch.zeros(63).bfloat16(), 2, P) is None  # bias of another length
+    packed = _packed_as(w, native.LINEAR_PANELS)
+    if packed is not None and native.LINEAR_PANELS32 in native.linear_layouts(lib, torch.bfloat16):
+        narrow = _packed_as(torch.randn(13, 32).bfloat16(), native.LINEAR_PANELS)
+        assert native.linear(lib, x, narrow, None, 2, native.LINEAR_PANELS32) is None  # 64 columns' size, not 32's
+    wf = torch.randn(64, 32)
+    for rows in (16, 1, None):  # no float32 AMX kernel: layout 2 refused whatever the buffer
+        assert native.linear(lib, x.float(), _packed(wf, rows), None, 2, native.LINEAR_PANELS32) is None
     assert native.linear(lib, x, w.t().contiguous().t(), None, 2, L) is None  # not contiguous
-    assert native.linear(lib, x, packed, torch.zeros(63).bfloat16(), 2, P) is None  # bias of another length
-    assert native.linear(lib, x, packed, None, 2, 7) is None  # no such layout
+    assert native.linear(lib, x, _packed(w), None, 2, 7) is None  # no such layout
     assert native.linear(lib, x.half(), w.half(), None, 2, L) is None  # no float16 kernel
     assert native.linear(lib, torch.tensor(1.0).bfloat16(), w, None, 2, L) is None  # x without a K dimension
 
@@ -249,10 +296,18 @@ def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
     assert [n.target for n in fused.graph.nodes if n.op == "call_function"] == [
         torch.ops.mkldnn._linear_pointwise.default]
     other = _graph(_packed(torch.randn(96, 64)))
-    monkeypatch.setattr(native, "to_panels", _wrong_panels)
-    cpu_linear.SmallLinears()(other.graph)
+    with monkeypatch.context() as m:
+        m.setattr(native, "to_panels", _wrong_panels)
+        cpu_linear.SmallLinears()(other.graph)
     assert [n.target for n in other.graph.nodes if n.op == "call_function"] == [
         torch.ops.mkldnn._linear_pointwise.default]
+    # a proven layout this machine's kernel does not read (AMX's panels without AMX) keeps oneDNN
+    for layout in _panel_layouts(torch.bfloat16):
+        gm = _graph(_packed_as(torch.randn(96, 64).bfloat16(), layout))
+        monkeypatch.setattr(native, "linear_layouts", lambda lib, dtype, gone=layout: frozenset({0, 1, 2}) - {gone})
+        cpu_linear.SmallLinears()(gm.graph)
+        assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [
+            torch.ops.mkldnn._linear_pointwise.default]
 
 
 def _mkl_graph(original: torch.Tensor, rows: int):
