@@ -50,7 +50,8 @@ log = logging.getLogger("pagedattn")
 __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
            "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
-           "FEATURE_LINEAR_BF16", "linear", "linear_dtypes", "LINEAR_PLAIN", "LINEAR_PANELS", "to_panels",
+           "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
+           "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
            "linear_panel_bytes", "onednn_bytes", "build_shared"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -238,8 +239,8 @@ def load() -> Optional[ctypes.CDLL]:
 
 def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     """The kernel's library built with the C macros ``defines`` (``PAGEDATTN_NO_DPBF16``: bfloat16 scores by
-    widening, as on CPUs without AVX512-BF16, for tests) and cached like :func:`load`'s; None where it cannot run
-    here."""
+    widening, as on CPUs without AVX512-BF16; ``PAGEDATTN_PREFILL_PAIRS``: prefill scores by pair dot products on any
+    CPU that has them; both for tests) and cached like :func:`load`'s; None where it cannot run here."""
     missing = missing_prerequisite()
     if missing:
         log.debug("pagedattn: native decode kernel off: %s", missing)
@@ -276,6 +277,7 @@ FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products
 FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512)
 FEATURE_LINEAR_BF16 = 4  # and its bfloat16 one (AVX512-BF16)
 FEATURE_LINEAR_AMX = 8  # bfloat16 panels by AMX tiles, which the OS lets this process use (LINEAR_PANELS32)
+FEATURE_PREFILL_DPBF16 = 16  # bfloat16 prefill scores by pair dot products: on CPUs where they pay (AMD's)
 
 
 def features(lib: ctypes.CDLL) -> int:

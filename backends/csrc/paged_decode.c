@@ -559,8 +559,10 @@ static inline void store_dt(int DT, void *dst, int64_t i, float x) {
     else ((_Float16 *)dst)[i] = (_Float16)x;
 }
 
-/* what this build has: 1 for bfloat16 scores by AVX512-BF16 pair dot products (native.py's FEATURE_*) */
-int pagedattn_features(void) { return HAVE_DPBF16 ? 1 : 0; }
+/* what this build has: 1 for bfloat16 decode scores by AVX512-BF16 pair dot products, 16 for prefill scores by them
+ * on this CPU (native.py's FEATURE_*) */
+static inline int prefill_pairs_pay(void);
+int pagedattn_features(void) { return (HAVE_DPBF16 ? 1 : 0) | (prefill_pairs_pay() ? 16 : 0); }
 
 /* 0 when every index the call reads is in bounds, else what is wrong: the kernel never reads outside its tensors */
 static int check(const decode_args *a, const int64_t *parts_start) {
@@ -773,9 +775,8 @@ static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_
  * rows past the queries, the block or the group are padding (zero queries, nothing written) */
 static inline __attribute__((always_inline)) void prefill_unit(const prefill_args *a, float *buf, const float *kt,
                                                                int64_t item, int kvh, int g0, int hb, int64_t qb,
-                                                               const int D, const int DT) {
+                                                               const int D, const int DT, const int DP) {
     const int NV = D / VL;
-    const int DP = HAVE_DPBF16 && DT == 1;  /* bfloat16 scores by pair dot products (prefill_transpose's pairs) */
     const int64_t *it = a->items + 6 * item;
     const int64_t nq = it[1];
     const int G = a->num_heads / a->num_kv_heads, QB = PM / hb;
@@ -913,11 +914,11 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
  * where the pair dot products are built as tiles [D / 2][16] of pairs of bfloat16 (the first half of a tile's room) */
 static inline __attribute__((always_inline)) void prefill_transpose(const prefill_args *a, float *kt, int64_t item,
                                                                     int kvh, int64_t tile, const int D,
-                                                                    const int DT) {
+                                                                    const int DT, const int DP) {
     const int64_t *it = a->items + 6 * item;
     const int64_t esz = DT == 0 ? 4 : 2;
     float *dst = kt + tile * (int64_t)D * VL;
-    if (HAVE_DPBF16 && DT == 1) {
+    if (DP) {
         uint32_t *pairs = (uint32_t *)dst;
         for (int t = 0; t < VL; t++) {
             const int64_t j = tile * VL + t;
@@ -943,11 +944,26 @@ static inline __attribute__((always_inline)) void prefill_transpose(const prefil
     }
 }
 
+/* bfloat16 prefill scores by pair dot products (DP) or widened to float32 FMAs: pairs where they pay, AMD's CPUs
+ * (a 2-core EPYC, Zen 5: the kernel ~2x faster); on a Sapphire Rapids class Xeon, whose pair dot products issue at
+ * half the rate of its FMAs, widening was 25-35 % faster (4 x 250 and 1 x 1024 tokens). PAGEDATTN_PREFILL_PAIRS takes
+ * pairs on any CPU that has them (tests) */
+static inline int prefill_pairs_pay(void) {
+#if HAVE_DPBF16 && defined(PAGEDATTN_PREFILL_PAIRS)
+    return 1;
+#elif HAVE_DPBF16
+    return __builtin_cpu_is("amd");
+#else
+    return 0;
+#endif
+}
+
 #define PREFILL_DTYPES(F, D, ...)                                                                              \
     do {                                                                                                       \
-        if (a->dtype == 0) F(__VA_ARGS__, D, 0);                                                               \
-        else if (a->dtype == 1) F(__VA_ARGS__, D, 1);                                                          \
-        else F(__VA_ARGS__, D, 2);                                                                             \
+        if (a->dtype == 0) F(__VA_ARGS__, D, 0, 0);                                                            \
+        else if (a->dtype == 1 && pairs) F(__VA_ARGS__, D, 1, HAVE_DPBF16);                                    \
+        else if (a->dtype == 1) F(__VA_ARGS__, D, 1, 0);                                                       \
+        else F(__VA_ARGS__, D, 2, 0);                                                                          \
     } while (0)
 
 #define PREFILL_SIZES(F, ...)                                                                                  \
@@ -979,6 +995,7 @@ int pagedattn_prefill(const prefill_args *a) {
     if (bad) return bad;
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, D = a->head_size;
     const int hb = G < PM ? G : PM, QB = PM / hb, hblocks = (G + hb - 1) / hb;
+    const int pairs = prefill_pairs_pay(); /* one choice for the call: the scratch holds its key tiles' layout */
     const int64_t n = a->num_items;
     /* per item: its first tile in the scratch (tiles of every KV head) and its first unit */
     int64_t *tiles = malloc(sizeof(int64_t) * 2 * (n + 1));

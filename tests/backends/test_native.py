@@ -57,6 +57,13 @@ def _widening_build():
     return native.build_library(("PAGEDATTN_NO_DPBF16",))
 
 
+@functools.lru_cache(maxsize=1)
+def _pairs_build():
+    """The library with bfloat16 prefill scores by pair dot products wherever the CPU has them (the default only
+    where they pay): the tests of that path run on every CPU with AVX512-BF16."""
+    return native.build_library(("PAGEDATTN_PREFILL_PAIRS",))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(1, 300), min_size=1, max_size=6),
@@ -92,6 +99,14 @@ def test_bfloat16_scores_take_the_cpus_pair_dot_products_where_it_has_them():
     has = bool(native.features(native.load()) & native.FEATURE_DPBF16)
     assert has == _cpu_has_avx512_bf16()
     assert not native.features(_widening_build()) & native.FEATURE_DPBF16
+    # prefills take them where they pay (AMD's CPUs); a build may ask for them anywhere (the tests of that path)
+    try:
+        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amd = False
+    assert bool(native.features(native.load()) & native.FEATURE_PREFILL_DPBF16) == (has and amd)
+    assert bool(native.features(_pairs_build()) & native.FEATURE_PREFILL_DPBF16) == has
+    assert not native.features(_widening_build()) & native.FEATURE_PREFILL_DPBF16
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -328,7 +343,7 @@ def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, th
     out = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
     assert native.prefill_usable(query, key, value, hkv)
-    lib = _widening_build() if widening else native.load()
+    lib = _widening_build() if widening else _pairs_build()
     native.prefill(lib, out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=window,
                    num_threads=threads)
     for q0, q, c, k0, n, _ in items:
@@ -383,8 +398,8 @@ def test_bfloat16_prefill_scores_agree_across_builds_to_an_ulp():
     # the widening build compute the same float32 sums in another order, so after rounding their outputs may differ
     # only where a value lies next to a rounding boundary, by one unit in the last place (or, for values that are
     # nearly zero after cancelling, by float32's error in the sums: 1e-4 at most here)
-    dp = native.load()
-    if not native.features(dp) & native.FEATURE_DPBF16:
+    dp = _pairs_build()
+    if not native.features(dp) & native.FEATURE_PREFILL_DPBF16:
         pytest.skip("the CPU has no AVX512-BF16: both builds widen")
     g = torch.Generator().manual_seed(3)
     hkv, group, d = 2, 3, 64
