@@ -164,6 +164,11 @@ class AttentionBackend:
         to a bounded set of shapes. None: steps run at their own size."""
         return None
 
+    def warm_step_sizes(self, max_num_tokens: int, dtype: torch.dtype) -> tuple[int, ...]:
+        """Step sizes (tokens) a compiled step should run once at start-up: sizes whose first step builds what later
+        steps of that size reuse, so that the first serving steps of each do not pay for it. Empty: none."""
+        return ()
+
     def sync(self) -> None:
         """End of a serving step; lazy-tensor devices run the step's graph here."""
 

@@ -44,7 +44,8 @@ from pagedattn.tracing import without_hf_cache
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["ServableModel", "prepare_model", "accepted_inputs", "example_inputs", "is_compiled"]
+__all__ = ["ServableModel", "prepare_model", "accepted_inputs", "example_inputs", "is_compiled", "warm_steps",
+           "step_is_compiled"]
 
 # an item of a row step: (request id, first position, tokens, block table)
 RowItem = tuple[int, int, Sequence[int], Sequence[int]]
@@ -361,6 +362,34 @@ def first_step(servable: ServableModel) -> torch.Tensor:
     alone = build_metadata([(1, 1, decode)], bs, device=servable.device)
     servable.run_packed(caches, alone, [18 % vocab], [1], [0], cross=cross_alone)
     return out
+
+
+def warm_steps(servable: ServableModel, sizes: Sequence[int], progress: bool = False, chunk: int = 32) -> None:
+    """Run one packed step of each size in ``sizes`` (tokens, ``AttentionBackend.warm_step_sizes``) on caches of its
+    own, so that what a compiled step builds on first meeting a size is built at start-up rather than in the first
+    serving steps of that size. A step is prompts of at most ``chunk`` tokens (positions a model with few of them
+    has). Steps with recurrent state, an encoder or per-request values are not warmed."""
+    if not sizes or servable.state is not None or servable.seq2seq is not None or servable.values is not None:
+        return
+    bs, vocab = servable.block_size, servable.vocab_size or 2
+    per = -(-chunk // bs)  # blocks a prompt holds
+    caches = servable.allocate_kv_caches(-(-max(sizes) // chunk) * per)
+    with _Stages(progress).stage(f"building oneDNN's GEMMs for {len(sizes)} step sizes"):
+        for size in sizes:
+            prompts, ids, pos, rows = [], [], [], []
+            for i, start in enumerate(range(0, size, chunk)):
+                n = min(chunk, size - start)
+                prompts.append((0, n, list(range(i * per, (i + 1) * per))))
+                ids += [(start + t) % vocab for t in range(n)]
+                pos += range(n)
+                rows.append(len(ids) - 1)
+            servable.run_packed(caches, build_metadata(prompts, bs, device=servable.device), ids, pos, rows)
+
+
+def step_is_compiled(servable: ServableModel) -> bool:
+    """Whether the servable's step is compiled (``compile=True`` or a ``torch.compile``'d model)."""
+    step = servable.step
+    return is_compiled(getattr(step, "graph_module", step))
 
 
 class _Stages:

@@ -152,6 +152,7 @@ class PagedEngine:
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode,
                                    max_chunk=1 if sv.token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
+        self._warm(max_num_tokens, progress)
         self.decode_graphs = self._decode_graphs(cuda_graphs, max_num_seqs)
         self._length_limit = self._limit_from_report()  # the report does not change: read it once
         self._ids = itertools.count()
@@ -166,6 +167,13 @@ class PagedEngine:
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0}
+
+    def _warm(self, max_num_tokens: int, progress: bool) -> None:
+        """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
+        from pagedattn.adapter import step_is_compiled, warm_steps
+
+        if self._pad is None and step_is_compiled(self.servable):
+            warm_steps(self.servable, self.backend.warm_step_sizes(max_num_tokens, self.cache_dtype), progress)
 
     def _decode_graphs(self, wanted: Optional[bool], max_num_seqs: int) -> Optional[DecodeGraphs]:
         """The decode steps' CUDA graphs (``runtime.cuda_graphs``): by default on CUDA for packed decoder-only

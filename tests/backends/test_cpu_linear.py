@@ -339,3 +339,29 @@ def test_the_pass_swaps_mkls_linears_at_few_static_rows_over_their_plain_weight(
     many = _mkl_graph(w, rows=cpu_linear.SMALL_ROWS[torch.float32] + 1)
     cpu_linear.SmallLinears()(many.graph)
     assert [n.target for n in many.graph.nodes if n.op == "call_function"] == [torch.ops.mkl._mkl_linear]
+
+
+def test_onednn_rows_are_few_sizes_an_octave_never_fewer_and_at_most_an_eighth_more():
+    assert [cpu_linear.onednn_rows(m) for m in (0, 1, 64)] == [0, 1, 64]
+    sizes = {cpu_linear.onednn_rows(m) for m in range(257, 513)}
+    assert len(sizes) == 8 and max(sizes) == 512
+    for m in range(65, 5000):
+        p = cpu_linear.onednn_rows(m)
+        assert m <= p <= m * 9 / 8 and cpu_linear.onednn_rows(p) == p
+
+
+def test_many_reduced_precision_rows_go_to_onednn_padded_and_come_back_unpadded(monkeypatch):
+    # oneDNN builds a GEMM for every new number of rows: bfloat16 calls reach it in a few sizes, float32 ones as they are
+    real, seen = torch.ops.mkldnn._linear_pointwise, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(tuple(x.shape)) or real(x, *a))
+    for dtype in (torch.bfloat16, torch.float32):
+        w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
+        packed = _packed(w)
+        for shape in ((1000, 64), (1, 200, 64)):
+            seen.clear()
+            x = torch.randn(*shape).to(dtype)
+            out = cpu_linear.linear(x, packed, b, native.LINEAR_PANELS)
+            rows = x.numel() // 64
+            assert seen == [(1024 if rows == 1000 else 208, 64)] if dtype == torch.bfloat16 else [shape]
+            assert out.shape == (*shape[:-1], 96) and out.is_contiguous()
+            _assert_close(out.reshape(rows, 96), x.reshape(rows, 64), w, b)

@@ -271,3 +271,58 @@ def test_a_step_runs_in_inference_mode_and_returns_logits_callers_may_update(com
     before = graph_count()
     engine.generate(prompts()[:2], max_new_tokens=3)
     assert graph_count() == before  # start-up compiled the step in the mode it runs in: no recompile
+
+
+def test_the_cpu_backend_warms_onednns_sizes_for_reduced_precision_steps_only():
+    from pagedattn.backends import get_backend
+    from pagedattn.backends.cpu_linear import onednn_rows
+
+    backend = get_backend("cpu")
+    sizes = backend.warm_step_sizes(1024, torch.bfloat16)
+    if not torch.backends.mkldnn.is_available():
+        assert sizes == ()
+        return
+    assert sizes == tuple(sorted({onednn_rows(m) for m in range(65, 1025)})) and len(sizes) == 32
+    assert sizes[0] == 72 and sizes[-1] == 1024
+    assert backend.warm_step_sizes(1024, torch.float16) == sizes
+    assert backend.warm_step_sizes(1024, torch.float32) == ()  # oneDNN's float32 GEMMs cost nothing to build
+    assert backend.warm_step_sizes(64, torch.bfloat16) == ()  # no call that large
+
+
+def test_warm_steps_run_each_size_once_on_caches_of_their_own(llama, monkeypatch):
+    import contextlib
+    import io
+
+    from pagedattn import adapter
+
+    servable = adapter.prepare_model(llama, block_size=4, compile=False, progress=False)
+    seen = []
+    real = type(servable).run_packed
+
+    def spy(self, caches, meta, ids, pos, rows, **kw):
+        seen.append((len(ids), meta.query_start_loc.diff().max().item(), max(pos), len(rows), caches))
+        return real(self, caches, meta, ids, pos, rows, **kw)
+
+    monkeypatch.setattr(type(servable), "run_packed", spy)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        adapter.warm_steps(servable, (72, 100), progress=True)
+    assert [s[:4] for s in seen] == [(72, 32, 31, 3), (100, 32, 31, 4)]  # prompts of at most 32 tokens
+    assert "building oneDNN's GEMMs for 2 step sizes" in err.getvalue()
+    engine_caches = servable.allocate_kv_caches(4)
+    assert all(c is not e for s in seen for c in s[4] for e in engine_caches)
+    seen.clear()
+    adapter.warm_steps(servable, ())
+    assert seen == []
+
+
+def test_an_engine_warms_a_compiled_step_at_start_only(compiled, eager, monkeypatch):
+    from pagedattn import adapter
+
+    calls = []
+    monkeypatch.setattr(type(compiled[0].backend), "warm_step_sizes", lambda self, n, dtype: (n + 6,))
+    monkeypatch.setattr(adapter, "warm_steps", lambda servable, sizes, progress: calls.append((servable, sizes)))
+    for engine, warmed in ((compiled[0], True), (eager, False)):
+        calls.clear()
+        PagedEngine(engine.servable, block_size=4, num_blocks=16, max_num_tokens=24, progress=False)
+        assert calls == ([(engine.servable, (30,))] if warmed else [])
