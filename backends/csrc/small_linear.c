@@ -5,12 +5,13 @@
  * is read once for little arithmetic and the step is bound by reading weights. oneDNN costs ~10 us of set-up per
  * call (descriptors, allocations) and, at 16 rows, reads weights from DRAM at about half the copy rate.
  *
- * Two weight layouts, each read once per call, one contiguous stretch per thread with the lines ahead requested:
- * - panels (linear_panels): oneDNN's own packed buffers, whose layout the caller has proved; each row of x adds one
- *   broadcast per k (or pair of k) to the sums of 64 columns, so they need no reduction across lanes; rows beyond
- *   one group of MAX_MR (a decode step's batch) take K in chunks that every group reads from L1; the weights are
- *   asked for non-temporally wherever every pass reads them from L1, so that they do not evict what the step reads
- *   again;
+ * Three weight layouts, each read once per call, one contiguous stretch per thread with the lines ahead requested:
+ * - panels of 64 columns (linear_panels): oneDNN's own packed buffers, whose layout the caller has proved; each row of
+ *   x adds one broadcast per k (or pair of k) to the sums of 64 columns, so they need no reduction across lanes; rows
+ *   beyond one group of MAX_MR (a decode step's batch) take K in chunks that every group reads from L1; on AMD's CPUs
+ *   the weights are asked for non-temporally wherever every pass reads them from L1, so that they do not evict what
+ *   the step reads again;
+ * - bfloat16 panels of 32 or 64 columns by AMX tiles (linear_amx), where the CPU has AMX and the OS grants it;
  * - plain [N, K] rows (linear_plain): 4 x 4 blocks of (row, column) sums kept in registers along K, then one tree of
  *   shuffles from the block's 16 vectors of partial sums to one vector of 16 totals.
  * bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal bfloat16 inputs,

@@ -101,6 +101,21 @@ def test_calls_the_kernel_refuses_go_to_onednn():
         _cpp(torch.randn(3, 31), w, None, 0)  # oneDNN refuses mismatched shapes, as it does for the Python kernel
 
 
+def test_the_operator_pads_onednns_rows_as_the_python_kernel_does():
+    # linear_op.cpp keeps its own copy of cpu_linear.onednn_rows: the rows oneDNN is called with, as the profiler
+    # records them, are the Python rule's for bfloat16 (and unpadded for float32), across several octaves
+    for dtype in (torch.bfloat16, torch.float32):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(48, 32).to(dtype), 16)
+        sizes = [1, 64, 65, 129, 200, 255, 257, 1000, 1025, 3000]
+        with torch.profiler.profile(record_shapes=True) as prof:
+            for m in sizes:
+                # more rows than the native kernel takes: the operator goes to oneDNN itself
+                _cpp(torch.randn(m + cpu_linear.SMALL_ROWS[dtype], 32).to(dtype), packed, None, 0)
+        seen = [e.input_shapes[0][0] for e in prof.events() if e.name == "mkldnn::_linear_pointwise"]
+        want = [m + cpu_linear.SMALL_ROWS[dtype] for m in sizes]
+        assert seen == ([cpu_linear.onednn_rows(m) for m in want] if dtype == torch.bfloat16 else want), dtype
+
+
 def test_under_validation_calls_go_to_the_python_kernel(monkeypatch):
     # float32 packed for one row keeps oneDNN's plain layout here, of the same size as the panels at 64 x 32: only the
     # bytes tell them apart, and only the Python kernel's proof reads them
