@@ -41,6 +41,7 @@ __all__ = [
     "use_backend",
     "active_backend",
     "argmax_rows",
+    "argmax_tokens",
 ]
 
 
@@ -179,14 +180,20 @@ class AttentionBackend:
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax of ``logits [R, V]`` through ``torch.argmax``. Reduced-precision logits are widened first:
-    float32 holds them exactly, so the result is the same, and the CPU's bf16/fp16 argmax is ~5x slower than the
-    conversion plus a float32 one (0.9 against 0.18 ms over [32, 16000] bf16 logits on a 2-core EPYC)."""
+    """Each row's argmax of ``logits [R, V]`` through ``torch.argmax`` (:func:`argmax_tokens`), as a list."""
     if not logits.numel():
         return []
-    if logits.dtype in (torch.bfloat16, torch.float16):
+    return argmax_tokens(logits).tolist()
+
+
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``[R]`` each row's argmax of ``logits [R, V]`` through ``torch.argmax``, on the logits' device. On the CPU,
+    reduced-precision logits are widened first: float32 holds them exactly, so the result is the same, and the
+    CPU's bf16/fp16 argmax is ~5x slower than the conversion plus a float32 one (0.9 against 0.18 ms over
+    [32, 16000] bf16 logits on a 2-core EPYC)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return logits.argmax(-1).tolist()
+    return logits.argmax(-1)
 
 
 def common_reasons(config: AttentionConfig, dtypes: Sequence[torch.dtype]) -> list[str]:

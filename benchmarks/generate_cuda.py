@@ -14,6 +14,7 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
     python benchmarks/generate_cuda.py --quick        # a smoke run (small model, few tokens)
     python benchmarks/generate_cuda.py --no-graphs    # also the engine with cuda_graphs=False
     python benchmarks/generate_cuda.py --triton-eager # also the engine with every step's attention in Triton
+    python benchmarks/generate_cuda.py --sync-decode  # also the engine with async_decode=False
     python benchmarks/generate_cuda.py --freeze       # also the engine with the step compiled under freezing
 """
 
@@ -66,8 +67,8 @@ def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
     if kw.pop("freeze", False):  # the step rewritten, then compiled with Inductor's freezing before the engine
         from pagedattn.adapter import prepare_model
 
-        def frozen():
-            step = prepare_model(model, target=kw["target"], compile=False).step
+        def frozen(source=model):
+            step = prepare_model(source, target=kw["target"], compile=False).step
             return step.compile_paged(freeze=True)
         model = frozen
     else:
@@ -81,7 +82,7 @@ def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
 
 def engine_run(engine, prompts, new):
     """Serve the workload once: (outputs, seconds, StepRecorder)."""
-    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
+    engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0, overlapped_steps=0)
     rec = roofline.StepRecorder(engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -137,7 +138,9 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    engine, _ = make_engine(model, batch * (-(-(context + 64) // 16) + 1) + 64, batch, 8192)
+    engine, t_start = make_engine(model, batch * (-(-(context + 64) // 16) + 1) + 64, batch, 8192)
+    print(f"engine start {t_start:.1f} s (in a fresh process: a warm start where an earlier run left Inductor's "
+          "caches)")
     g = torch.Generator().manual_seed(2)
     for _ in range(batch):
         engine.add_request(torch.randint(1, 32000, (context,), generator=g).tolist(), max_new_tokens=48)
@@ -163,8 +166,33 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
           f"({sum(n for n, _ in kernels.values()) / steps:.0f} kernels); graphs: {engine.decode_graphs.stats}")
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {us / steps:9.1f} us {n / steps:6.1f}x  {100 * us / steps / busy:5.1f}%  {name[:110]}")
+    print(split_step(engine, steps=20))
     while engine.has_unfinished():
         engine.step()
+
+
+def split_step(engine, steps: int) -> str:
+    """A decode step's wall time split three ways, without the profiler: its graph replayed alone (the GPU's
+    part, kernels and the gaps between them), the kernels' own time inside it (``torch.cuda.Event`` around
+    the replay), and the rest of an engine step (the host's: scheduling, the buffers' load, the token read)."""
+    dg = engine.decode_graphs
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps
+    shape = max(dg.graphs)  # the largest batch, then the widest table: the shape these steps replay
+    graph, _ = dg.graphs[shape]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay = start.elapsed_time(end) / 1e3 / steps
+    return (f"engine step {wall * 1e3:.2f} ms (no profiler); its graph {shape} replayed alone {replay * 1e3:.2f} ms "
+            f"back to back; the rest, {(wall - replay) * 1e3:.2f} ms, is the host's part of a step (the GPU waits)")
 
 
 def main(argv=None) -> None:
@@ -179,6 +207,9 @@ def main(argv=None) -> None:
     p.add_argument("--freeze", action="store_true",
                    help="also time the engine with the step compiled under Inductor's freezing (on the GPU it "
                         "concatenates q/k/v and gate/up into one GEMM each)")
+    p.add_argument("--sync-decode", action="store_true",
+                   help="also time the engine with async_decode=False (each decode step read back before the next "
+                        "starts)")
     p.add_argument("--triton-eager", action="store_true",
                    help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
                         "attention through the Triton kernels too")
@@ -220,6 +251,8 @@ def main(argv=None) -> None:
     variants = [] if "default" in a.skip else [("PagedEngine (default: compiled, CUDA graphs)", {})]
     if a.no_graphs:
         variants.append(("PagedEngine cuda_graphs=False (compiled)", {"cuda_graphs": False}))
+    if a.sync_decode:
+        variants.append(("PagedEngine, async_decode=False", {"async_decode": False}))
     if a.freeze:
         variants.append(("PagedEngine, Inductor freezing", {"freeze": True}))
     if a.triton_eager:
@@ -233,8 +266,9 @@ def main(argv=None) -> None:
         got, t_eng, rec = engine_run(engine, prompts, a.new)
         recompiles = graph_count() - graphs0
         dg = engine.decode_graphs
-        graphs = (f"{dg.stats['captures']} graphs captured, {dg.stats['replays']} replays" if dg is not None
-                  else "no CUDA graphs")
+        graphs = (f"{dg.stats['captures']} graphs captured, {dg.stats['replays']} replays, "
+                  f"{engine.stats['overlapped_steps']} steps started before the previous one was read"
+                  if dg is not None else "no CUDA graphs")
         print(f"{name:44} {t_eng:7.2f} {total / t_eng:10.0f}   (engine start {t_start:.1f} s, first run "
               f"{t_first:.2f} s; {engine.stats['steps']} steps, host overhead {100 * engine.overhead_share():.0f}% "
               f"of step time; {graphs}; {recompiles} recompiles in the timed run)")
@@ -247,7 +281,7 @@ def main(argv=None) -> None:
                   f"median {agree:.0f} of {a.new} (bfloat16, random weights)")
         print_roofline(rec.steps, t_eng, shape, machine, a.prompts)
         print(f"    per decode step (profiler, 8 sequences): {host_syncs(engine, prompts[:8])}")
-        if "kinds" not in a.skip and "cuda_graphs" not in kw:
+        if "kinds" not in a.skip and "cuda_graphs" not in kw and name == variants[0][0]:  # the first variant's
             print("  synthetic step kinds (per step, after warm-up):")
             batches = tuple(b for b in (1, 8, 32, 64) if b <= a.prompts)
             kinds = dict(vocab=32000, context=512, batches=batches, mixed_batch=min(16, a.prompts))

@@ -121,6 +121,12 @@ class BlockManager:
         table.num_cached_tokens = len(table.blocks) * bs
         return table.num_cached_tokens
 
+    def room_for(self, table: BlockTable, num_tokens: int) -> int:
+        """Free blocks ``reserve(table, num_tokens)`` takes: new blocks, and a copy of a shared last block."""
+        last = table.num_cached_tokens // self.block_size
+        cow = last < len(table.blocks) and self.ref[table.blocks[last]] > 1
+        return self.blocks_needed(table, num_tokens) + int(cow)
+
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for ``num_tokens`` more tokens (all or nothing), copying shared blocks before a write."""
         need = self.blocks_needed(table, num_tokens)
@@ -147,12 +153,24 @@ class BlockManager:
         """
         before = table.num_cached_tokens
         table.num_cached_tokens += num_new
+        self.register(table, tokens, before, table.num_cached_tokens)
+
+    def count(self, table: BlockTable, num_new: int) -> None:
+        """Record that ``num_new`` more tokens are being written whose ids are not known on the host yet (an
+        asynchronous decode step's input, read on the device); ``register`` their blocks once they are."""
+        table.num_cached_tokens += num_new
+
+    def register(self, table: BlockTable, tokens: Sequence[int] | Callable[[], Sequence[int]], start: int,
+                 end: int) -> None:
+        """Register for reuse the blocks that positions ``[start, end)`` fill, their tokens now known: ``commit``
+        does it as it counts them; an asynchronous decode step counts its token as it starts (the next step
+        reserves past it) and registers it once its input token is read back (it came from the device)."""
         bs = self.block_size
-        if not self.enable_prefix_caching or before // bs == table.num_cached_tokens // bs:
+        if not self.enable_prefix_caching or start // bs == end // bs:
             return
         if callable(tokens):
             tokens = tokens()
-        for i in range(before // bs, table.num_cached_tokens // bs):
+        for i in range(start // bs, end // bs):
             if i == 0:
                 parent = table.salt
             else:

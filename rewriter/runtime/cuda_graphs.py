@@ -37,7 +37,7 @@ import array
 import bisect
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -49,7 +49,7 @@ from pagedattn.runtime.context import paged_context, step_mode
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "width_buckets", "bucket", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed",
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DeviceTokens", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed",
            "no_host_reads", "HostRead", "reproduces"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
@@ -83,6 +83,18 @@ def bucket(n: int, sizes: Sequence[int]) -> Optional[int]:
     return sizes[i] if i < len(sizes) else None
 
 
+@dataclass(frozen=True)
+class DeviceTokens:
+    """A decode step's input tokens read on the device: sequence ``i``'s token is ``tokens[rows[i]]``, a row of an
+    earlier step's sampled tokens (an asynchronous step's, not read back yet)."""
+
+    tokens: Tensor  # [R] long, on the step's device
+    rows: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 @dataclass
 class DecodeBuffers:
     """The inputs of a captured decode step, allocated once for ``size`` sequences of up to ``width``
@@ -96,8 +108,11 @@ class DecodeBuffers:
     starts: Tensor  # [size + 1] query_start_loc: one token per real sequence, none per padding one
     rows: Tensor  # [size] logits rows, constant
     block_size: int
-    staging: Tensor  # a pinned host copy of a step's values (see ``load``): one transfer a step
-    copied: Optional["torch.cuda.Event"] = None  # recorded after a step's transfer out of ``staging``
+    # two pinned host copies of a step's values (see ``load``), used in turn: one transfer a step, and a step's
+    # values written while the previous step's transfer may still wait behind a step running on the device
+    staging: tuple[Tensor, Tensor]
+    copied: list = field(default_factory=lambda: [None, None])  # an event recorded after each one's transfer
+    turn: int = 0
     # an encoder-decoder's cross-attention blocks and encoder lengths (padding: no blocks, length 0)
     cross_tables: Optional[Tensor] = None  # [size, width] int32
     cross_lens: Optional[Tensor] = None  # [size] int32
@@ -111,13 +126,14 @@ class DecodeBuffers:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         pin = torch.device(device).type == "cuda"
-        staging = torch.zeros(size * (5 + width) + 1 + (size * (1 + width) if cross else 0), dtype=torch.long,
-                              pin_memory=pin)
+        staging = tuple(torch.zeros(size * (5 + width) + 1 + (size * (1 + width) if cross else 0),
+                                    dtype=torch.long, pin_memory=pin) for _ in range(2))
         cross_tables, cross_lens = (zeros(size, width, dtype=torch.int32), zeros(size, dtype=torch.int32)) if cross \
             else (None, None)
         return cls(zeros(size), zeros(size), zeros(size), zeros(size, width, dtype=torch.int32),
                    zeros(size, dtype=torch.int32), torch.arange(size + 1, dtype=torch.int32, device=device),
-                   torch.arange(size, device=device), block_size, staging, None, cross_tables, cross_lens)
+                   torch.arange(size, device=device), block_size, staging, cross_tables=cross_tables,
+                   cross_lens=cross_lens)
 
     @property
     def size(self) -> int:
@@ -127,13 +143,16 @@ class DecodeBuffers:
     def width(self) -> int:
         return self.tables.shape[1]
 
-    def load(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+    def load(self, ids: "Sequence[int] | DeviceTokens", positions: Sequence[int], slots: Sequence[int],
              tables: Sequence[Sequence[int]], seq_lens: Sequence[int], n_rows: int, width: Optional[int] = None,
              cross_tables: Optional[Sequence[Sequence[int]]] = None, cross_lens: Optional[Sequence[int]] = None,
              cross_width: Optional[int] = None) -> None:
         """Write a decode step of ``len(ids)`` sequences into the first ``n_rows`` rows and ``width`` block-table
         columns (default: all), the rest padding; an encoder-decoder's step also its cross blocks and encoder
-        lengths (``cross_width`` columns). A longer block table is a ValueError (the step must run eagerly)."""
+        lengths (``cross_width`` columns). A longer block table is a ValueError (the step must run eagerly).
+        ``ids`` as :class:`DeviceTokens`: each sequence's token read on the device from an earlier step's sampled
+        tokens (nothing waits for them on the host)."""
+        on_device = isinstance(ids, DeviceTokens)
         n, W = len(ids), self.width if width is None else width
         if not n <= n_rows <= self.size or W > self.width:
             raise ValueError(f"a decode step of {n} sequences does not fit {n_rows} of {self.size} rows")
@@ -143,7 +162,8 @@ class DecodeBuffers:
         # per row flattened element by element took 2.8x as long at 64 sequences of 64 columns, and this runs while
         # the GPU waits)
         flat: list[int] = []
-        for tok, pos, slot, table, length in zip(ids, positions, slots, tables, seq_lens):
+        for tok, pos, slot, table, length in zip(ids.rows if on_device else ids, positions, slots, tables,
+                                                 seq_lens):
             if len(table) > W:
                 raise ValueError(f"a block table of {len(table)} blocks is wider than the captured {W}")
             flat += (tok, pos, slot, length)
@@ -151,7 +171,7 @@ class DecodeBuffers:
             flat += [0] * (W - len(table))
         # padding, as runtime.shapes pads a step: tokens with slot -1 that belong to no sequence, and sequences
         # with no token and length 0
-        flat += [0, 0, -1, 0, *[0] * W] * (n_rows - n)
+        flat += [0, 0, -1, 0, *[0] * W] * (n_rows - n)  # (with DeviceTokens, row 0's token: any token will do)
         flat += range(n + 1)  # query starts: one token per real sequence, none per padding one
         flat += [n] * (n_rows - n)
         CW = 0
@@ -164,14 +184,20 @@ class DecodeBuffers:
                 flat += table
                 flat += [0] * (CW - len(table))
             flat += [0] * ((n_rows - n) * (1 + CW))  # padding sequences: no encoder keys
-        if self.copied is not None and not self.copied.query():  # the previous step's copy out of the staging
-            self.copied.synchronize()  # buffer must be done before it is overwritten; it long is, so no wait
-        host = self.staging[:len(flat)]
+        turn = self.turn
+        self.turn ^= 1
+        copied = self.copied[turn]
+        if copied is not None and not copied.query():  # the copy out of this staging buffer two steps ago must
+            copied.synchronize()  # be done before it is overwritten; it long is, so no wait
+        host = self.staging[turn][:len(flat)]
         host.copy_(torch.frombuffer(array.array("q", flat), dtype=torch.long))  # ~4x faster than torch.tensor(flat)
         dev = self.ids.device
         on_dev = host.to(dev, non_blocking=True) if dev.type == "cuda" else host
         table = on_dev[:n_rows * (4 + W)].view(n_rows, 4 + W)
-        self.ids[:n_rows].copy_(table[:, 0])
+        if on_device:
+            self.ids[:n_rows].copy_(ids.tokens.index_select(0, table[:, 0]))
+        else:
+            self.ids[:n_rows].copy_(table[:, 0])
         self.positions[:n_rows].copy_(table[:, 1])
         self.slots[:n_rows].copy_(table[:, 2])
         self.seq_lens[:n_rows].copy_(table[:, 3])
@@ -183,8 +209,8 @@ class DecodeBuffers:
             self.cross_lens[:n_rows].copy_(cross[:, 0])
             packed_rows(self.cross_tables, n_rows, CW).copy_(cross[:, 1:])
         if dev.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record()
 
     def metadata(self, n_rows: int, width: Optional[int] = None) -> AttentionMetadata:
         """The step's metadata over the first ``n_rows`` rows and ``width`` block-table columns (views of the
@@ -238,12 +264,14 @@ class DecodeGraphs:
         ``widest_cross`` cross-attention blocks), runs here."""
         return bucket(num_seqs, self.sizes) is not None and max(widest, widest_cross) <= self.buffers.width
 
-    def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+    def run(self, ids: Sequence[int] | DeviceTokens, positions: Sequence[int], slots: Sequence[int],
             tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
             cross_tables: Optional[Sequence[Sequence[int]]] = None,
-            cross_lens: Optional[Sequence[int]] = None) -> Tensor:
+            cross_lens: Optional[Sequence[int]] = None, copy: bool = True) -> Tensor:
         """One decode step (a token per sequence): ``[n, V]`` logits of its ``n`` sequences. An
-        encoder-decoder's step gives each sequence's cross-attention blocks and encoder length."""
+        encoder-decoder's step gives each sequence's cross-attention blocks and encoder length. ``ids`` as
+        :class:`DeviceTokens`: the tokens read on the device. ``copy=False``: a replay's logits are its graph's
+        own output, which the next replay overwrites (read them in the same stream before it)."""
         n = len(ids)
         size = bucket(n, self.sizes)
         if size is None:
@@ -264,7 +292,7 @@ class DecodeGraphs:
         graph, out = entry
         graph.replay()
         self.stats["replays"] += 1
-        return out[:n].clone()  # the next replay overwrites ``out``
+        return out[:n].clone() if copy else out[:n]  # the next replay overwrites ``out``
 
     def _width(self, tables: Sequence[Sequence[int]]) -> int:
         width = bucket(max(map(len, tables)), self.widths)

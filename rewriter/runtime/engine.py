@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata, position_mod
-from pagedattn.backends.base import SplitKVBackend
+from pagedattn.backends.base import SplitKVBackend, argmax_tokens
 from pagedattn.runtime.blocks import BlockManager
-from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs
+from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs, DeviceTokens
 from pagedattn.runtime.frames import call_with_frame_room
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
 from pagedattn.runtime.shapes import pad_cross
@@ -33,6 +33,23 @@ class RequestOutput:
     prompt: list[int]
     tokens: list[int]
     finish_reason: str
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """An asynchronous decode step on its way through the device: its plan, the tokens it samples there (the next
+    step reads its input ids from them) and their copy to the host, complete once ``copied`` is."""
+
+    plan: list[ScheduledChunk]
+    tokens: torch.Tensor  # [n] long, on the device
+    host: torch.Tensor  # [n] long, on the host
+    copied: Optional["torch.cuda.Event"]
+
+    def read(self) -> list[int]:
+        """The sampled tokens, once the step and their copy are done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
 
 
 class RequestErrors(ValueError):
@@ -115,6 +132,17 @@ class PagedEngine:
     recurrent state or per-request mask values run eagerly; ``cuda_graphs=False`` turns
     the graphs off, ``True`` where they cannot run is an error naming why. ``decode_graphs`` holds them (None:
     every step eager).
+
+    Greedy decode steps through those graphs run asynchronously (``async_decode=True``, the default), as vLLM's
+    async scheduling: a step's tokens are sampled on the device and read back while the next step already
+    runs, its input ids taken from them on the device, so the host's work for a step (scheduling, the buffers'
+    load, reading tokens, stop checks) overlaps the device's instead of leaving it idle. A step starts before
+    the previous one is read only where it is sure to be the same requests' next token: nothing waits or is
+    swapped out, no request reaches its token limit, a forced token or sampling with a temperature, and the
+    cache has a block for every one (so nothing is preempted); otherwise the previous step is read first. A
+    request that stops on a stop token has one more token computed by the step already under way, which is
+    dropped (its K/V go to a block freed with the request). Tokens stream one step later than they are
+    sampled.
     """
 
     def __init__(self, model: nn.Module, *, target="auto", block_size: int = 16,
@@ -122,7 +150,8 @@ class PagedEngine:
                  max_num_tokens: int = 512, max_num_seqs: int = 256, enable_prefix_caching: bool = True,
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
-                 progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4):
+                 progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4,
+                 async_decode: bool = True):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
         self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs)
         sv = self.servable
@@ -155,6 +184,8 @@ class PagedEngine:
         self._warm(max_num_tokens, progress)
         self.decode_graphs = self._decode_graphs(cuda_graphs, max_num_seqs)
         self._length_limit = self._limit_from_report()  # the report does not change: read it once
+        self.async_decode = async_decode
+        self._pending: Optional[PendingStep] = None  # the asynchronous decode step not read back yet
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []
         self._generators: dict[int, torch.Generator] = {}
@@ -166,7 +197,8 @@ class PagedEngine:
         self._aborts: list[int] = []
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
-                      "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0}
+                      "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0,
+                      "overlapped_steps": 0}  # decode steps started before the previous one was read back
 
     def _warm(self, max_num_tokens: int, progress: bool) -> None:
         """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
@@ -421,6 +453,9 @@ class PagedEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        done: list[RequestOutput] = []
+        if self._pending is not None and not self._continues():
+            done += self._resolve()  # the next step needs the pending step's tokens on the host
         sched = self.scheduler
         before = _preemption_counts(sched)
         plan = sched.schedule()
@@ -428,16 +463,30 @@ class PagedEngine:
         for key, n0, n1 in zip(("preemptions", "recomputes", "swap_outs", "swap_ins"), before,
                                _preemption_counts(sched)):
             self.stats[key] += n1 - n0  # deltas: callers may reset stats between runs
+        if self._pending is not None and (sched.num_preemptions != before[0] or
+                                          not all(c.request.inflight for c in plan)):
+            plan = self._resolve_into(plan, done)  # not the continuation _continues foresaw: read the tokens first
         if not plan:
             # a step that only preempted frees blocks for the next one; otherwise nothing ever will
             if (sched.waiting or sched.swapped) and not sched.running and sched.num_preemptions == before[0]:
                 raise RuntimeError("scheduler made no progress with an empty cache: "
                                    f"{len(sched.waiting) + len(sched.swapped)} requests wait for blocks "
                                    "that never free")
-            return []
+            return done
         if self._seq2seq is not None:
             self._encode(plan)
         t1 = time.perf_counter()
+        launched = self._launch(plan)
+        if launched is not None:
+            previous, self._pending = self._pending, launched
+            if previous is not None:
+                done += self._resolve(previous)  # waits for the previous step while this one queues behind it
+            self._count(len(plan), t0, t1, time.perf_counter(), time.perf_counter())
+            return done
+        if self._pending is not None:  # this step reads its input ids on the host
+            plan = self._resolve_into(plan, done)
+            if not plan:
+                return done
         if self.states is not None:
             logits, num_tokens = self._run_rows(plan), sum(c.num_tokens for c in plan)
         else:
@@ -451,13 +500,103 @@ class PagedEngine:
             else:
                 logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
         t2 = time.perf_counter()
-        finished = self._advance(plan, logits, greedy)
-        t3 = time.perf_counter()
+        done += self._advance(plan, logits, greedy)
+        self._count(num_tokens, t0, t1, t2, time.perf_counter())
+        return done
+
+    def _count(self, num_tokens: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        """A step's statistics: scheduling until ``t1``, the model until ``t2``, the tokens' handling until ``t3``."""
         self.stats["steps"] += 1
         self.stats["tokens"] += num_tokens
         self.stats["model_s"] += t2 - t1
         self.stats["overhead_s"] += (t1 - t0) + (t3 - t2)
-        return finished
+
+    # ------------------------------------------------------ asynchronous decode steps
+
+    def _continues(self) -> bool:
+        """Whether the next step can start before the pending one is read back: it will be a decode step of the
+        same requests (as ``schedule`` will make it: nothing waits or is swapped out, the token budget holds them
+        all, the cache a block for each, so nothing is preempted), each one's input the pending step's token
+        for it, and each one going on after that token (below its token limit; greedy, no forced token)."""
+        s, pending = self.scheduler, self._pending
+        if s.waiting or s.swapped or not s.running or len(s.running) > min(s.max_num_tokens, len(pending.plan)):
+            return False
+        need = 0
+        for req in s.running:
+            if req.inflight != 1 or req.params.temperature != 0 or len(req.output) in req.forced or \
+                    len(req.output) + 1 >= req.params.max_new_tokens:
+                return False
+            need += self.blocks.room_for(req.table, 1)
+        return need <= self.blocks.num_free
+
+    def _launch(self, plan: list[ScheduledChunk]) -> Optional[PendingStep]:
+        """Start a greedy decode-only step through the decode graphs without waiting for its tokens (None where
+        it cannot run so): its input ids from the host, or on the device from the pending step's tokens."""
+        graphs, pending = self.decode_graphs, self._pending
+        if not self.async_decode or graphs is None or self.states is not None or \
+                not all(c.num_tokens == 1 and c.completes and c.request.params.temperature == 0 for c in plan):
+            return None
+        seq2seq = self._seq2seq is not None
+        if not graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan),
+                           max(len(c.request.cross_table.blocks) for c in plan) if seq2seq else 0):
+            return None
+        if pending is None:
+            ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
+        elif all(c.request.inflight == 1 and len(c.request.output) not in c.request.forced for c in plan):
+            row = {id(c.request): i for i, c in enumerate(pending.plan)}
+            ids = DeviceTokens(pending.tokens, [row[id(c.request)] for c in plan])
+        else:
+            return None
+        bs = self.block_size
+        tables = [c.request.table.blocks for c in plan]
+        try:
+            logits = graphs.run(ids, [c.start for c in plan],
+                                [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)], tables,
+                                [c.start + 1 for c in plan],
+                                [c.request.cross_table.blocks for c in plan] if seq2seq else None,
+                                [c.request.encoder_len for c in plan] if seq2seq else None, copy=False)
+        except CaptureFailed as e:  # this step and every one after it run eagerly
+            log.warning("decode steps run without CUDA graphs: %s", e)
+            self.decode_graphs = None
+            return None
+        self.stats["overlapped_steps"] += pending is not None
+        tokens = argmax_tokens(logits)  # [n], as argmax_rows picks them
+        copied = None
+        if tokens.device.type == "cuda":  # into pinned memory: a copy to pageable memory would wait for the step
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = tokens
+        for c in plan:
+            req = c.request
+            req.num_computed += 1
+            req.inflight += 1
+            self.blocks.count(req.table, 1)  # the next step reserves past it; registered once its id is read
+        return PendingStep(plan, tokens, host, copied)
+
+    def _resolve(self, pending: Optional[PendingStep] = None) -> list[RequestOutput]:
+        """Read an asynchronous step's tokens back (default: the pending one's) and advance its requests."""
+        if pending is None:
+            pending, self._pending = self._pending, None
+        done = []
+        for c, tok in zip(pending.plan, pending.read()):
+            req = c.request
+            if req.finished:  # stopped in the step before, or aborted, while this one ran: its token is dropped
+                continue
+            req.inflight -= 1
+            if req.table.blocks and not req.table.on_host:
+                self.blocks.register(req.table, lambda req=req: req.tokens, c.start, c.start + 1)
+            res = self._emit(req, tok)
+            if res is not None:
+                done.append(res)
+        return done
+
+    def _resolve_into(self, plan: list[ScheduledChunk], done: list[RequestOutput]) -> list[ScheduledChunk]:
+        """Read the pending step back before ``plan`` runs (into ``done``); ``plan`` without the requests that
+        finished in it."""
+        done += self._resolve()
+        return [c for c in plan if not c.request.finished]
 
     def _encode(self, plan: list[ScheduledChunk]) -> None:
         """Run the encoder once for the step's requests whose cross-attention blocks are not filled yet
@@ -596,23 +735,30 @@ class PagedEngine:
             if not chunk.completes:
                 continue
             tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
-            tok = req.forced.get(len(req.output), tok)
             r += 1
-            req.output.append(tok)
-            reason = None
-            if tok in req.params.stop_token_ids or tok in self._eos:
-                reason = "stop"
-            elif len(req.output) >= req.params.max_new_tokens:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(req, reason)
-                if self.states is not None:
-                    self.states.release(req.id)
-                self._generators.pop(req.id, None)
-                res = RequestOutput(req.id, req.prompt, list(req.output), reason)
-                self._finished.append(res)
+            res = self._emit(req, tok)
+            if res is not None:
                 done.append(res)
         return done
+
+    def _emit(self, req: Request, tok: int) -> Optional[RequestOutput]:
+        """Append a sampled token (or the one the request forces there); finish the request where it stops."""
+        tok = req.forced.get(len(req.output), tok)
+        req.output.append(tok)
+        reason = None
+        if tok in req.params.stop_token_ids or tok in self._eos:
+            reason = "stop"
+        elif len(req.output) >= req.params.max_new_tokens:
+            reason = "length"
+        if not reason:
+            return None
+        self.scheduler.finish(req, reason)
+        if self.states is not None:
+            self.states.release(req.id)
+        self._generators.pop(req.id, None)
+        res = RequestOutput(req.id, req.prompt, list(req.output), reason)
+        self._finished.append(res)
+        return res
 
     def _sample(self, req: Request, logits: torch.Tensor) -> int:
         p = req.params

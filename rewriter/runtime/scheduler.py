@@ -69,6 +69,9 @@ class Request:
     output: list[int] = field(default_factory=list)
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # tokens sampled by asynchronous decode steps still running on the device: counted in num_tokens (the next
+    # step computes the first of them, its id read on the device), appended to ``output`` once read back
+    inflight: int = 0
     finished: bool = False
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -107,7 +110,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) + self.inflight
 
     @property
     def num_pending(self) -> int:

@@ -253,7 +253,7 @@ def test_a_failed_capture_leaves_the_engine_on_its_eager_steps(caplog):
     from pagedattn.runtime.cuda_graphs import CaptureFailed
 
     class Failing(DecodeGraphs):
-        def run(self, *args):
+        def run(self, *args, **kwargs):
             raise CaptureFailed("capturing the decode step at 8 sequences failed: RuntimeError: for the test")
 
     model = tiny_llama()
