@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedattn import PagedEngine, SamplingParams
 from pagedattn.backends import set_validation
@@ -179,3 +181,49 @@ def test_on_a_gpu_a_step_starts_behind_the_previous_one_without_a_host_sync(monk
     finally:
         set_validation(True)
     assert len(started) == 6 and all(started) and engine.decode_graphs.stats["captures"] > 0
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """One synchronous engine (the reference) and asynchronous ones with caches of 16, 24 and 96 blocks, reused by
+    every example (building an engine rewrites and checks the model)."""
+    return {"sync": engine_with_graphs(model, async_decode=False, num_blocks=400),
+            **{n: engine_with_graphs(model, num_blocks=n) for n in (16, 24, 96)}}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(st.data())
+def test_any_mix_of_joins_aborts_stops_limits_and_a_small_cache_gives_the_synchronous_tokens(engines, data):
+    """Random serving loops: requests of random lengths and token limits join at random steps, some are aborted
+    at random steps, stop tokens end some, a small cache preempts. Every request the asynchronous engine finishes
+    has the tokens the synchronous engine gives it alone; an aborted one a prefix of them."""
+    n = data.draw(st.integers(2, 6), label="requests")
+    lengths = data.draw(st.lists(st.integers(1, 24), min_size=n, max_size=n), label="lengths")
+    limits = data.draw(st.lists(st.integers(1, 10), min_size=n, max_size=n), label="limits")
+    joins = data.draw(st.lists(st.integers(0, 8), min_size=n, max_size=n), label="join steps")
+    aborts = data.draw(st.lists(st.one_of(st.none(), st.integers(1, 12)), min_size=n, max_size=n), label="aborts")
+    engine = engines[data.draw(st.sampled_from([16, 24, 96]), label="blocks")]
+    ps = prompts(seed=data.draw(st.integers(0, 3), label="seed"), lengths=lengths, shared=0)[:n]
+    sync = engines["sync"]
+    free = sync.generate(ps[:2], max_new_tokens=10)
+    stops = tuple({o[len(o) // 2] for o in free if len(o) > 2})
+    params = [SamplingParams(max_new_tokens=m, stop_token_ids=stops) for m in limits]
+    want = [serve(sync, [(p, sp)])[0] for p, sp in zip(ps, params)]
+    rids: dict[int, int] = {}
+    step = 0
+    while len(rids) < n or engine.has_unfinished():
+        for i in range(n):
+            if i not in rids and joins[i] <= step:
+                rids[i] = engine.add_request(ps[i], params[i])
+            if i in rids and aborts[i] == step:
+                engine.abort(rids[i])
+        engine.step()
+        step += 1
+    done = {r.request_id: r for r in engine.collect()}
+    for i, rid in rids.items():
+        got = done[rid]
+        if got.finish_reason == "abort":
+            assert want[i][0][:len(got.tokens)] == got.tokens
+        else:
+            assert (got.tokens, got.finish_reason) == want[i]
+    assert engine.blocks.num_free == engine.num_blocks
