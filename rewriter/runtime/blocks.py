@@ -121,17 +121,20 @@ class BlockManager:
         table.num_cached_tokens = len(table.blocks) * bs
         return table.num_cached_tokens
 
+    def _writes_shared(self, table: BlockTable) -> bool:
+        """Whether the next token's block is shared (a write copies it first)."""
+        last = table.num_cached_tokens // self.block_size
+        return last < len(table.blocks) and self.ref[table.blocks[last]] > 1
+
     def room_for(self, table: BlockTable, num_tokens: int) -> int:
         """Free blocks ``reserve(table, num_tokens)`` takes: new blocks, and a copy of a shared last block."""
-        last = table.num_cached_tokens // self.block_size
-        cow = last < len(table.blocks) and self.ref[table.blocks[last]] > 1
-        return self.blocks_needed(table, num_tokens) + int(cow)
+        return self.blocks_needed(table, num_tokens) + int(self._writes_shared(table))
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for ``num_tokens`` more tokens (all or nothing), copying shared blocks before a write."""
         need = self.blocks_needed(table, num_tokens)
         last = table.num_cached_tokens // self.block_size
-        cow = last < len(table.blocks) and self.ref[table.blocks[last]] > 1
+        cow = self._writes_shared(table)
         if need + int(cow) > self.num_free:
             raise NoFreeBlocks
         if cow:

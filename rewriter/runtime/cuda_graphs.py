@@ -13,7 +13,8 @@ and pads each step up to the next one; the same here:
   columns, the most a sequence can hold), sequence lengths, query starts and logits rows live in device tensors
   allocated once; a size-``N`` graph reads their first ``N`` rows. A step writes its values in one host-to-device
   copy (``load``), padded as ``runtime.shapes`` pads steps: padding tokens have slot -1 (written nowhere) and
-  belong to no sequence, padding sequences have no token and length 0;
+  belong to no sequence, padding sequences have no token and length 0; an asynchronous step's token ids are
+  gathered on the device from the previous step's sampled tokens instead (:class:`DeviceTokens`);
 - **capture and replay** (:class:`DecodeGraphs`): the first step at a size runs eagerly (it compiles and warms
   up), then the same call is captured into a graph sharing one memory pool and replayed once against that
   step's own logits (a graph that does not reproduce them is dropped: :class:`CaptureFailed`, and the engine
@@ -49,8 +50,8 @@ from pagedattn.runtime.context import paged_context, step_mode
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["capture_sizes", "width_buckets", "bucket", "DeviceTokens", "DecodeBuffers", "packed_rows", "DecodeGraphs", "CaptureFailed",
-           "no_host_reads", "HostRead", "reproduces"]
+__all__ = ["capture_sizes", "width_buckets", "bucket", "DeviceTokens", "DecodeBuffers", "packed_rows", "DecodeGraphs",
+           "CaptureFailed", "no_host_reads", "HostRead", "reproduces"]
 
 _LARGEST = 256  # capture sizes stop here: a larger decode batch is compute-bound enough to run eagerly
 
