@@ -105,6 +105,10 @@ def print_roofline(steps, seconds, shape, machine, batch: int) -> None:
         print(roofline.format_cost_row(f"decode at batch {batch}", *roofline.summarise(full, shape, machine)["all"]))
     print(f"  workload limit {table['all'][2]:.3f} s; engine {seconds:.3f} s: {table['all'][2] / seconds:.0%} of "
           "the roofline")
+    slow = sorted(enumerate(steps), key=lambda st: -st[1].seconds)[:3]  # one-off costs show up here
+    print("  slowest steps: " + "; ".join(
+        f"#{i} {roofline.step_kind(s.chunks)}, {len(s.chunks)} sequences, {sum(n for _, n, _ in s.chunks)} tokens: "
+        f"{s.seconds * 1e3:.1f} ms" for i, s in slow))
 
 
 def host_syncs(engine, prompts, new_tokens: int = 12, steps: int = 5) -> str:
