@@ -16,6 +16,7 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
     python benchmarks/generate_cuda.py --triton-eager # also the engine with every step's attention in Triton
     python benchmarks/generate_cuda.py --sync-decode  # also the engine with async_decode=False
     python benchmarks/generate_cuda.py --freeze       # also the engine with the step compiled under freezing
+    python benchmarks/generate_cuda.py --concat       # also the engine with q/k/v and gate/up as one linear each
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ def make_engine(model, num_blocks, max_num_seqs, max_num_tokens, **kw):
     from pagedattn import PagedEngine
 
     kw = {"target": "cuda", **kw}
-    if kw.pop("freeze", False):  # the step rewritten, then compiled with Inductor's freezing before the engine
+    compile_kw = {k: kw.pop(k) for k in ("freeze", "concat_linears") if k in kw}
+    if compile_kw:  # the step rewritten, then compiled with these options before the engine
         from pagedattn.adapter import prepare_model
 
-        def frozen(source=model):
+        def compiled(source=model):
             step = prepare_model(source, target=kw["target"], compile=False).step
-            return step.compile_paged(freeze=True)
-        model = frozen
+            return step.compile_paged(**compile_kw)
+        model = compiled
     else:
         given = model
         model = lambda: given  # noqa: E731
@@ -214,6 +216,9 @@ def main(argv=None) -> None:
     p.add_argument("--sync-decode", action="store_true",
                    help="also time the engine with async_decode=False (each decode step read back before the next "
                         "starts)")
+    p.add_argument("--concat", action="store_true",
+                   help="also time the engine with compile_paged(concat_linears=True): q/k/v and gate/up as one "
+                        "linear each, without freezing")
     p.add_argument("--triton-eager", action="store_true",
                    help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
                         "attention through the Triton kernels too")
@@ -259,6 +264,8 @@ def main(argv=None) -> None:
         variants.append(("PagedEngine, async_decode=False", {"async_decode": False}))
     if a.freeze:
         variants.append(("PagedEngine, Inductor freezing", {"freeze": True}))
+    if a.concat:
+        variants.append(("PagedEngine, linears concatenated", {"concat_linears": True}))
     if a.triton_eager:
         from pagedattn.backends.xformers_cuda import XFormersCudaBackend
 

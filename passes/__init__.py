@@ -9,11 +9,13 @@ and records what it learns in the typed :class:`PassContext`. A pipeline is a tu
                                         caches and metadata as graph inputs (the paged graph)
 
 Passes that serve one runtime are applied where it needs them: ``FunctionalCacheWrites`` (XLA,
-ONNX) and ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs).
+ONNX), ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs) and ``ConcatLinears`` (asked for by
+``compile_paged(concat_linears=True)``).
 """
 
 from pagedattn.passes.classify_mask import classify_mask
 from pagedattn.passes.cleanup import remove_dead_code
+from pagedattn.passes.concat_linears import ConcatLinears
 from pagedattn.passes.context import PagedSite, PassContext, PassReport
 from pagedattn.passes.cross_attention import cross_kv_writes, mark_varying_masks
 from pagedattn.passes.fp32_matmuls import Fp32Matmuls, native_cpu_matmul
@@ -37,6 +39,7 @@ __all__ = [
     "CROSS_WRITER_PIPELINE",
     "PAGED_PIPELINE",
     "AttentionSite",
+    "ConcatLinears",
     "Fp32Matmuls",
     "FunctionalCacheWrites",
     "PagedSite",

@@ -23,7 +23,7 @@ from pagedattn.backends import (
 from pagedattn.backends.cpu_linear import SmallLinears
 from pagedattn.backends.native_ops import NativePagedOps
 from pagedattn.backends.shared_values import RealizeSharedValues
-from pagedattn.passes import Fp32Matmuls, PassContext, run_pipeline
+from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
 
@@ -394,7 +394,8 @@ class RewrittenModel(nn.Module):
         return self._variants[key]
 
     def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache",
-                      freeze: Optional[bool] = None, small_linears: Optional[bool] = None) -> "RewrittenModel":
+                      freeze: Optional[bool] = None, small_linears: Optional[bool] = None,
+                      concat_linears: bool = False) -> "RewrittenModel":
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
 
         ``freeze``: Inductor's freezing (``torch._inductor.config.freezing``): the weights become constants of
@@ -410,6 +411,11 @@ class RewrittenModel(nn.Module):
         by oneDNN on the same weights (:class:`pagedattn.backends.cpu_linear.SmallLinears`). ``None`` (default): on
         where the native library has the kernel; ``False``: oneDNN and MKL throughout.
 
+        ``concat_linears``: linears that read the same input (q/k/v, gate/up) run as one linear of their summed
+        width, their weights made views of one concatenated tensor (:class:`pagedattn.passes.ConcatLinears`): one
+        GEMM launch instead of several narrow ones, for a GPU's decode steps. Off by default (not yet measured
+        against the steps as they are).
+
         ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
         in fp32 (:class:`pagedattn.passes.Fp32Matmuls`; 3-9x faster there): ``"cache"`` converts their
         weights once and keeps the fp32 copies (4 more bytes per weight element), ``"convert"`` converts
@@ -418,6 +424,9 @@ class RewrittenModel(nn.Module):
         if cpu_fp32_matmuls not in ("cache", "convert", "off"):
             raise ValueError(f"cpu_fp32_matmuls must be 'cache', 'convert' or 'off', got {cpu_fp32_matmuls!r}")
         gm = self.graph_module
+        if concat_linears and isinstance(gm, GraphModule):
+            gm = copy_graph_module(gm)
+            run_pipeline(gm, PassContext(), (ConcatLinears(),))
         if cpu_fp32_matmuls != "off" and isinstance(gm, GraphModule):  # only matmuls traced on the CPU
             gm = copy_graph_module(gm)
             run_pipeline(gm, PassContext(), (Fp32Matmuls(cache_weights=cpu_fp32_matmuls == "cache"),))
