@@ -12,6 +12,7 @@ same objects, so the model and the paged graph keep sharing them). A group is le
 a weight shared with anything else (tied embeddings), not contiguous or not its storage's whole, or of another
 dtype, device or input width than the group's, or biases on some of the group's linears and not others (a model
 whose linears an earlier run of the pass joined keeps them as they are: its weights are views of one storage).
+Savers that refuse tensors sharing memory (safetensors) need copies of such a model's weights afterwards.
 Inductor's freezing concatenates such linears too, but as constants of the compiled graph: a second copy of the
 weights and a longer start-up (benchmarks/RESULTS.md, 2026-11-26, tenth session).
 """
