@@ -155,12 +155,7 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
     for _ in range(3):  # captures at this size and width
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
+        wall = step_wall(engine, steps)
     kernels: dict[str, list] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -177,17 +172,22 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
         engine.step()
 
 
-def split_step(engine, steps: int) -> str:
-    """A decode step's wall time split three ways, without the profiler: its graph replayed alone (the GPU's
-    part, kernels and the gaps between them), the kernels' own time inside it (``torch.cuda.Event`` around
-    the replay), and the rest of an engine step (the host's: scheduling, the buffers' load, the token read)."""
-    dg = engine.decode_graphs
+def step_wall(engine, steps: int) -> float:
+    """Seconds per ``engine.step()`` over ``steps`` steps, the device synchronised before and after."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps
+
+
+def split_step(engine, steps: int) -> str:
+    """A decode step's wall time split in two, without the profiler: its graph replayed alone, back to back (the
+    GPU's part: kernels and the gaps between them, timed by ``torch.cuda.Event``), and the rest of an engine step
+    (the host's part that the GPU waits for: scheduling, the buffers' load, the token read)."""
+    dg = engine.decode_graphs
+    wall = step_wall(engine, steps)
     shape = max(dg.graphs)  # the largest batch, then the widest table: the shape these steps replay
     graph, _ = dg.graphs[shape]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,9 +1,10 @@
 """Linears that read the same input, as one linear of their summed width (a layer's q/k/v projections, its MLP's
 gate and up projections).
 
-On a GPU a decode step multiplies a few dozen rows by each weight: a GEMM per weight is mostly launch latency and
-tail for the narrow ones (a GQA layer's k and v read ~1 MB each and took ~5 us apiece on an H200, ~20x what their
-bytes need). One GEMM over the concatenated weight reads the same bytes in one launch; the outputs are column
+On a GPU a decode step multiplies a few dozen rows by each weight, and a GEMM per weight is mostly launch latency
+and tail for the narrow ones: a GQA layer's k and v read ~1 MB each, ~0.25 us at an H200's copy rate, where the
+smallest GEMM kernels of a decode step's profile took ~5 us each (benchmarks/RESULTS.md; kernels attributed to
+weights by their counts, not traced). One GEMM over the concatenated weight reads the same bytes in one launch; the outputs are column
 slices of its output. Each output element is the same dot product as before, summed in whatever order the GEMM
 picks (as any change of GEMM shape may), so results agree to rounding, not bit for bit.
 
@@ -36,13 +37,6 @@ __all__ = ["ConcatLinears"]
 aten = torch.ops.aten
 
 
-def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _storages(gm: GraphModule) -> dict[int, int]:
     """How many of ``gm``'s parameters and buffers use each storage (by its data pointer)."""
     counts: dict[int, int] = {}
@@ -57,7 +51,7 @@ def _own_tensor(gm: GraphModule, node: Optional[Node], storages: dict[int, int])
     node alone, contiguous, the whole of a storage no other parameter or buffer uses."""
     if node is None or node.op != "get_attr" or len(node.users) != 1:
         return None
-    t = _attr(gm, node.target)
+    t = operator.attrgetter(node.target)(gm)
     if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.storage_offset() != 0 or \
             t.untyped_storage().nbytes() != t.numel() * t.element_size() or \
             storages.get(t.untyped_storage().data_ptr()) != 1:
@@ -84,7 +78,7 @@ def _group_key(gm: GraphModule, lin: Node, storages: dict[int, int]):
 def _concat(gm: GraphModule, nodes: list[Node], name: str) -> str:
     """Concatenate the ``get_attr`` tensors of ``nodes`` along dim 0 into a new parameter of ``gm`` (``name``, made
     unique), each original made a view of it; its name."""
-    tensors = [_attr(gm, n.target) for n in nodes]
+    tensors = [operator.attrgetter(n.target)(gm) for n in nodes]
     joined = torch.nn.Parameter(torch.cat([t.detach() for t in tensors]), requires_grad=tensors[0].requires_grad)
     while hasattr(gm, name):
         name += "_"
@@ -118,7 +112,7 @@ class ConcatLinears:
         for index, lins in enumerate(groups):
             lins.sort(key=order.__getitem__)
             x = lins[0].args[0]
-            widths = [_attr(gm, lin.args[1].target).shape[0] for lin in lins]
+            widths = [operator.attrgetter(lin.args[1].target)(gm).shape[0] for lin in lins]
             weight = _concat(gm, [lin.args[1] for lin in lins], f"_concat_linear_{index}")
             bias = None if _bias(lins[0]) is None else \
                 _concat(gm, [_bias(lin) for lin in lins], f"_concat_linear_{index}_bias")

@@ -155,7 +155,7 @@ class BlockManager:
         called only when a block fills (a decode step's commits seldom need the list).
         """
         before = table.num_cached_tokens
-        table.num_cached_tokens += num_new
+        self.count(table, num_new)
         self.register(table, tokens, before, table.num_cached_tokens)
 
     def count(self, table: BlockTable, num_new: int) -> None:

@@ -518,8 +518,8 @@ class PagedEngine:
         same requests (as ``schedule`` will make it: nothing waits or is swapped out, the token budget holds them
         all, the cache a block for each, so nothing is preempted), each one's input the pending step's token
         for it, and each one going on after that token (below its token limit; greedy, no forced token)."""
-        s, pending = self.scheduler, self._pending
-        if s.waiting or s.swapped or not s.running or len(s.running) > min(s.max_num_tokens, len(pending.plan)):
+        s = self.scheduler
+        if s.waiting or s.swapped or not s.running or len(s.running) > s.max_num_tokens:
             return False
         need = 0
         for req in s.running:
@@ -532,32 +532,18 @@ class PagedEngine:
     def _launch(self, plan: list[ScheduledChunk]) -> Optional[PendingStep]:
         """Start a greedy decode-only step through the decode graphs without waiting for its tokens (None where
         it cannot run so): its input ids from the host, or on the device from the pending step's tokens."""
-        graphs, pending = self.decode_graphs, self._pending
-        if not self.async_decode or graphs is None or self.states is not None or \
-                not all(c.num_tokens == 1 and c.completes and c.request.params.temperature == 0 for c in plan):
+        pending = self._pending
+        if self.decode_graphs is None or not self.async_decode or self.states is not None or \
+                not all(c.request.params.temperature == 0 for c in plan):
             return None
-        seq2seq = self._seq2seq is not None
-        if not graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan),
-                           max(len(c.request.cross_table.blocks) for c in plan) if seq2seq else 0):
-            return None
-        if pending is None:
-            ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
-        elif all(c.request.inflight == 1 and len(c.request.output) not in c.request.forced for c in plan):
+        ids = None  # from the host
+        if pending is not None:
+            if not all(c.request.inflight == 1 and len(c.request.output) not in c.request.forced for c in plan):
+                return None
             row = {id(c.request): i for i, c in enumerate(pending.plan)}
             ids = DeviceTokens(pending.tokens, [row[id(c.request)] for c in plan])
-        else:
-            return None
-        bs = self.block_size
-        tables = [c.request.table.blocks for c in plan]
-        try:
-            logits = graphs.run(ids, [c.start for c in plan],
-                                [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)], tables,
-                                [c.start + 1 for c in plan],
-                                [c.request.cross_table.blocks for c in plan] if seq2seq else None,
-                                [c.request.encoder_len for c in plan] if seq2seq else None, copy=False)
-        except CaptureFailed as e:  # this step and every one after it run eagerly
-            log.warning("decode steps run without CUDA graphs: %s", e)
-            self.decode_graphs = None
+        logits = self._through_graphs(plan, ids, copy=False)
+        if logits is None:
             return None
         self.stats["overlapped_steps"] += pending is not None
         tokens = argmax_tokens(logits)  # [n], as argmax_rows picks them
@@ -624,26 +610,10 @@ class PagedEngine:
     def _run_packed(self, plan: list[ScheduledChunk]) -> tuple[torch.Tensor, int, float]:
         """Every chunk of the step in one ``[1, T]`` row; ``[R, V]`` logits of the completing chunks. A decode-only
         step (one token per sequence, each completing it) runs in its CUDA graph where there is one."""
-        graphs = self.decode_graphs
-        seq2seq = self._seq2seq is not None
-        if graphs is not None and all(c.num_tokens == 1 and c.completes for c in plan) and \
-                graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan),
-                            max(len(c.request.cross_table.blocks) for c in plan) if seq2seq else 0):
-            bs = self.block_size
-            tables = [c.request.table.blocks for c in plan]
-            slots = [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)]
-            cross_tables = [c.request.cross_table.blocks for c in plan] if seq2seq else None
-            cross_lens = [c.request.encoder_len for c in plan] if seq2seq else None
-            t1 = time.perf_counter()
-            try:
-                logits = graphs.run([c.request.token_slice(c.start, c.start + 1)[0] for c in plan],
-                                    [c.start for c in plan], slots,
-                                    tables, [c.start + 1 for c in plan], cross_tables, cross_lens)
-            except CaptureFailed as e:  # the step runs below, as every step from now on
-                log.warning("decode steps run without CUDA graphs: %s", e)
-                self.decode_graphs = None
-            else:
-                return logits, len(plan), t1
+        t1 = time.perf_counter()
+        logits = self._through_graphs(plan)
+        if logits is not None:
+            return logits, len(plan), t1
         ids, pos, rows = [], [], []
         spec = self.servable.values
         types: list[int] = []
@@ -677,6 +647,33 @@ class PagedEngine:
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
                                           token_types=types or None, writable=False)  # only read: no copy
         return logits[:num_rows], num_tokens, t1  # [R, V]
+
+    def _through_graphs(self, plan: list[ScheduledChunk], ids: Optional[DeviceTokens] = None,
+                        copy: bool = True) -> Optional[torch.Tensor]:
+        """A decode-only step (one token per sequence, each completing it) through the decode graphs: ``[n, V]``
+        logits (``copy=False``: the graph's own output, see ``DecodeGraphs.run``); None where the graphs do not take
+        it, or where a capture failed (the step then runs eagerly, as every step after it). ``ids``: its tokens read
+        on the device (default: from the host)."""
+        graphs = self.decode_graphs
+        seq2seq = self._seq2seq is not None
+        if graphs is None or not all(c.num_tokens == 1 and c.completes for c in plan) or \
+                not graphs.fits(len(plan), max(len(c.request.table.blocks) for c in plan),
+                                max(len(c.request.cross_table.blocks) for c in plan) if seq2seq else 0):
+            return None
+        if ids is None:
+            ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
+        bs = self.block_size
+        tables = [c.request.table.blocks for c in plan]
+        try:
+            return graphs.run(ids, [c.start for c in plan],
+                              [t[c.start // bs] * bs + c.start % bs for c, t in zip(plan, tables)], tables,
+                              [c.start + 1 for c in plan],
+                              [c.request.cross_table.blocks for c in plan] if seq2seq else None,
+                              [c.request.encoder_len for c in plan] if seq2seq else None, copy=copy)
+        except CaptureFailed as e:
+            log.warning("decode steps run without CUDA graphs: %s", e)
+            self.decode_graphs = None
+            return None
 
     def _cross_metadata(self, plan: list[ScheduledChunk]) -> CrossMetadata:
         """The step's cross metadata; the same tensors as the previous step's while the step's requests and

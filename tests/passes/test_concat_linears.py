@@ -17,8 +17,8 @@ from ..support import hf_generate, prompts, tiny_model
 LINEAR = torch.ops.aten.linear.default
 
 
-def _rewritten():
-    m = tiny_model("llama", "eager")
+def _rewritten(dtype=torch.float32):
+    m = tiny_model("llama", "eager").to(dtype)
     ids = torch.arange(8)[None] % 100
     rm = pagedattn.rewrite(m, (), {"input_ids": ids, "position_ids": torch.arange(8)[None], "use_cache": False})
     return m, rm
@@ -37,8 +37,9 @@ def _weight_bytes(module) -> int:
     return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}.values())
 
 
-def test_q_k_v_and_gate_up_run_as_one_linear_each_with_the_same_logits_and_one_copy_of_the_weights():
-    model, rm = _rewritten()
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_q_k_v_and_gate_up_run_as_one_linear_each_with_the_same_logits_and_one_copy_of_the_weights(dtype, tol):
+    model, rm = _rewritten(dtype)
     tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]  # longer than the 8 tokens it was rewritten at
     before = _paged_logits(rm.graph_module, rm, tokens)
     with torch.no_grad():
@@ -50,7 +51,7 @@ def test_q_k_v_and_gate_up_run_as_one_linear_each_with_the_same_logits_and_one_c
     (report,) = run_pipeline(gm, PassContext(), (ConcatLinears(),))
     assert report.changed and f"{2 * layers} groups" in report.detail
     assert sum(n.target is LINEAR for n in gm.graph.nodes) == 4 * layers + 1  # qkv, o, gate-up, down; lm_head
-    torch.testing.assert_close(_paged_logits(gm, rm, tokens), before, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_paged_logits(gm, rm, tokens), before, atol=tol, rtol=tol)
     # the model's own parameters now view the concatenated weights: the same values, no second copy
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
@@ -87,14 +88,10 @@ def test_only_linears_of_one_input_whose_weights_can_be_joined_are():
     assert report.changed and "1 groups of linears concatenated (2 linears)" in report.detail
     joined = [n for n in gm.graph.nodes if n.target is LINEAR and n.args[1].op == "get_attr"
               and n.args[1].target.startswith("_concat_linear")]
-    assert len(joined) == 1 and tuple(_attr_shape(gm, joined[0].args[1].target)) == (10, 8)
+    assert len(joined) == 1 and tuple(getattr(gm, joined[0].args[1].target).shape) == (10, 8)
     assert module.tied.weight is module.other.weight and module.tied.weight.untyped_storage().nbytes() == 5 * 8 * 4
     for got, w in zip(gm(x, y), want):
         torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-6)
-
-
-def _attr_shape(gm, target):
-    return getattr(gm, target).shape
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -81,7 +81,7 @@ def test_stop_tokens_and_token_limits_end_requests_as_the_synchronous_engine_doe
         assert len(results[0][3][0]) <= 7 and results[0][3][1] == "stop"
 
 
-def test_requests_that_join_or_leave_while_a_step_is_under_way_get_generates_tokens(model):
+def test_requests_that_join_or_leave_while_a_step_is_under_way_get_hf_generates_tokens(model):
     """Requests added while a step is pending (the next step reads the pending one first, then admits them) and a
     request aborted while its next token is under way (its token dropped): each one's tokens are HF generate's
     (the aborted one's a prefix of them)."""
