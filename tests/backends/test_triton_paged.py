@@ -15,15 +15,25 @@ from pagedattn.backends import AttentionParams, get_backend, static_paged, trito
 from ..support import SHAPES, batch_params, make_batch
 
 
-def test_the_kernel_matches_the_reference_in_tritons_interpreter():
+def _interpreted_cases(selection: str) -> None:
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'pagedattn[test]')")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                          "tests/backends/triton_cases.py"], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-m",
+                          selection, "tests/backends/triton_cases.py"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_the_kernel_matches_the_reference_in_tritons_interpreter():
+    # every feature, layout and step shape once (the interpreter is pure Python: minutes on 2 cores)
+    _interpreted_cases("not slow")
+
+
+@pytest.mark.slow
+def test_the_kernel_matches_the_reference_in_tritons_interpreter_for_the_rest_of_the_cross_product():
+    _interpreted_cases("slow")
 
 
 @pytest.mark.parametrize("width, rows, splits, per", [(1, 1, 1, 1), (7, 4, 7, 1), (16, 4, 16, 1), (17, 4, 9, 2),

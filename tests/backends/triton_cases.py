@@ -33,6 +33,12 @@ INTERPRETED = triton_paged.available("cpu")
 SHORT = [(100, 1), (40, 3), (33, 1), (0, 5), (5, 1)]
 
 
+def long_in_interpreter(*values, id: str | None = None, long: bool = True):
+    """One parametrization; ``slow`` in the interpreter where ``long`` (``pytest -m slow`` runs it there), so the
+    main suite's interpreted run covers every feature and layout once and the cross products stay whole on CUDA."""
+    return pytest.param(*values, id=id, marks=pytest.mark.slow if INTERPRETED and long else ())
+
+
 @pytest.fixture
 def device():
     """CPU tensors, for Triton's interpreter (``test_triton_paged_gpu.py`` overrides it)."""
@@ -67,25 +73,34 @@ def _check(b, device, dtype, **kw):
         assert torch.all(out[n:] == 0), "padding rows must be zero"
 
 
-@pytest.mark.parametrize("shape", ["all_decode", "mixed"] + ([] if INTERPRETED else ["many_blocks"]))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, dtype", [
+    long_in_interpreter(shape, dtype, long=shape == "mixed" and dtype != torch.bfloat16)
+    for shape in ["all_decode", "mixed"] + ([] if INTERPRETED else ["many_blocks"])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)])
 def test_batch_shapes(device, shape, dtype):
     _check(make_batch(SHAPES[shape], dtype=dtype, pad_tokens=3), device, dtype)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2), (8, 1), (24, 1)], ids=["mha", "gqa4", "gqa8", "mqa8",
-                                                                                   "mqa24"])
-@pytest.mark.parametrize("head_size", [64, 80, 256] if INTERPRETED else [64, 80, 128, 256])
-@pytest.mark.parametrize("block_size", [16, 32])
+HEADS = {"mha": (4, 4), "gqa4": (8, 2), "gqa8": (16, 2), "mqa8": (8, 1), "mqa24": (24, 1)}
+
+
+@pytest.mark.parametrize("heads, head_size, block_size", [
+    long_in_interpreter(heads, head_size, block_size, id=f"{block_size}-{head_size}-{name}",
+                        long=block_size == 32 and name != "mha")
+    for block_size in (16, 32) for head_size in ([64, 80, 256] if INTERPRETED else [64, 80, 128, 256])
+    for name, heads in HEADS.items()])
 def test_layouts(device, heads, head_size, block_size):
     nh, nkv = heads
     b = make_batch(SHAPES["all_decode"], num_heads=nh, num_kv_heads=nkv, head_size=head_size, block_size=block_size)
     _check(b, device, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# plus a window that starts inside a block, in a split after the row's first
-@pytest.mark.parametrize("feature", [*FEATURES, {"window": 20}], ids=feature_id)
+# plus a window that starts inside a block, in a split after the row's first; in the interpreter's main run each
+# feature at one dtype, taking turns
+@pytest.mark.parametrize("feature, dtype", [
+    long_in_interpreter(feature, dtype, id=f"{feature_id(feature)}-{str(dtype)[6:]}", long=(i + j) % 2 == 1)
+    for i, feature in enumerate([*FEATURES, {"window": 20}])
+    for j, dtype in enumerate((torch.float32, torch.bfloat16))])
 def test_features(device, feature, dtype):
     seqs = SHORT if INTERPRETED else SHAPES["many_blocks"] + SHAPES["all_decode"]
     b = make_batch(seqs, num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
