@@ -1,5 +1,6 @@
-"""The CPU's native kernels (``csrc/paged_decode.c``: attention; ``csrc/small_linear.c``: a serving step's linears
-of few rows, :func:`linear`): built on first use into one library, loaded with ctypes.
+"""The CPU's native kernels (``csrc/paged_decode.c``, ``csrc/paged_prefill.c``: attention; ``csrc/small_linear.c``: a
+serving step's linears of few rows, :func:`linear`): built on first use into one library (its units compiled at
+once, :func:`build_shared`), loaded with ctypes.
 
 Why native: a decode step's attention through SDPA gathers every sequence's blocks into a dense buffer first
 (a second pass over the keys) and pays Python per call around a dozen small ops; the decode kernel reads keys and
@@ -26,6 +27,7 @@ keeps its SDPA path. ``PAGEDATTN_NATIVE=0`` turns it off.
 from __future__ import annotations
 
 import array
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -57,7 +59,7 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
 MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
-_SOURCES = ("pagedattn_abi.h", "paged_decode.c", "small_linear.c")
+_SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 
 
@@ -109,7 +111,7 @@ class _LinearArgs(ctypes.Structure):
 
 
 class _PrefillArgs(ctypes.Structure):
-    """``prefill_args`` of ``csrc/paged_decode.c``, field for field."""
+    """``prefill_args`` of ``csrc/paged_prefill.c``, field for field."""
 
     _fields_ = [
         ("query", ctypes.c_void_p), ("q_row", ctypes.c_int64), ("q_head", ctypes.c_int64),
@@ -210,14 +212,29 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         for f in files:
             f.write_bytes(sources[f.name])
         obj = Path(tmp) / "out.so"
-        units = [str(f) for f in files if f.suffix != ".h"]  # headers are there to be included
-        done = subprocess.run([compiler, *flags, *units, "-o", str(obj), *libs], capture_output=True, text=True,
-                              check=False)
-        if done.returncode:
-            log.debug("pagedattn: %s did not compile (%s): %s", stem, compiler, done.stderr[-2000:])
+        units = [f for f in files if f.suffix != ".h"]  # headers are there to be included
+        objects = [str(u.with_suffix(".o")) for u in units]
+        done = _compile_units(compiler, flags, units) or _run([compiler, *flags, *objects, "-o", str(obj), *libs])
+        if done:
+            log.debug("pagedattn: %s did not compile (%s): %s", stem, compiler, done[-2000:])
             return None
         os.replace(obj, target)
     return target
+
+
+def _run(command: Sequence[str]) -> str:
+    """The compiler's complaint, or "" where ``command`` succeeded."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    return (done.stderr or f"exit status {done.returncode}") if done.returncode else ""
+
+
+def _compile_units(compiler: str, flags: Sequence[str], units: Sequence[Path]) -> str:
+    """Each unit into its object beside it, as many at once as there are cores (a first start's build is ~20 s a
+    unit on 2 cores); the first complaint, or ""."""
+    compile_flags = [f for f in flags if f != "-shared"]  # the link's
+    commands = [[compiler, *compile_flags, "-c", str(u), "-o", str(u.with_suffix(".o"))] for u in units]
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        return next((e for e in pool.map(_run, commands) if e), "")
 
 
 def missing_prerequisite() -> Optional[str]:
@@ -407,7 +424,7 @@ def write(lib: ctypes.CDLL, key: Tensor, value: Tensor, kv_cache: Tensor, slot_m
     return True
 
 
-PREFILL_MAX_HEAD_SIZE = 256  # csrc/paged_decode.c's prefill: head sizes that are multiples of 16, up to this
+PREFILL_MAX_HEAD_SIZE = 256  # csrc/paged_prefill.c: head sizes that are multiples of 16, up to this
 
 
 def prefill_usable(query: Tensor, key: Tensor, value: Tensor, num_kv_heads: int) -> bool:

@@ -1,0 +1,185 @@
+/* What the CPU kernels of paged_decode.c (decode, cache write, argmax) and paged_prefill.c (prefill) share: dtype
+ * conversions, e^x, row loads and the 16-lane vector helpers. Two units so that a first start compiles them at once
+ * (native.build_shared). */
+#ifndef PAGEDATTN_PAGED_COMMON_H
+#define PAGEDATTN_PAGED_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pagedattn_abi.h"
+
+/* bfloat16 scores by AVX512-BF16's pair dot products (exact bfloat16 products, float sums; bfloat16 subnormals,
+ * below 1.2e-38, count as zero) where the target has them; PAGEDATTN_NO_DPBF16 keeps the widening path */
+#if defined(__AVX512BF16__) && !defined(PAGEDATTN_NO_DPBF16)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+#define MAX_HEAD PAGEDATTN_MAX_HEAD   /* head size bound */
+#define MAX_GROUP PAGEDATTN_MAX_GROUP /* query heads per KV head */
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {  /* round to nearest even, NaN kept a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+/* e^x = 2^n * e^r with n = round(x log2 e): r from x and n (ln 2 in two parts), then e^r by its polynomial. The
+ * same steps for a float and for 16 lanes (exp_neg, vexp_neg); p starts at EXP_P5. */
+#define EXP_P5 1.9875691500e-4f
+#define EXP_POLY(x, n, r, p)                 \
+    do {                                     \
+        r = x - n * 0.693359375f;            \
+        r = r - n * -2.12194440e-4f;         \
+        p = p * r + 1.3981999507e-3f;        \
+        p = p * r + 8.3334519073e-3f;        \
+        p = p * r + 4.1665795894e-2f;        \
+        p = p * r + 1.6666665459e-1f;        \
+        p = p * r + 5.0000001201e-1f;        \
+        p = p * r * r + r + 1.0f;            \
+    } while (0)
+
+/* e^x for x <= 0 (a score minus a running maximum), vectorisable: 2^n * p(r), |rel. error| < 2e-7.
+ * Arguments below -87 give a tiny positive number where e^x would be ~0: always multiplied into sums
+ * that it cannot change at float precision. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r, p = EXP_P5;
+    EXP_POLY(x, n, r, p);
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+
+/* n rows of D elements (row stride in elements) into float dst [n][D] */
+static inline __attribute__((always_inline)) void load_rows(float *restrict dst, const char *const *src, int n,
+                                                            const int D, int dtype) {
+    if (dtype == 0) {
+        for (int t = 0; t < n; t++) memcpy(dst + t * D, src[t], sizeof(float) * D);
+    } else if (dtype == 1) {
+        for (int t = 0; t < n; t++) {
+            const bf16_t *r = (const bf16_t *)src[t];
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[t * D + d] = bf16_to_f32(r[d]);
+        }
+    } else {
+        for (int t = 0; t < n; t++) {
+            const _Float16 *r = (const _Float16 *)src[t];
+#pragma omp simd
+            for (int d = 0; d < D; d++) dst[t * D + d] = (float)r[d];
+        }
+    }
+}
+/* ---- the vector path: head sizes that are multiples of 16, tiles of 16 keys (GCC/Clang vector extensions: the
+ * compiler maps 16-float vectors to whatever the target has, one AVX-512 register or several narrower ones) */
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define VL 16
+#define VEC_MAX_NV 16  /* the vector path's head sizes are at most 256 */
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* x in every lane: one broadcast (`(vf){} + x` also adds the zeros, and `v * 0.0f + x` multiplies: neither may be
+ * folded away, as -0.0 and infinities behave differently) */
+static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* lanes (0, 2, ..., 30) and (1, 3, ..., 31) of a:b, added: the pairwise sums of a, then of b */
+static inline vf pairsum(vf a, vf b) {
+    const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+/* lane t of the result: the sum of x[t]'s lanes (16 dot products finished at once, 15 pairings) */
+static inline vf hsum16(const vf *x) {
+    vf r8[8], r4[4], r2[2];
+    for (int i = 0; i < 8; i++) r8[i] = pairsum(x[2 * i], x[2 * i + 1]);
+    for (int i = 0; i < 4; i++) r4[i] = pairsum(r8[2 * i], r8[2 * i + 1]);
+    for (int i = 0; i < 2; i++) r2[i] = pairsum(r4[2 * i], r4[2 * i + 1]);
+    return pairsum(r2[0], r2[1]);
+}
+
+/* exp_neg on 16 lanes (rounding by adding and removing 1.5 * 2^23: exact for |x * log2 e| < 2^22) */
+static inline vf vexp_neg(vf x) {
+    const vf lowest = vsplat(-87.0f);
+    x = vselect(x < lowest, lowest, x);
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r, p = vsplat(EXP_P5);
+    EXP_POLY(x, n, r, p);
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
+
+/* 16 elements of a row of the cache's dtype DT (0 float32, 1 bfloat16, 2 float16) as floats: converted in registers */
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef _Float16 vh16 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) vf vload_as_float(const char *p, const int DT) {
+    if (DT == 0) return vload((const float *)p);
+    if (DT == 1) {
+        vu16 u;
+        memcpy(&u, p, sizeof u);
+        return (vf)(__builtin_convertvector(u, vi) << 16);
+    }
+    vh16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vf);
+}
+
+/* the maximum and the sum of a vector's 16 lanes (a tree of halvings, no lane-by-lane loop) */
+static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                             {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                             {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                             {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+
+static inline float hmax16(vf x) {
+    for (int i = 0; i < 4; i++) {
+        const vf y = __builtin_shuffle(x, HALVES[i]);
+        x = vselect(x > y, x, y);
+    }
+    return x[0];
+}
+
+static inline float hadd16(vf x) {
+    for (int i = 0; i < 4; i++) x += __builtin_shuffle(x, HALVES[i]);
+    return x[0];
+}
+
+/* element i of a row of dtype DT (0 float32, 1 bfloat16, 2 float16) set to x */
+static inline void store_dt(int DT, void *dst, int64_t i, float x) {
+    if (DT == 0) ((float *)dst)[i] = x;
+    else if (DT == 1) ((bf16_t *)dst)[i] = f32_to_bf16(x);
+    else ((_Float16 *)dst)[i] = (_Float16)x;
+}
+
+/* 1 where bfloat16 prefill scores are pair dot products on this CPU (paged_prefill.c) */
+int pagedattn_prefill_pairs_pay(void);
+
+#endif

@@ -1,0 +1,334 @@
+/* Prefill on the CPU (one library with paged_decode.c, built by native.py): the queries of a run of a sequence over
+ * that sequence's own keys (K/V rows of a tensor, not the paged cache): causal, optionally within a window, or not
+ * causal; float32 sums over any of the three dtypes.
+ *
+ * The keys are first transposed, per item and KV head, into tiles of [D][16] floats: a tile's scores for one query
+ * row are then D fused multiply-adds on 16 keys at once, the row's query element broadcast. A unit is (item, KV head,
+ * heads of its group, block of query positions): PM query rows whose score vectors stay in registers over a tile;
+ * the scores of PCH tiles are then softmaxed together (one maximum, one rescale of the sums and no masks where every
+ * row sees every key: ~20 % of a prefill's time against a tile at a time), and, per 16-float chunk of the head, PM
+ * weighted sums stay in registers over those tiles' value rows. Head sizes that are multiples of 16, up to 256. */
+#include "paged_common.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC's -O3 takes ~16 s more here for its 24 instantiations (6 head sizes x 4 dtype paths) and makes them no faster
+ * than -O2 (same-process timings of both builds); the decode kernel does need -O3 (~1.5x slower at -O2) */
+#pragma GCC push_options
+#pragma GCC optimize("O2")
+#endif
+#define PM 24  /* query rows of a unit */
+#define PCH 4  /* tiles of keys a unit's softmax takes at once: one maximum, one rescale per 64 keys */
+
+typedef struct {
+    const void *query;
+    int64_t q_row, q_head;
+    const void *key;
+    int64_t k_row, k_head;
+    const void *value;
+    int64_t v_row, v_head;
+    void *out;
+    int64_t o_row, o_head;
+    /* per item: first query row, queries, position of the first query, first key row, keys, position of the first
+     * key. A causal query at position p sees the item's keys at positions [p - window + 1, p] ([.., p] without a
+     * window); a non-causal query sees all of them */
+    const int64_t *items;
+    int64_t num_items;
+    int32_t num_heads, num_kv_heads, head_size, causal, window, dtype;
+    float scale;
+    float *scratch;  /* the transposed keys: sum over items of ceil(keys / 16) * Hkv * D * 16 floats */
+    int32_t num_threads;
+    int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
+} prefill_args;
+
+/* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi) */
+static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, int64_t *klo, int64_t *khi) {
+    int64_t lo = 0, hi = it[4];
+    if (a->causal) {
+        hi = qpos - it[5] + 1;
+        if (a->window > 0) lo = qpos - a->window + 1 - it[5];
+    }
+    *klo = lo > 0 ? lo : 0;
+    *khi = hi < it[4] ? hi : it[4];
+}
+
+/* one unit: row r is position qb * QB + r / hb of the item's queries, head g0 + r % hb of KV head kvh's group;
+ * rows past the queries, the block or the group are padding (zero queries, nothing written) */
+static inline __attribute__((always_inline)) void prefill_unit(const prefill_args *a, float *buf, const float *kt,
+                                                               int64_t item, int kvh, int g0, int hb, int64_t qb,
+                                                               const int D, const int DT, const int DP) {
+    const int NV = D / VL;
+    const int64_t *it = a->items + 6 * item;
+    const int64_t nq = it[1];
+    const int G = a->num_heads / a->num_kv_heads, QB = PM / hb;
+    const int64_t esz = DT == 0 ? 4 : 2;
+    float *q = buf, *acc = q + PM * D, *p = acc + PM * D, *l = p + PM * PCH * VL, *m = l + PM * VL;
+    int64_t klo[PM], khi[PM], first = it[4], last = 0;  /* each row's keys; the keys of any row */
+    int64_t seen_lo = 0, seen_hi = it[4];  /* the keys every live row sees: [seen_lo, seen_hi) */
+    for (int r = 0; r < PM; r++) {
+        const int64_t i = qb * QB + r / hb;
+        const int h = kvh * G + g0 + r % hb;
+        m[r] = -INFINITY;
+        vstore(l + r * VL, (vf){});
+        for (int d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+        klo[r] = khi[r] = 0;
+        if (r / hb >= QB || i >= nq || g0 + r % hb >= G) {
+            if (DP)
+                memset((uint32_t *)q + r * (D / 2), 0, (size_t)D * 2);
+            else
+                for (int d = 0; d < D; d++) q[r * D + d] = 0.0f;
+            continue;
+        }
+        const char *qp[1] = {(const char *)a->query + ((it[0] + i) * a->q_row + h * a->q_head) * esz};
+        if (DP) {
+            memcpy((uint32_t *)q + r * (D / 2), qp[0], (size_t)D * 2);  /* the row's pairs, scaled after the sums */
+        } else {
+            load_rows(q + r * D, qp, 1, D, DT);
+            for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
+        }
+        prefill_seen(a, it, it[2] + i, &klo[r], &khi[r]);
+        if (klo[r] < khi[r]) {
+            first = klo[r] < first ? klo[r] : first;
+            last = khi[r] > last ? khi[r] : last;
+            seen_lo = klo[r] > seen_lo ? klo[r] : seen_lo;
+            seen_hi = khi[r] < seen_hi ? khi[r] : seen_hi;
+        }
+    }
+    vi lane;
+    for (int t = 0; t < VL; t++) lane[t] = t;
+    for (int64_t j0 = first - first % VL; j0 < last; j0 += PCH * VL) {
+        const int nt = (last - j0 + VL - 1) / VL < PCH ? (int)((last - j0 + VL - 1) / VL) : PCH;
+        for (int tt = 0; tt < nt; tt++) {  /* the chunk's scores: p [PM][PCH * VL] */
+            const float *tile = kt + (j0 / VL + tt) * (int64_t)D * VL;  /* [D][16] */
+            vf s[PM];
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) s[r] = (vf){};
+#if HAVE_DPBF16
+            if (DP) {  /* exact bfloat16 products, float sums, then the scale (as the reference orders them) */
+                const uint32_t *qp2 = (const uint32_t *)q;
+                __m512 sd[PM];
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) sd[r] = _mm512_setzero_ps();
+                for (int d2 = 0; d2 < D / 2; d2++) {
+                    const __m512bh k = (__m512bh)_mm512_loadu_si512((const uint32_t *)tile + d2 * VL);
+#pragma GCC unroll 24
+                    for (int r = 0; r < PM; r++)
+                        sd[r] = _mm512_dpbf16_ps(sd[r], k, (__m512bh)_mm512_set1_epi32((int)qp2[r * (D / 2) + d2]));
+                }
+                const vf scale = vsplat(a->scale);
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) s[r] = (vf)sd[r] * scale;
+            } else
+#endif
+            for (int d = 0; d < D; d++) {
+                const vf k = vload(tile + d * VL);
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) s[r] += q[r * D + d] * k;
+            }
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) vstore(p + r * (PCH * VL) + tt * VL, s[r]);
+        }
+        /* every live row sees every key of the chunk (most chunks of a long prompt): no masks */
+        const int full = j0 >= seen_lo && j0 + nt * VL <= seen_hi;
+        for (int r = 0; r < PM; r++) {
+            float *pr = p + r * (PCH * VL);
+            vf sc[PCH], top_v = (vf){} - INFINITY;
+            vi seen[PCH];
+            if (klo[r] < khi[r]) {
+                for (int tt = 0; tt < nt; tt++) {
+                    sc[tt] = vload(pr + tt * VL);
+                    if (!full) {
+                        const vi key = lane + (int)(j0 + tt * VL);
+                        seen[tt] = (key >= (int)klo[r]) & (key < (int)khi[r]);
+                        sc[tt] = vselect(seen[tt], sc[tt], (vf){} - INFINITY);
+                    }
+                    top_v = vselect(sc[tt] > top_v, sc[tt], top_v);
+                }
+            }
+            const float top = hmax16(top_v);
+            if (top == -INFINITY) {  /* none of the chunk's keys (a padding row's: it sees none) */
+                for (int tt = 0; tt < nt; tt++) vstore(pr + tt * VL, (vf){});
+                continue;
+            }
+            if (top > m[r]) {  /* a new maximum: the sums so far scaled down to it */
+                const float alpha = exp_neg(m[r] - top);
+                m[r] = top;
+                vstore(l + r * VL, vload(l + r * VL) * alpha);
+                for (int c = 0; c < NV; c++) vstore(acc + r * D + c * VL, vload(acc + r * D + c * VL) * alpha);
+            }
+            const vf mr = vsplat(m[r]);
+            vf sum = vload(l + r * VL);  /* the normaliser's lanes, added up at the end */
+            for (int tt = 0; tt < nt; tt++) {
+                vf pv = vexp_neg(sc[tt] - mr);
+                if (!full) pv = (vf)((vi)pv & seen[tt]);
+                sum += pv;
+                vstore(pr + tt * VL, pv);
+            }
+            vstore(l + r * VL, sum);
+        }
+        const int64_t n = it[4] - j0 < nt * VL ? it[4] - j0 : nt * VL;
+        const char *vrow = (const char *)a->value + ((it[3] + j0) * a->v_row + kvh * a->v_head) * esz;
+        for (int c = 0; c < NV; c++) {
+            vf x[PM];
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) x[r] = vload(acc + r * D + c * VL);
+            for (int64_t t = 0; t < n; t++) {
+                const vf v = vload_as_float(vrow + (t * a->v_row + c * VL) * esz, DT);
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) x[r] += p[r * (PCH * VL) + t] * v;
+            }
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++) vstore(acc + r * D + c * VL, x[r]);
+        }
+    }
+    for (int r = 0; r < PM; r++) {
+        if (klo[r] >= khi[r]) continue;  /* padding (a real row sees at least its own key) */
+        const int64_t i = qb * QB + r / hb;
+        const int h = kvh * G + g0 + r % hb;
+        char *dst = (char *)a->out + ((it[0] + i) * a->o_row + h * a->o_head) * esz;
+        const float inv = 1.0f / hadd16(vload(l + r * VL));
+        for (int d = 0; d < D; d++) store_dt(DT, dst, d, acc[r * D + d] * inv);
+    }
+}
+
+/* an item's keys of one KV head as tiles [ceil(keys / 16)][D][16] of floats (zeros past the last key); bfloat16 keys
+ * where the pair dot products are built as tiles [D / 2][16] of pairs of bfloat16 (the first half of a tile's room) */
+static inline __attribute__((always_inline)) void prefill_transpose(const prefill_args *a, float *kt, int64_t item,
+                                                                    int kvh, int64_t tile, const int D,
+                                                                    const int DT, const int DP) {
+    const int64_t *it = a->items + 6 * item;
+    const int64_t esz = DT == 0 ? 4 : 2;
+    float *dst = kt + tile * (int64_t)D * VL;
+    if (DP) {
+        uint32_t *pairs = (uint32_t *)dst;
+        for (int t = 0; t < VL; t++) {
+            const int64_t j = tile * VL + t;
+            const uint32_t *src =
+                (const uint32_t *)((const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * 2);
+            for (int d2 = 0; d2 < D / 2; d2++) {
+                uint32_t v = 0;
+                if (j < it[4]) memcpy(&v, src + d2, 4);  /* (k[2 d2], k[2 d2 + 1]) */
+                pairs[d2 * VL + t] = v;
+            }
+        }
+        return;
+    }
+    for (int t = 0; t < VL; t++) {
+        const int64_t j = tile * VL + t;
+        if (j >= it[4]) {
+            for (int d = 0; d < D; d++) dst[d * VL + t] = 0.0f;
+            continue;
+        }
+        const char *src[1] = {(const char *)a->key + ((it[3] + j) * a->k_row + kvh * a->k_head) * esz};
+        float row[MAX_HEAD];
+        load_rows(row, src, 1, D, DT);
+        for (int d = 0; d < D; d++) dst[d * VL + t] = row[d];
+    }
+}
+
+/* bfloat16 prefill scores by pair dot products (DP) or widened to float32 FMAs: pairs where they pay, AMD's CPUs
+ * (a 2-core EPYC, Zen 5: the kernel ~2x faster); on a Sapphire Rapids class Xeon, whose pair dot products issue at
+ * half the rate of its FMAs, widening was 25-35 % faster (4 x 250 and 1 x 1024 tokens). PAGEDATTN_PREFILL_PAIRS takes
+ * pairs on any CPU that has them (tests) */
+int pagedattn_prefill_pairs_pay(void) {
+#if HAVE_DPBF16 && defined(PAGEDATTN_PREFILL_PAIRS)
+    return 1;
+#elif HAVE_DPBF16
+    return __builtin_cpu_is("amd");
+#else
+    return 0;
+#endif
+}
+
+#define PREFILL_DTYPES(F, D, ...)                                                                              \
+    do {                                                                                                       \
+        if (a->dtype == 0) F(__VA_ARGS__, D, 0, 0);                                                            \
+        else if (a->dtype == 1 && pairs) F(__VA_ARGS__, D, 1, HAVE_DPBF16);                                    \
+        else if (a->dtype == 1) F(__VA_ARGS__, D, 1, 0);                                                       \
+        else F(__VA_ARGS__, D, 2, 0);                                                                          \
+    } while (0)
+
+#define PREFILL_SIZES(F, ...)                                                                                  \
+    do {                                                                                                       \
+        switch (a->head_size) {                                                                                \
+            case 64: PREFILL_DTYPES(F, 64, __VA_ARGS__); break;                                                \
+            case 128: PREFILL_DTYPES(F, 128, __VA_ARGS__); break;                                              \
+            case 32: PREFILL_DTYPES(F, 32, __VA_ARGS__); break;                                                \
+            case 16: PREFILL_DTYPES(F, 16, __VA_ARGS__); break;                                                \
+            case 256: PREFILL_DTYPES(F, 256, __VA_ARGS__); break;                                              \
+            default: PREFILL_DTYPES(F, a->head_size, __VA_ARGS__); /* other multiples of 16 */                 \
+        }                                                                                                      \
+    } while (0)
+
+/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows) */
+static int prefill_check(const prefill_args *a) {
+    const int D = a->head_size;
+    if (D <= 0 || D > 256 || D % VL || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 1;
+    for (int64_t i = 0; i < a->num_items; i++) {
+        const int64_t *it = a->items + 6 * i;
+        if (it[0] < 0 || it[1] < 0 || it[0] + it[1] > a->num_q_rows) return 2;
+        if (it[3] < 0 || it[4] < 0 || it[3] + it[4] > a->num_k_rows) return 2;
+    }
+    return 0;
+}
+
+int pagedattn_prefill(const prefill_args *a) {
+    const int bad = prefill_check(a);
+    if (bad) return bad;
+    const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, D = a->head_size;
+    const int hb = G < PM ? G : PM, QB = PM / hb, hblocks = (G + hb - 1) / hb;
+    /* one choice for the call: the scratch holds its key tiles' layout */
+    const int pairs = pagedattn_prefill_pairs_pay();
+    const int64_t n = a->num_items;
+    /* per item: its first tile in the scratch (tiles of every KV head) and its first unit */
+    int64_t *tiles = malloc(sizeof(int64_t) * 2 * (n + 1));
+    if (!tiles) return 5;
+    int64_t *units = tiles + n + 1;
+    tiles[0] = units[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *it = a->items + 6 * i;
+        tiles[i + 1] = tiles[i] + Hkv * ((it[4] + VL - 1) / VL);
+        units[i + 1] = units[i] + (int64_t)Hkv * hblocks * ((it[1] + QB - 1) / QB);
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t tt = 0; tt < tiles[n]; tt++) {
+            int64_t lo = 0, hi = n;  /* the item holding tile tt */
+            while (hi - lo > 1) {
+                int64_t mid = (lo + hi) / 2;
+                if (tiles[mid] <= tt) lo = mid; else hi = mid;
+            }
+            const int64_t per_head = (a->items[6 * lo + 4] + VL - 1) / VL, k = tt - tiles[lo];
+            float *kt = a->scratch + (tiles[lo] + (k / per_head) * per_head) * (int64_t)D * VL;
+            PREFILL_SIZES(prefill_transpose, a, kt, lo, (int)(k / per_head), k % per_head);
+        }
+        float *buf = malloc(sizeof(float) * (2 * PM * D + PM * PCH * VL + PM * VL + PM));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the last units first: a causal item's later query blocks see the most keys */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = units[n] - 1; u >= 0; u--) {
+            if (!buf) continue;
+            int64_t lo = 0, hi = n;
+            while (hi - lo > 1) {
+                int64_t mid = (lo + hi) / 2;
+                if (units[mid] <= u) lo = mid; else hi = mid;
+            }
+            const int64_t blocks = (a->items[6 * lo + 1] + QB - 1) / QB, k = u - units[lo];
+            const int kvh = (int)(k / (hblocks * blocks)), g0 = (int)((k / blocks) % hblocks) * hb;
+            const int64_t per_head = (a->items[6 * lo + 4] + VL - 1) / VL;
+            const float *kt = a->scratch + (tiles[lo] + kvh * per_head) * (int64_t)D * VL;
+            PREFILL_SIZES(prefill_unit, a, buf, kt, lo, kvh, g0, hb, k % blocks);
+        }
+        free(buf);
+    }
+    free(tiles);
+    return failed ? 5 : 0;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
