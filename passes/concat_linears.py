@@ -4,9 +4,9 @@ gate and up projections).
 On a GPU a decode step multiplies a few dozen rows by each weight, and a GEMM per weight is mostly launch latency
 and tail for the narrow ones: a GQA layer's k and v read ~1 MB each, ~0.25 us at an H200's copy rate, where the
 smallest GEMM kernels of a decode step's profile took ~5 us each (benchmarks/RESULTS.md; kernels attributed to
-weights by their counts, not traced). One GEMM over the concatenated weight reads the same bytes in one launch; the outputs are column
-slices of its output. Each output element is the same dot product as before, summed in whatever order the GEMM
-picks (as any change of GEMM shape may), so results agree to rounding, not bit for bit.
+weights by their counts, not traced). One GEMM over the concatenated weight reads the same bytes in one launch;
+the outputs are column slices of its output. Each output element is the same dot product as before, summed in
+whatever order the GEMM picks (as any change of GEMM shape may), so results agree to rounding, not bit for bit.
 
 The weights stay in one copy: each original parameter becomes a view of the concatenated tensor (same values,
 same objects, so the model and the paged graph keep sharing them). A group is left alone where that cannot hold:

@@ -481,7 +481,8 @@ class PagedEngine:
             previous, self._pending = self._pending, launched
             if previous is not None:
                 done += self._resolve(previous)  # waits for the previous step while this one queues behind it
-            self._count(len(plan), t0, t1, time.perf_counter(), time.perf_counter())
+            t2 = time.perf_counter()
+            self._count(len(plan), t0, t1, t2, t2)
             return done
         if self._pending is not None:  # this step reads its input ids on the host
             plan = self._resolve_into(plan, done)

@@ -290,13 +290,17 @@ def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_pat
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(shared))
-    sources = {"answer.c": b"int answer(void) { return 42; }\n"}
-    built = native.build_shared(sources, shutil.which("cc") or shutil.which("gcc"), ("-O2", "-shared", "-fPIC"), "answer")
+    def build():
+        sources = {"answer.c": b"int answer(void) { return 42; }\n"}
+        return native.build_shared(sources, shutil.which("cc") or shutil.which("gcc"), ("-O2", "-shared", "-fPIC"),
+                                   "answer")
+
+    built = build()
     assert built is not None and not list(shared.iterdir())  # built elsewhere
     assert not built.is_relative_to(shared) and ctypes.CDLL(str(built)).answer() == 42
     # an object someone else may have put there under the very name is never what is returned
     (shared / built.name).write_bytes(b"not a shared object")
-    again = native.build_shared(sources, shutil.which("cc") or shutil.which("gcc"), ("-O2", "-shared", "-fPIC"), "answer")
+    again = build()
     assert again is not None and not again.is_relative_to(shared) and ctypes.CDLL(str(again)).answer() == 42
 
 
