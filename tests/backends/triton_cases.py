@@ -33,6 +33,51 @@ INTERPRETED = triton_paged.available("cpu")
 SHORT = [(100, 1), (40, 3), (33, 1), (0, 5), (5, 1)]
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` when a kernel launches, and again at every call of a
+    ``@triton.jit`` function inside it (ours and ``tl.sum``, ``tl.zeros`` ...: ~2 ms each, over half of this
+    file's time, as the kernels call them per program). Within a launch a second patch of the same language modules
+    changes nothing (what it would replace is replaced already), so a call is skipped when the modules its function
+    sees were patched in this launch. Only the interpreter's bookkeeping changes: every op still runs interpreted."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None:  # another Triton: leave its interpreter as it is
+        return
+    launch = interpreter.GridExecutor.__call__
+    languages = (tl, tl.core)
+    patched: set[int] = set()  # ids of the language modules patched in the running launch
+
+    modules_of: dict[int, frozenset[int]] = {}  # id of a function's globals -> the language modules they hold
+
+    def seen(fn) -> frozenset[int]:
+        key = id(fn.__globals__)  # module dicts: they live as long as the process
+        if key not in modules_of:
+            modules_of[key] = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
+        return modules_of[key]
+
+    def patch_once(fn):
+        modules = seen(fn)
+        if modules and modules <= patched:
+            return interpreter._LangPatchScope()  # nothing to restore
+        scope = patch_lang(fn)
+        patched.update(modules)
+        return scope
+
+    def launch_once(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_once, launch_once
+
+
+if INTERPRETED:
+    _patch_language_once_per_launch()
+
+
 def long_in_interpreter(*values, id: str | None = None, long: bool = True):
     """One parametrization; ``slow`` in the interpreter where ``long`` (``pytest -m slow`` runs it there), so the
     main suite's interpreted run covers every feature and layout once and the cross products stay whole on CUDA."""
