@@ -34,7 +34,8 @@ from pagedattn.backends.metadata import validation_enabled
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["SMALL_ROWS", "linear", "onednn_rows", "SmallLinears", "small_linears_available", "proven_layout"]
+__all__ = ["SMALL_ROWS", "linear", "onednn_rows", "SmallLinears", "small_linears_available", "proven_layout",
+           "packed_weight_key", "mkl_linear_targets"]
 
 # Rows up to which a dtype's calls take the native kernel. On a 2-core EPYC (Zen 5), llama16m's 25 linears from DRAM,
 # panels against oneDNN on the same packed weights: bf16 0.85 against 1.23 ms at 16 rows, 3.70 against 4.01 at 128;
@@ -67,6 +68,14 @@ def proven_layout(packed: Tensor) -> Optional[int]:
             torch.uint8)):
         return native.LINEAR_PLAIN
     return None
+
+
+def packed_weight_key(packed: Tensor) -> tuple:
+    """What a compiled step may depend on in a oneDNN-packed weight: its logical shape, its dtype and the layout its
+    bytes are proved to hold (None: another). Inductor's FX graph cache keys a frozen packed weight by this (see
+    :mod:`pagedattn.inductor_cache`), so a cached step is reused only where :class:`SmallLinears` would decide as
+    it did."""
+    return ("onednn packed", tuple(packed.shape), str(packed.dtype), proven_layout(packed))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], layout: int) -> Tensor:
@@ -112,6 +121,10 @@ def _pass_fingerprint() -> str:
         h.update(source.joinpath(name).read_bytes())
     h.update(native_ops.source_digest())
     h.update(b"c++ operator" if native_ops.linear_op() is not None else b"python kernel")  # the op the graph calls
+    lib = native.library()  # what the pass may swap on this machine: the kernel's dtypes and their layouts
+    for dtype in sorted(SMALL_ROWS, key=str):
+        usable = small_linears_available(dtype)
+        h.update(f"{dtype}:{usable}:{sorted(native.linear_layouts(lib, dtype)) if usable else ()}".encode())
     return h.hexdigest()
 
 
@@ -133,7 +146,7 @@ except ImportError:  # pragma: no cover - torch without Inductor's custom passes
     CustomGraphPass = object
 
 
-def _mkl_targets() -> tuple:
+def mkl_linear_targets() -> tuple:
     """MKL's packed float32 linear (Inductor's choice for a static number of rows), as the graph may name it."""
     op = getattr(getattr(torch.ops, "mkl", None), "_mkl_linear", None)
     return () if op is None else (op, op.default)
@@ -200,7 +213,7 @@ class SmallLinears(CustomGraphPass):
             _replace(graph, node, *node.args[:3], layouts[name])
             swapped += 1
         fake_mode, dropped, plain = detect_fake_mode(), [], {}
-        for target in _mkl_targets():
+        for target in mkl_linear_targets():
             for node in list(graph.find_nodes(op="call_function", target=target)):
                 w = _mkl_swappable(gm, node)
                 if w is None or not small_linears_available(w.dtype):

@@ -23,6 +23,7 @@ from pagedattn.backends import (
 from pagedattn.backends.cpu_linear import SmallLinears
 from pagedattn.backends.native_ops import NativePagedOps
 from pagedattn.backends.shared_values import RealizeSharedValues
+from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes
@@ -155,7 +156,8 @@ def inductor_freezing(on: bool) -> Iterator[None]:
     saved = inductor_config.freezing, inductor_config.cpp.enable_concat_linear
     inductor_config.freezing = inductor_config.cpp.enable_concat_linear = True
     try:
-        yield
+        with frozen_steps_cacheable():  # a later start loads the step's code from Inductor's cache
+            yield
     finally:
         inductor_config.freezing, inductor_config.cpp.enable_concat_linear = saved
 

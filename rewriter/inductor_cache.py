@@ -1,0 +1,88 @@
+"""Inductor's FX graph cache for steps compiled with freezing on the CPU.
+
+Freezing repacks the linear layers' weights for oneDNN into mkldnn tensors, constants of the compiled step, and
+Inductor's FX graph cache declines every graph that holds one ("mkldnn tensors unpickleable"): each start then
+lowered and generated its steps' code afresh (~9 of a tiny Llama engine's 15 s start on 2 cores), and only the C++
+builds of the kernels came from the disk.
+
+With freezing, the cache keys a frozen constant by its metadata and takes its value from the graph module it is
+loaded for (Inductor's own design: ``CompiledFxGraphConstantsWithGm``); the generated code reads a packed weight as
+an opaque input. :func:`frozen_steps_cacheable` keys packed weights the same way, their metadata being what the
+step may depend on (:func:`pagedattn.backends.cpu_linear.packed_weight_key`: shape, dtype and the layout their
+bytes are proved to hold, which is what :class:`~pagedattn.backends.cpu_linear.SmallLinears` decides by). A graph
+with MKL's packed linears stays uncached: the pass gives some of those a plain weight of its own, a module
+attribute that a cache hit would not create.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Iterator
+
+from pagedattn.backends.cpu_linear import mkl_linear_targets, packed_weight_key
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["frozen_steps_cacheable"]
+
+
+def _value(x: Any) -> Any:
+    """A reduced object's stand-in in the cache key's pickle (the key hashes the pickle, never loads it)."""
+    return x
+
+
+@functools.cache  # facts about the torch this process runs
+def _hooks() -> Any:
+    """Inductor's cache classes, or None where this torch has not the ones patched here."""
+    try:
+        from torch._inductor import codecache
+        from torch._inductor.freezing_utils import is_frozen_param
+    except ImportError:  # pragma: no cover - torch without Inductor's FX graph cache
+        return None
+    validator, pickler = getattr(codecache, "CacheabilityValidator", None), getattr(codecache, "FxGraphCachePickler",
+                                                                                     None)
+    needed = ((validator, "check_tensor"), (validator, "validate_graph"), (pickler, "_reduce_tensor"))
+    if any(cls is None or not isinstance(cls.__dict__.get(name), (staticmethod, type(_value))) for cls, name in needed):
+        return None
+    return validator, pickler, is_frozen_param
+
+
+@contextlib.contextmanager
+def frozen_steps_cacheable() -> Iterator[None]:
+    """While it holds, Inductor's FX graph cache takes graphs whose frozen constants include oneDNN-packed weights,
+    keyed by :func:`~pagedattn.backends.cpu_linear.packed_weight_key`; other graphs are cached as Inductor would.
+    Where this torch lacks the hooks, nothing changes (such steps compile at every start, as before)."""
+    hooks = _hooks()
+    if hooks is None:
+        yield
+        return
+    validator, pickler, is_frozen_param = hooks
+    check, validate, reduce = validator.__dict__["check_tensor"], validator.validate_graph, pickler._reduce_tensor
+
+    def packed(t) -> bool:
+        return t.is_mkldnn and is_frozen_param(t)
+
+    def check_tensor(t):
+        if not packed(t):
+            check.__func__(t)
+
+    def validate_graph(self, include_constants: bool) -> None:
+        mkl = mkl_linear_targets()
+        for module in self.gm.modules():
+            graph = getattr(module, "graph", None)
+            if mkl and graph is not None and any(n.op == "call_function" and n.target in mkl for n in graph.nodes):
+                self.bypass("pagedattn: MKL's packed linears (the small-linear pass may add weights to the module)")
+        validate(self, include_constants)
+
+    def reduce_tensor(self, t):
+        return (_value, (packed_weight_key(t),)) if packed(t) else reduce(self, t)
+
+    saved = (check, validate, reduce)
+    validator.check_tensor, validator.validate_graph = staticmethod(check_tensor), validate_graph
+    pickler._reduce_tensor = reduce_tensor
+    try:
+        yield
+    finally:
+        validator.check_tensor, validator.validate_graph, pickler._reduce_tensor = saved

@@ -1,0 +1,106 @@
+"""Inductor's FX graph cache for steps compiled with freezing: oneDNN-packed weights keyed by shape, dtype and proved
+layout (pagedattn.inductor_cache)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pagedattn import program
+from pagedattn.backends import cpu_linear
+from pagedattn.inductor_cache import frozen_steps_cacheable
+from pagedattn.program import inductor_freezing
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) + x
+
+
+def _compile_and_run(model, x, dynamic=True):
+    """A fresh compile of ``model`` with freezing (Dynamo reset first): its output and the FX cache's counters."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="inductor", dynamic=dynamic)
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad(), inductor_freezing(True):
+        out = compiled(x)
+    return out, {k[len("fxgraph_cache_"):]: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch, fresh_dynamo):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        yield Mlp().eval()
+
+
+def test_a_second_compile_of_a_frozen_step_loads_it_from_the_cache(model):
+    x = torch.randn(5, 64)
+    want = model(x)
+    first, stats = _compile_and_run(model, x)
+    assert stats == {"miss": 1}, stats
+    again, stats = _compile_and_run(model, x)
+    assert stats == {"hit": 1}, stats
+    torch.testing.assert_close(first, want)
+    assert torch.equal(again, first)
+    # other rows through the loaded step: its weights are the module's, read at load time
+    y = torch.randn(9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="inductor", dynamic=True)(y), model(y))
+
+
+def test_weights_packed_in_another_layout_are_compiled_again(model, monkeypatch):
+    # the small-linear pass decides by the proved layout: a step compiled for one is never loaded for another
+    x = torch.randn(5, 64)
+    _compile_and_run(model, x)
+    monkeypatch.setattr(cpu_linear, "proven_layout", lambda packed: -1)
+    _, stats = _compile_and_run(model, x)
+    assert stats == {"miss": 1}, stats
+
+
+def test_new_weights_of_the_same_shapes_reuse_the_code_with_their_own_values(model):
+    x = torch.randn(5, 64)
+    _compile_and_run(model, x)
+    other = Mlp().eval()  # other values, the same shapes and layout
+    out, stats = _compile_and_run(other, x)
+    assert stats == {"hit": 1}, stats
+    with torch.no_grad():
+        torch.testing.assert_close(out, other(x))
+
+
+@pytest.mark.skipif(not cpu_linear.mkl_linear_targets(), reason="needs MKL's packed linear")
+def test_a_step_with_mkls_packed_linears_stays_uncached(model):
+    # a static number of rows gets MKL's linears, which the small-linear pass may give weights of their own
+    x = torch.randn(3, 64)
+    out, stats = _compile_and_run(model, x, dynamic=False)
+    assert stats == {"bypass": 1}, stats
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+
+
+def test_without_the_hooks_inductor_declines_packed_weights(model, monkeypatch):
+    # the upstream behaviour this module works around; when torch caches them itself, this test says so
+    monkeypatch.setattr(program, "frozen_steps_cacheable", contextlib.nullcontext)
+    _, stats = _compile_and_run(model, torch.randn(5, 64))
+    assert stats == {"bypass": 1}, stats
+
+
+def test_the_hooks_are_undone_on_leaving():
+    from torch._inductor import codecache
+
+    before = (codecache.CacheabilityValidator.__dict__["check_tensor"], codecache.CacheabilityValidator.validate_graph,
+              codecache.FxGraphCachePickler._reduce_tensor)
+    with frozen_steps_cacheable():
+        assert codecache.FxGraphCachePickler._reduce_tensor is not before[2]
+    assert (codecache.CacheabilityValidator.__dict__["check_tensor"], codecache.CacheabilityValidator.validate_graph,
+            codecache.FxGraphCachePickler._reduce_tensor) == before
