@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from pagedattn.backends.cpu_linear import mkl_linear_targets, packed_weight_key
 
@@ -34,8 +34,10 @@ def _value(x: Any) -> Any:
 
 
 @functools.cache  # facts about the torch this process runs
-def _hooks() -> Any:
-    """Inductor's cache classes, or None where this torch has not the ones patched here."""
+def _patches() -> Optional[tuple]:
+    """``((class, attribute, patched value), ...)`` for Inductor's cache classes, or None where this torch has not
+    the ones patched here. Built once: entering :func:`frozen_steps_cacheable` is then a few attribute writes (it
+    runs around every step)."""
     try:
         from torch._inductor import codecache
         from torch._inductor.freezing_utils import is_frozen_param
@@ -46,20 +48,7 @@ def _hooks() -> Any:
     needed = ((validator, "check_tensor"), (validator, "validate_graph"), (pickler, "_reduce_tensor"))
     if any(cls is None or not isinstance(cls.__dict__.get(name), (staticmethod, type(_value))) for cls, name in needed):
         return None
-    return validator, pickler, is_frozen_param
-
-
-@contextlib.contextmanager
-def frozen_steps_cacheable() -> Iterator[None]:
-    """While it holds, Inductor's FX graph cache takes graphs whose frozen constants include oneDNN-packed weights,
-    keyed by :func:`~pagedattn.backends.cpu_linear.packed_weight_key`; other graphs are cached as Inductor would.
-    Where this torch lacks the hooks, nothing changes (such steps compile at every start, as before)."""
-    hooks = _hooks()
-    if hooks is None:
-        yield
-        return
-    validator, pickler, is_frozen_param = hooks
-    check, validate, reduce = validator.__dict__["check_tensor"], validator.validate_graph, pickler._reduce_tensor
+    check, validate, reduce = (cls.__dict__[name] for cls, name in needed)
 
     def packed(t) -> bool:
         return t.is_mkldnn and is_frozen_param(t)
@@ -79,10 +68,24 @@ def frozen_steps_cacheable() -> Iterator[None]:
     def reduce_tensor(self, t):
         return (_value, (packed_weight_key(t),)) if packed(t) else reduce(self, t)
 
-    saved = (check, validate, reduce)
-    validator.check_tensor, validator.validate_graph = staticmethod(check_tensor), validate_graph
-    pickler._reduce_tensor = reduce_tensor
+    return tuple(zip((validator, validator, pickler), ("check_tensor", "validate_graph", "_reduce_tensor"),
+                     (staticmethod(check_tensor), validate_graph, reduce_tensor)))
+
+
+@contextlib.contextmanager
+def frozen_steps_cacheable() -> Iterator[None]:
+    """While it holds, Inductor's FX graph cache takes graphs whose frozen constants include oneDNN-packed weights,
+    keyed by :func:`~pagedattn.backends.cpu_linear.packed_weight_key`; other graphs are cached as Inductor would.
+    Where this torch lacks the hooks, nothing changes (such steps compile at every start, as before)."""
+    patches = _patches()
+    if patches is None:
+        yield
+        return
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
+    for cls, name, value in patches:
+        setattr(cls, name, value)
     try:
         yield
     finally:
-        validator.check_tensor, validator.validate_graph, pickler._reduce_tensor = saved
+        for cls, name, value in saved:
+            setattr(cls, name, value)
