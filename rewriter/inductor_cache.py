@@ -66,7 +66,12 @@ def _patches() -> Optional[tuple]:
         validate(self, include_constants)
 
     def reduce_tensor(self, t):
-        return (_value, (packed_weight_key(t),)) if packed(t) else reduce(self, t)
+        if packed(t):
+            try:
+                return _value, (packed_weight_key(t),)
+            except RuntimeError:  # its buffer cannot be read here (no oneDNN helpers): Inductor's own refusal
+                check.__func__(t)
+        return reduce(self, t)
 
     return tuple(zip((validator, validator, pickler), ("check_tensor", "validate_graph", "_reduce_tensor"),
                      (staticmethod(check_tensor), validate_graph, reduce_tensor)))

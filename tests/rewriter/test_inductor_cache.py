@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from pagedattn import program
+from pagedattn import inductor_cache, program
 from pagedattn.backends import cpu_linear
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.program import inductor_freezing
@@ -66,6 +66,18 @@ def test_weights_packed_in_another_layout_are_compiled_again(model, monkeypatch)
     monkeypatch.setattr(cpu_linear, "proven_layout", lambda packed: -1)
     _, stats = _compile_and_run(model, x)
     assert stats == {"miss": 1}, stats
+
+
+def test_weights_whose_bytes_cannot_be_read_leave_the_step_uncached(model, monkeypatch):
+    def unreadable(packed):
+        raise RuntimeError("this torch has no oneDNN tensors")
+
+    monkeypatch.setattr(inductor_cache, "packed_weight_key", unreadable)
+    x = torch.randn(5, 64)
+    out, stats = _compile_and_run(model, x)
+    assert stats == {"bypass": 1}, stats
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
 
 
 def test_new_weights_of_the_same_shapes_reuse_the_code_with_their_own_values(model):
