@@ -2,8 +2,8 @@
 
 Freezing repacks the linear layers' weights for oneDNN into mkldnn tensors, constants of the compiled step, and
 Inductor's FX graph cache declines every graph that holds one ("mkldnn tensors unpickleable"): each start then
-lowered and generated its steps' code afresh (~9 of a tiny Llama engine's 15 s start on 2 cores), and only the C++
-builds of the kernels came from the disk.
+lowered and generated its steps' code afresh, and only the C++ builds of the kernels came from the disk (a warm start
+of llama16m in bf16: ~40 s that way, ~28 s with the step's code from the cache; benchmarks/RESULTS.md).
 
 With freezing, the cache keys a frozen constant by its metadata and takes its value from the graph module it is
 loaded for (Inductor's own design: ``CompiledFxGraphConstantsWithGm``); the generated code reads a packed weight as
@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Any, Iterator, Optional
 
 from pagedattn.backends.cpu_linear import mkl_linear_targets, packed_weight_key
-
-log = logging.getLogger("pagedattn")
 
 __all__ = ["frozen_steps_cacheable"]
 
