@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any, Iterator, Optional
 
 from pagedattn.backends.cpu_linear import mkl_linear_targets, packed_weight_key
@@ -43,7 +44,7 @@ def _patches() -> Optional[tuple]:
     validator, pickler = getattr(codecache, "CacheabilityValidator", None), getattr(codecache, "FxGraphCachePickler",
                                                                                      None)
     needed = ((validator, "check_tensor"), (validator, "validate_graph"), (pickler, "_reduce_tensor"))
-    if any(cls is None or not isinstance(cls.__dict__.get(name), (staticmethod, type(_value))) for cls, name in needed):
+    if any(cls is None or not isinstance(cls.__dict__.get(name), (staticmethod, types.FunctionType)) for cls, name in needed):
         return None
     check, validate, reduce = (cls.__dict__[name] for cls, name in needed)
 

@@ -326,3 +326,23 @@ def test_an_engine_warms_a_compiled_step_at_start_only(compiled, eager, monkeypa
         calls.clear()
         PagedEngine(engine.servable, block_size=4, num_blocks=16, max_num_tokens=24, progress=False)
         assert calls == ([(engine.servable, (30,))] if warmed else [])
+
+
+@pytest.mark.slow
+def test_a_second_engine_loads_its_frozen_step_from_inductors_cache(llama, eager, tmp_path, monkeypatch):
+    # a warm start: the multi-token step's code (oneDNN-packed weights, the small-linear pass's kernels) from the FX
+    # graph cache, the same greedy tokens; the float32 single-token step has MKL's linears and compiles again
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ps = prompts()[:3]
+    want = eager.generate(ps, max_new_tokens=6)
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
+        seen.append({k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")})
+        assert engine.generate(ps, max_new_tokens=6) == want
+    assert seen[0].get("fxgraph_cache_miss") and not seen[0].get("fxgraph_cache_hit"), seen
+    assert seen[1].get("fxgraph_cache_hit") and not seen[1].get("fxgraph_cache_miss"), seen
