@@ -3,7 +3,8 @@
 Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s decode
 kernel, which reads the blocks in place; it also writes the cache. Prefills without a bias, cap, sinks, chunks or
 position program go to its prefill kernel: a step's fresh prompts in one call over the step's own keys, a chunk
-after cached keys over its gathered blocks. Where the kernels are not built (no C compiler) or turned off
+after cached keys over its gathered blocks; long fresh prompts in bfloat16 on a CPU with AMX tiles go to SDPA's flash
+kernel instead (:func:`sdpa_prefill_pays`). Where the kernels are not built (no C compiler) or turned off
 (``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel) and
 prefills SDPA's own.
 
@@ -75,12 +76,16 @@ def _plan(query_start_loc: Tensor, seq_lens: Tensor, has_key: bool) -> _Split:
     fresh = tuple(s for s in seqs if has_key and s.q_len > 1 and s.kv_len == s.q_len)
     fresh_ids = {s.index for s in fresh}
     rest = tuple(s for s in seqs if s.q_len > 1 and s.index not in fresh_ids)
-    items = torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh], dtype=torch.int64) \
-        if fresh else None
+    items = _fresh_items(fresh) if fresh else None
     split = _Split(single, fresh, rest, tuple((s.index, s.start, s.q_len, s.kv_len) for s in single), items)
     memo.insert(0, (query_start_loc, seq_lens, versions, has_key, split))
     del memo[_MEMO_TABLES:]
     return split
+
+
+def _fresh_items(fresh) -> Tensor:
+    """Fresh prefills as ``native.prefill``'s items ``[n, 6]``: their queries over their own keys, from the first."""
+    return torch.tensor([(s.start, s.q_len, 0, s.start, s.q_len, 0) for s in fresh], dtype=torch.int64)
 
 
 def _fold_gqa(q: Tensor, num_kv_heads: int) -> Tensor:
@@ -224,8 +229,14 @@ class SdpaCpuBackend(SplitKVBackend):
         fresh, rest = split.fresh, split.rest
         lib = _native_prefill_lib(query, kv_cache, params) if fresh or rest else None
         if lib is not None and fresh and native.prefill_usable(query, key, value, params.num_kv_heads):
-            _prefill(lib, out, query, key, value, split.fresh_items, params)
-            fresh = ()
+            by_sdpa = tuple(s for s in fresh if sdpa_prefill_pays(query.dtype, s.q_len, params))
+            items = split.fresh_items
+            if by_sdpa:  # long prompts below, through SDPA's kernel; the others in one native call
+                fresh = tuple(s for s in fresh if s not in by_sdpa)
+                items = _fresh_items(fresh)
+            if fresh:
+                _prefill(lib, out, query, key, value, items, params)
+            fresh = by_sdpa
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
@@ -589,6 +600,26 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
         call = native.DecodeCall(lib, rows, native.part_keys(total, threads, kv_cache.shape[2]), threads)
         found = plans[key] = (call, block_tables.to(torch.int32).contiguous())
     return found
+
+
+# Fresh prompts from this many tokens on go to SDPA's flash kernel rather than the native prefill kernel, in bfloat16
+# where the CPU has AMX tiles: ATen's kernel then multiplies by tiles, the native one by AVX-512 pair products. On a
+# Xeon with AMX (2 cores, llama16m's 6/2 heads of 64), whole prefill steps of one prompt against the native kernel:
+# 1 x 700 tokens 33.1 -> 29.6 ms, 1 x 1000 48.5 -> 40.3, 2 x 512 38.0 -> 35.1; at 128-340 tokens SDPA was no faster
+# or slower (its call per sequence, and the native kernel's one call for all) (benchmarks/RESULTS.md)
+SDPA_PREFILL_TOKENS = 512
+
+
+@functools.cache  # a fact about this machine
+def _amx_tiles() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) -> bool:
+    """Whether a fresh prompt of ``tokens`` (every key its own, visible from the first: no window) runs faster
+    through SDPA's kernel than through the native prefill kernel on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
+    return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
 
 
 def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams):

@@ -398,3 +398,45 @@ def test_buffers_made_in_inference_mode_serve_later_calls_outside_it():
         first = cross(q)
     again = cross(q.clone().requires_grad_())
     assert not torch.is_inference(again) and torch.equal(again.detach(), first)
+
+
+def _spy_prefill_paths(monkeypatch):
+    """Which fresh prompts (their lengths) went through SDPA's kernel and which through the native prefill kernel."""
+    from pagedattn.backends import native, sdpa_cpu
+
+    seen = {"sdpa": [], "native": []}
+    one, prefill = sdpa_cpu.SdpaCpuBackend._one, native.prefill
+
+    def spy_one(self, out, query, s, k, v, k0, params):
+        seen["sdpa"].append(s.q_len)
+        return one(self, out, query, s, k, v, k0, params)
+
+    def spy_prefill(lib, out, query, key, value, items, **kw):
+        seen["native"] += [int(n) for n in items[:, 1]]
+        return prefill(lib, out, query, key, value, items, **kw)
+
+    monkeypatch.setattr(sdpa_cpu.SdpaCpuBackend, "_one", spy_one)
+    monkeypatch.setattr(native, "prefill", spy_prefill)
+    return seen
+
+
+@pytest.mark.parametrize("decode_path", ["native"], indirect=True)
+@pytest.mark.parametrize("case", ["bf16_amx", "fp32", "no_amx", "window"])
+def test_long_fresh_prompts_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
+    # bfloat16 prompts of SDPA_PREFILL_TOKENS or more go to SDPA's kernel where the CPU has AMX tiles, the step's
+    # other prefills to the native kernel in one call; float32, a CPU without AMX and a window keep the native kernel
+    # for every prompt. Each case agrees with the reference.
+    from pagedattn.backends import sdpa_cpu
+
+    monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: case != "no_amx")
+    n = sdpa_cpu.SDPA_PREFILL_TOKENS
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n)], num_heads=6, num_kv_heads=2,
+                   dtype=dtype)
+    seen = _spy_prefill_paths(monkeypatch)
+    window = 100 if case == "window" else 0
+    _check(b, dtype, window=window)
+    if case == "bf16_amx":
+        assert sorted(seen["sdpa"]) == [n, n + 37] and sorted(seen["native"]) == [5, 40, n - 1]
+    else:  # (the chunk of 5 after cached keys: the native kernel in every case)
+        assert seen["sdpa"] == [] and sorted(seen["native"]) == [5, 40, n - 1, n, n + 37]
