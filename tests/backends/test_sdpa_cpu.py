@@ -421,7 +421,7 @@ def _spy_prefill_paths(monkeypatch):
 
 
 @pytest.mark.parametrize("decode_path", ["native"], indirect=True)
-@pytest.mark.parametrize("case", ["bf16_amx", "fp32", "no_amx", "window"])
+@pytest.mark.parametrize("case", ["bf16_amx", "bf16_amx_not_causal", "fp32", "no_amx", "window"])
 def test_long_fresh_prompts_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
     # bfloat16 prompts of SDPA_PREFILL_TOKENS or more go to SDPA's kernel where the CPU has AMX tiles, the step's
     # other prefills to the native kernel in one call; float32, a CPU without AMX and a window keep the native kernel
@@ -434,9 +434,9 @@ def test_long_fresh_prompts_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
     b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n)], num_heads=6, num_kv_heads=2,
                    dtype=dtype)
     seen = _spy_prefill_paths(monkeypatch)
-    window = 100 if case == "window" else 0
-    _check(b, dtype, window=window)
-    if case == "bf16_amx":
+    kw = {"window": 100} if case == "window" else {"causal": False} if case == "bf16_amx_not_causal" else {}
+    _check(b, dtype, **kw)
+    if case.startswith("bf16_amx"):
         assert sorted(seen["sdpa"]) == [n, n + 37] and sorted(seen["native"]) == [5, 40, n - 1]
     else:  # (the chunk of 5 after cached keys: the native kernel in every case)
         assert seen["sdpa"] == [] and sorted(seen["native"]) == [5, 40, n - 1, n, n + 37]
