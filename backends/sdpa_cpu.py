@@ -3,8 +3,8 @@
 Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s decode
 kernel, which reads the blocks in place; it also writes the cache. Prefills without a bias, cap, sinks, chunks or
 position program go to its prefill kernel: a step's fresh prompts in one call over the step's own keys, a chunk
-after cached keys over its gathered blocks; long fresh prompts in bfloat16 on a CPU with AMX tiles go to SDPA's flash
-kernel instead (:func:`sdpa_prefill_pays`). Where the kernels are not built (no C compiler) or turned off
+after cached keys over its gathered blocks; in bfloat16 on a CPU with AMX tiles, long fresh prompts and long causal
+chunks after cached keys go to SDPA's flash kernel instead (:func:`sdpa_prefill_pays`). Where the kernels are not built (no C compiler) or turned off
 (``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel) and
 prefills SDPA's own.
 
@@ -245,6 +245,9 @@ class SdpaCpuBackend(SplitKVBackend):
             k0, k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s, params)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
             if lib is not None and native.prefill_usable(query, k, v, params.num_kv_heads):
+                if k0 == 0 and s.context_len and params.causal and sdpa_prefill_pays(query.dtype, s.q_len, params):
+                    _chunk_by_sdpa(out, query, s, k, v, params.scale)
+                    continue
                 _prefill(lib, out, query, k, v, torch.tensor([(s.start, s.q_len, s.context_len, 0, len(k), k0)]),
                          params)
             else:
@@ -602,11 +605,12 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
     return found
 
 
-# Fresh prompts from this many tokens on go to SDPA's flash kernel rather than the native prefill kernel, in bfloat16
-# where the CPU has AMX tiles: ATen's kernel then multiplies by tiles, the native one by AVX-512 pair products. On a
-# Xeon with AMX (2 cores, llama16m's 6/2 heads of 64), whole prefill steps of one prompt against the native kernel:
-# 1 x 700 tokens 33.1 -> 29.6 ms, 1 x 1000 48.5 -> 40.3, 2 x 512 38.0 -> 35.1; at 128-340 tokens SDPA was no faster
-# or slower (its call per sequence, and the native kernel's one call for all) (benchmarks/RESULTS.md)
+# Fresh prompts and causal chunks after cached keys from this many tokens on go to SDPA's flash kernel rather than the
+# native prefill kernel, in bfloat16 where the CPU has AMX tiles: ATen's kernel then multiplies by tiles, the native one
+# by AVX-512 pair products. On a Xeon with AMX (2 cores, llama16m's 6/2 heads of 64), whole prefill steps of one prompt
+# against the native kernel: 1 x 700 tokens 33.1 -> 29.6 ms, 1 x 1000 48.5 -> 40.3, 2 x 512 38.0 -> 35.1; a chunk
+# of 1024 after 2048 cached keys (write and attention of one layer) 24.4 -> 14.0 ms; at 128-340 tokens SDPA was no
+# faster or slower (its call per sequence, and the native kernel's one call for all) (benchmarks/RESULTS.md)
 SDPA_PREFILL_TOKENS = 512
 
 
@@ -617,9 +621,26 @@ def _amx_tiles() -> bool:
 
 
 def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) -> bool:
-    """Whether a fresh prompt of ``tokens`` (every key its own, visible from the first: no window) runs faster
-    through SDPA's kernel than through the native prefill kernel on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
+    """Whether a prefill of ``tokens`` queries whose visible keys start at the sequence's first (no window: a fresh
+    prompt, or a causal chunk after cached keys) runs faster through SDPA's kernel than through the native prefill
+    kernel on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
     return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
+
+
+def _chunk_by_sdpa(out: Tensor, query: Tensor, s: _Seq, k: Tensor, v: Tensor, scale: float) -> None:
+    """A causal chunk after cached keys through SDPA's flash kernel: its queries over the cached keys (each sees all
+    of them) and over its own keys (causal from the chunk's first, SDPA's own mask), merged by their log-sum-exps.
+    ``k``, ``v`` ``[L, Hkv, D]``: the sequence's keys from the first."""
+    c, n = s.context_len, s.q_len
+    q = query[s.start:s.start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, l1 = flash(q, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)[:2]  # [1, Hq, n, D], [1, Hq, n]
+    o2, l2 = flash(q, k[:, :, c:], v[:, :, c:], 0.0, True, scale=scale)[:2]
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)  # [1, Hq, n, D]
+    out[s.start:s.start + n] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams):

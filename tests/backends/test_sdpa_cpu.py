@@ -401,42 +401,52 @@ def test_buffers_made_in_inference_mode_serve_later_calls_outside_it():
 
 
 def _spy_prefill_paths(monkeypatch):
-    """Which fresh prompts (their lengths) went through SDPA's kernel and which through the native prefill kernel."""
+    """Which prompts and chunks (their lengths) went through SDPA's kernel (fresh prompts, chunks after cached keys)
+    and which through the native prefill kernel."""
     from pagedattn.backends import native, sdpa_cpu
 
-    seen = {"sdpa": [], "native": []}
-    one, prefill = sdpa_cpu.SdpaCpuBackend._one, native.prefill
+    seen = {"sdpa": [], "chunk": [], "native": []}
+    one, chunk, prefill = sdpa_cpu.SdpaCpuBackend._one, sdpa_cpu._chunk_by_sdpa, native.prefill
 
     def spy_one(self, out, query, s, k, v, k0, params):
         seen["sdpa"].append(s.q_len)
         return one(self, out, query, s, k, v, k0, params)
+
+    def spy_chunk(out, query, s, k, v, scale):
+        seen["chunk"].append(s.q_len)
+        return chunk(out, query, s, k, v, scale)
 
     def spy_prefill(lib, out, query, key, value, items, **kw):
         seen["native"] += [int(n) for n in items[:, 1]]
         return prefill(lib, out, query, key, value, items, **kw)
 
     monkeypatch.setattr(sdpa_cpu.SdpaCpuBackend, "_one", spy_one)
+    monkeypatch.setattr(sdpa_cpu, "_chunk_by_sdpa", spy_chunk)
     monkeypatch.setattr(native, "prefill", spy_prefill)
     return seen
 
 
 @pytest.mark.parametrize("decode_path", ["native"], indirect=True)
 @pytest.mark.parametrize("case", ["bf16_amx", "bf16_amx_not_causal", "fp32", "no_amx", "window"])
-def test_long_fresh_prompts_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
-    # bfloat16 prompts of SDPA_PREFILL_TOKENS or more go to SDPA's kernel where the CPU has AMX tiles, the step's
-    # other prefills to the native kernel in one call; float32, a CPU without AMX and a window keep the native kernel
-    # for every prompt. Each case agrees with the reference.
+def test_long_prompts_and_chunks_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
+    # bfloat16 prompts, and causal chunks after cached keys, of SDPA_PREFILL_TOKENS or more go to SDPA's kernel where
+    # the CPU has AMX tiles (a chunk as two calls, over the cached keys and over its own, merged), the step's other
+    # prefills to the native kernel; float32, a CPU without AMX and a window keep the native kernel for every one, and
+    # a bidirectional chunk the native kernel. Each case agrees with the reference.
     from pagedattn.backends import sdpa_cpu
 
     monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: case != "no_amx")
     n = sdpa_cpu.SDPA_PREFILL_TOKENS
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n)], num_heads=6, num_kv_heads=2,
-                   dtype=dtype)
+    b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n), (600, n + 8)], num_heads=6,
+                   num_kv_heads=2, dtype=dtype)
     seen = _spy_prefill_paths(monkeypatch)
     kw = {"window": 100} if case == "window" else {"causal": False} if case == "bf16_amx_not_causal" else {}
     _check(b, dtype, **kw)
-    if case.startswith("bf16_amx"):
-        assert sorted(seen["sdpa"]) == [n, n + 37] and sorted(seen["native"]) == [5, 40, n - 1]
-    else:  # (the chunk of 5 after cached keys: the native kernel in every case)
-        assert seen["sdpa"] == [] and sorted(seen["native"]) == [5, 40, n - 1, n, n + 37]
+    short = [5, 40, n - 1]  # (the chunk of 5 after cached keys among them)
+    if case == "bf16_amx":
+        assert sorted(seen["sdpa"]) == [n, n + 37] and seen["chunk"] == [n + 8] and sorted(seen["native"]) == short
+    elif case == "bf16_amx_not_causal":
+        assert sorted(seen["sdpa"]) == [n, n + 37] and seen["chunk"] == [] and sorted(seen["native"]) == short + [n + 8]
+    else:
+        assert seen["sdpa"] == seen["chunk"] == [] and sorted(seen["native"]) == short + [n, n + 8, n + 37]
