@@ -211,29 +211,35 @@ def test_segment_embeddings_are_not_taken_for_a_prefix_lms_token_types(caplog):
 
 def test_long_bfloat16_prompts_through_sdpas_kernel_give_the_models_own_logits(monkeypatch):
     # with AMX (taken as present here), a bfloat16 prompt of SDPA_PREFILL_TOKENS or more is attended by SDPA's kernel
-    # and a short one beside it in the same step by the native kernel: both give what the model's own forward gives
+    # and a short one beside it in the same step by the native kernel, then a long chunk after the long prompt's cached
+    # keys by SDPA's kernel again (two calls merged): each gives what the model's own forward gives
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedattn.backends import sdpa_cpu
 
     monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: True)
     routed = []
-    one = sdpa_cpu.SdpaCpuBackend._one
+    one, chunk = sdpa_cpu.SdpaCpuBackend._one, sdpa_cpu._chunk_by_sdpa
     monkeypatch.setattr(sdpa_cpu.SdpaCpuBackend, "_one", lambda self, out, q, s, *a: routed.append(s.q_len) or
                         one(self, out, q, s, *a))
+    monkeypatch.setattr(sdpa_cpu, "_chunk_by_sdpa", lambda out, q, s, *a: routed.append(-s.q_len) or chunk(out, q, s, *a))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
     m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     sv = prepare_model(m, target="cpu", block_size=16, compile=False, progress=False)
     g = torch.Generator().manual_seed(1)
-    a, b = (torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (sdpa_cpu.SDPA_PREFILL_TOKENS + 18, 40))
-    caches = sv.allocate_kv_caches(40)
+    n = sdpa_cpu.SDPA_PREFILL_TOKENS
+    a, b, c = (torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in (n + 18, 40, n + 3))
+    caches = sv.allocate_kv_caches(80)
     meta = build_metadata([(0, len(a), list(range(34))), (0, len(b), [36, 37, 38])], 16)
-    got = sv.run_packed(caches, meta, a + b, list(range(len(a))) + list(range(len(b))), [len(a) - 1, len(a) + len(b) - 1])
-    assert sorted(set(routed)) == [len(a)]  # the long prompt alone, at each layer
+    got = [*sv.run_packed(caches, meta, a + b, list(range(len(a))) + list(range(len(b))),
+                          [len(a) - 1, len(a) + len(b) - 1])]
+    meta = build_metadata([(len(a), len(c), list(range(34)) + list(range(40, 73)))], 16)  # a's blocks, and more
+    got += [*sv.run_packed(caches, meta, c, list(range(len(a), len(a) + len(c))), [len(c) - 1])]
+    assert sorted(set(routed)) == [-len(c), len(a)]  # the long prompt, then the chunk, at each layer
     with torch.no_grad():
-        want = torch.stack([m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1] for p in (a, b)])
+        want = [m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1] for p in (a, b, a + c)]
     # logits up to ~0.8: a bf16 unit there is 0.004 (the largest difference seen); attending the long prompt without its
-    # causal mask differs by 0.1
-    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.01)
+    # causal mask differs by 0.1, the chunk's own keys without it by 0.025
+    torch.testing.assert_close(torch.stack(got).float(), torch.stack(want).float(), atol=0.02, rtol=0.01)
