@@ -3,10 +3,10 @@
 Decodes (one query per sequence) whose visible keys are one run go to :mod:`pagedattn.backends.native`'s decode
 kernel, which reads the blocks in place; it also writes the cache. Prefills without a bias, cap, sinks, chunks or
 position program go to its prefill kernel: a step's fresh prompts in one call over the step's own keys, a chunk
-after cached keys over its gathered blocks; in bfloat16 on a CPU with AMX tiles, long fresh prompts and long causal
-chunks after cached keys go to SDPA's flash kernel instead (:func:`sdpa_prefill_pays`). Where the kernels are not built (no C compiler) or turned off
-(``PAGEDATTN_NATIVE=0``), decodes take the flash-decoding path below (gathered blocks, SDPA's flash kernel) and
-prefills SDPA's own.
+after cached keys over its gathered blocks; in bfloat16 on a CPU with AMX tiles, long fresh prompts and causal chunks
+after many cached keys go to SDPA's flash kernel instead (:func:`sdpa_prefill_pays`, :func:`sdpa_chunk_pays`).
+Where the kernels are not built (no C compiler) or turned off (``PAGEDATTN_NATIVE=0``), decodes take the
+flash-decoding path below (gathered blocks, SDPA's flash kernel) and prefills SDPA's own.
 
 Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V). A gather of
 whole blocks is a run of contiguous copies, and ``[B, L, Hkv, D]`` transposed to ``[B, Hkv, L, D]``
@@ -245,7 +245,8 @@ class SdpaCpuBackend(SplitKVBackend):
             k0, k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s, params)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
             if lib is not None and native.prefill_usable(query, k, v, params.num_kv_heads):
-                if k0 == 0 and s.context_len and params.causal and sdpa_prefill_pays(query.dtype, s.q_len, params):
+                if k0 == 0 and s.context_len and params.causal and sdpa_chunk_pays(query.dtype, s.q_len, s.kv_len,
+                                                                                   params):
                     _chunk_by_sdpa(out, query, s, k, v, params.scale)
                     continue
                 _prefill(lib, out, query, k, v, torch.tensor([(s.start, s.q_len, s.context_len, 0, len(k), k0)]),
@@ -605,13 +606,17 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
     return found
 
 
-# Fresh prompts and causal chunks after cached keys from this many tokens on go to SDPA's flash kernel rather than the
-# native prefill kernel, in bfloat16 where the CPU has AMX tiles: ATen's kernel then multiplies by tiles, the native one
-# by AVX-512 pair products. On a Xeon with AMX (2 cores, llama16m's 6/2 heads of 64), whole prefill steps of one prompt
-# against the native kernel: 1 x 700 tokens 33.1 -> 29.6 ms, 1 x 1000 48.5 -> 40.3, 2 x 512 38.0 -> 35.1; a chunk
-# of 1024 after 2048 cached keys (write and attention of one layer) 24.4 -> 14.0 ms; at 128-340 tokens SDPA was no
-# faster or slower (its call per sequence, and the native kernel's one call for all) (benchmarks/RESULTS.md)
+# Fresh prompts from this many tokens on go to SDPA's flash kernel rather than the native prefill kernel, in bfloat16
+# where the CPU has AMX tiles: ATen's kernel then multiplies by tiles, the native one by AVX-512 pair products. On a
+# Xeon with AMX (2 cores, llama16m's 6/2 heads of 64), whole prefill steps of one prompt against the native kernel:
+# 1 x 700 tokens 33.1 -> 29.6 ms, 1 x 1000 48.5 -> 40.3, 2 x 512 38.0 -> 35.1; at 128-340 tokens SDPA was no faster
+# or slower (its call per sequence, and the native kernel's one call for all) (benchmarks/RESULTS.md)
 SDPA_PREFILL_TOKENS = 512
+# Causal chunks after cached keys, each one native call or two SDPA calls (over the cached keys, over its own): one
+# layer's write and attention, bf16, same Xeon: 64 queries after 2,048 keys 2.69 -> 1.87 ms, 128 after 3,000 5.90 ->
+# 3.39, 256 after 1,024 4.33 -> 3.04; 128 after 512 1.48 -> 1.31 (left native), 200 after 300 1.69 -> 2.06
+SDPA_CHUNK_TOKENS = 64
+SDPA_CHUNK_WORK = 1 << 17  # query-key pairs
 
 
 @functools.cache  # a fact about this machine
@@ -621,10 +626,18 @@ def _amx_tiles() -> bool:
 
 
 def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) -> bool:
-    """Whether a prefill of ``tokens`` queries whose visible keys start at the sequence's first (no window: a fresh
-    prompt, or a causal chunk after cached keys) runs faster through SDPA's kernel than through the native prefill
-    kernel on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
+    """Whether a fresh prompt of ``tokens`` (every key its own, visible from the first: no window) runs faster through
+    SDPA's kernel than through the step's one native prefill call on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
     return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
+
+
+def sdpa_chunk_pays(dtype: torch.dtype, tokens: int, keys: int, params: AttentionParams) -> bool:
+    """Whether a chunk of ``tokens`` queries after cached keys, ``keys`` in all (visible from the first: no window),
+    runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each takes one call per
+    chunk, so the work decides: at least :data:`SDPA_CHUNK_TOKENS` queries and :data:`SDPA_CHUNK_WORK` query-key
+    pairs."""
+    return (dtype == torch.bfloat16 and tokens >= SDPA_CHUNK_TOKENS and tokens * keys >= SDPA_CHUNK_WORK
+            and not params.window and _amx_tiles())
 
 
 def _chunk_by_sdpa(out: Tensor, query: Tensor, s: _Seq, k: Tensor, v: Tensor, scale: float) -> None:

@@ -429,24 +429,27 @@ def _spy_prefill_paths(monkeypatch):
 @pytest.mark.parametrize("decode_path", ["native"], indirect=True)
 @pytest.mark.parametrize("case", ["bf16_amx", "bf16_amx_not_causal", "fp32", "no_amx", "window"])
 def test_long_prompts_and_chunks_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
-    # bfloat16 prompts, and causal chunks after cached keys, of SDPA_PREFILL_TOKENS or more go to SDPA's kernel where
-    # the CPU has AMX tiles (a chunk as two calls, over the cached keys and over its own, merged), the step's other
-    # prefills to the native kernel; float32, a CPU without AMX and a window keep the native kernel for every one, and
-    # a bidirectional chunk the native kernel. Each case agrees with the reference.
+    # bfloat16 prompts of SDPA_PREFILL_TOKENS or more, and causal chunks after cached keys of enough work (64 queries
+    # after 2048 keys: yes; 200 after 300, or 5 after 17: no), go to SDPA's kernel where the CPU has AMX tiles (a chunk
+    # as two calls, over the cached keys and over its own, merged), the step's other prefills to the native kernel;
+    # float32, a CPU without AMX and a window keep the native kernel for every one, and a bidirectional chunk the
+    # native kernel. Each case agrees with the reference.
     from pagedattn.backends import sdpa_cpu
 
     monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: case != "no_amx")
     n = sdpa_cpu.SDPA_PREFILL_TOKENS
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n), (600, n + 8)], num_heads=6,
-                   num_kv_heads=2, dtype=dtype)
+    b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n), (600, n + 8), (2048, 64), (300, 200)],
+                   num_heads=6, num_kv_heads=2, dtype=dtype)
     seen = _spy_prefill_paths(monkeypatch)
     kw = {"window": 100} if case == "window" else {"causal": False} if case == "bf16_amx_not_causal" else {}
     _check(b, dtype, **kw)
-    short = [5, 40, n - 1]  # (the chunk of 5 after cached keys among them)
+    native = [5, 40, 200, n - 1]  # (the chunks of 5 and 200 among them)
     if case == "bf16_amx":
-        assert sorted(seen["sdpa"]) == [n, n + 37] and seen["chunk"] == [n + 8] and sorted(seen["native"]) == short
+        assert sorted(seen["sdpa"]) == [n, n + 37] and sorted(seen["chunk"]) == [64, n + 8]
+        assert sorted(seen["native"]) == native
     elif case == "bf16_amx_not_causal":
-        assert sorted(seen["sdpa"]) == [n, n + 37] and seen["chunk"] == [] and sorted(seen["native"]) == short + [n + 8]
+        assert sorted(seen["sdpa"]) == [n, n + 37] and seen["chunk"] == []
+        assert sorted(seen["native"]) == sorted(native + [64, n + 8])
     else:
-        assert seen["sdpa"] == seen["chunk"] == [] and sorted(seen["native"]) == short + [n, n + 8, n + 37]
+        assert seen["sdpa"] == seen["chunk"] == [] and sorted(seen["native"]) == sorted(native + [64, n, n + 8, n + 37])
