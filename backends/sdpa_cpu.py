@@ -647,9 +647,8 @@ def _chunk_by_sdpa(out: Tensor, query: Tensor, s: _Seq, k: Tensor, v: Tensor, sc
     c, n = s.context_len, s.q_len
     q = query[s.start:s.start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
     k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o1, l1 = flash(q, k[:, :, :c], v[:, :, :c], 0.0, False, scale=scale)[:2]  # [1, Hq, n, D], [1, Hq, n]
-    o2, l2 = flash(q, k[:, :, c:], v[:, :, c:], 0.0, True, scale=scale)[:2]
+    o1, l1 = _partial_attention(q, k[:, :, :c], v[:, :, :c], None, scale, 0.0)  # [1, Hq, n, D], [1, Hq, n]
+    o2, l2 = _partial_attention(q, k[:, :, c:], v[:, :, c:], None, scale, 0.0, causal=True)
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)  # [1, Hq, n, D]
@@ -745,14 +744,15 @@ def _kv_views(ws: Tensor, g: int, span: int, chunk_stride: int, k_off: int, v_of
     return ws.as_strided(size, stride, base + k_off * tok), ws.as_strided(size, stride, base + v_off * tok)
 
 
-def _partial_attention(q, k, v, bias, scale, softcap) -> tuple[Tensor, Tensor]:
-    """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks) or None."""
+def _partial_attention(q, k, v, bias, scale, softcap, causal: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention plus its log-sum-exp; ``bias`` is additive (-inf masks) or None; ``causal``: SDPA's own (top-left)
+    causal mask, without a cap."""
     if softcap > 0:
         s = reference.apply_softcap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
         if bias is not None:
             s = s + bias
         return torch.matmul(torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
 
 
 # What one more decode group costs (an index_select, a flash call and their slicing, ~40 us), as the K+V

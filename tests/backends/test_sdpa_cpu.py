@@ -427,7 +427,7 @@ def _spy_prefill_paths(monkeypatch):
 
 
 @pytest.mark.parametrize("decode_path", ["native"], indirect=True)
-@pytest.mark.parametrize("case", ["bf16_amx", "bf16_amx_not_causal", "fp32", "no_amx", "window"])
+@pytest.mark.parametrize("case", ["bf16_amx", "bf16_amx_d128", "bf16_amx_not_causal", "fp32", "no_amx", "window"])
 def test_long_prompts_and_chunks_take_sdpa_in_bfloat16_with_amx(monkeypatch, case):
     # bfloat16 prompts of SDPA_PREFILL_TOKENS or more, and causal chunks after cached keys of enough work (64 queries
     # after 2048 keys: yes; 200 after 300, or 5 after 17: no), go to SDPA's kernel where the CPU has AMX tiles (a chunk
@@ -440,12 +440,12 @@ def test_long_prompts_and_chunks_take_sdpa_in_bfloat16_with_amx(monkeypatch, cas
     n = sdpa_cpu.SDPA_PREFILL_TOKENS
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     b = make_batch([(0, n + 37), (0, 40), (30, 1), (0, n - 1), (17, 5), (0, n), (600, n + 8), (2048, 64), (300, 200)],
-                   num_heads=6, num_kv_heads=2, dtype=dtype)
+                   num_heads=6, num_kv_heads=2, head_size=128 if case.endswith("d128") else 64, dtype=dtype)
     seen = _spy_prefill_paths(monkeypatch)
     kw = {"window": 100} if case == "window" else {"causal": False} if case == "bf16_amx_not_causal" else {}
     _check(b, dtype, **kw)
     native = [5, 40, 200, n - 1]  # (the chunks of 5 and 200 among them)
-    if case == "bf16_amx":
+    if case in ("bf16_amx", "bf16_amx_d128"):
         assert sorted(seen["sdpa"]) == [n, n + 37] and sorted(seen["chunk"]) == [64, n + 8]
         assert sorted(seen["native"]) == native
     elif case == "bf16_amx_not_causal":
