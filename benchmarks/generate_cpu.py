@@ -8,8 +8,14 @@ on the left-padded batch (DynamicCache, sdpa), (b) `generate` one request at a t
 continuous batching `generate_batch` (`attn_implementation="paged|sdpa"`, needs psutil on CPU). Also KV
 bytes allocated per cached token against the padded cache, and the engine's per-step Python overhead share.
 
+Rounds (``--rounds``, default 3): the engine, the padded batch and ``generate_batch`` run in turn that many times,
+each round on fresh prompts of the same lengths (the same steps, no prefix-cache hits from the round before). The
+host's speed drifts by up to 1.6x within minutes on a shared VM, so every ratio is taken within a round and the
+figures reported are the rounds' medians; the one-at-a-time baseline runs once.
+
 Roofline (``benchmarks/roofline.py``): the machine's copy bandwidth and matmul rate are measured in this
-process (before and after the runs; the faster of the two is used); every engine step is timed and
+process (before and after each round's engine run, and after the baselines; the fastest is used for the tables,
+and each round's own pair for that round's fraction); every engine step is timed and
 recorded, and its limit is what its weights, K/V and FLOPs cost at those rates. Printed per step kind
 (decode-only / mixed / prefill-only) for the workload, and with ``--step-kinds`` for synthetic steps
 (decode at batch 1/8/32/64, decode beside a prefill, a long prefill). ``--startup`` times the engine's
@@ -30,10 +36,12 @@ import argparse
 import inspect
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import roofline  # benchmarks/roofline.py, beside this script
 import torch
@@ -132,6 +140,63 @@ def startup_child(model: str, dtype: str) -> None:
     print(time.perf_counter() - t0)
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round: each runner's seconds and greedy tokens, the engine's recorded steps, the machine measured right
+    before and after the engine's run, and how many prompts gave the engine the padded batch's tokens."""
+    seconds: dict
+    tokens: dict
+    rec: object
+    machines: tuple
+    limit: float
+    same: int
+    padded_bytes: int
+
+
+def _median(xs):
+    return statistics.median(xs)
+
+
+def run_round(engine, model, cb_model, prompts, new, num_blocks, block_size, dtype, shape) -> Round:
+    """The engine, then the padded batch and ``generate_batch`` (where given), on ``prompts``."""
+    before = roofline.measure_machine(dtype)
+    ours, t_ours, rec = run_engine(engine, prompts, new)
+    after = roofline.measure_machine(dtype)
+    best = roofline.Machine(max(before.copy_bytes_per_s, after.copy_bytes_per_s),
+                            max(before.matmul_flops_per_s, after.matmul_flops_per_s), before.device, before.threads)
+    seconds, tokens, same, padded_bytes = {"engine": t_ours}, {"engine": ours}, 0, 0
+    if model is not None:
+        t0 = time.perf_counter()
+        padded, padded_bytes = padded_generate(model, prompts, new)
+        seconds["padded"] = time.perf_counter() - t0
+        same = sum(x == y for x, y in zip(ours, padded))
+    if cb_model is not None:
+        try:
+            t0 = time.perf_counter()
+            hf_continuous(cb_model, prompts, new, num_blocks, block_size, 1024)
+            seconds["hf_cb"] = time.perf_counter() - t0
+        except Exception as e:  # e.g. psutil missing
+            print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
+    limit = roofline.summarise(rec.steps, shape, best)["all"][2]
+    return Round(seconds, tokens, rec, (before, after), limit, same, padded_bytes)
+
+
+def print_rounds(rounds, names) -> None:
+    """A line per round: each runner's seconds, its ratio to the engine's, and the engine's fraction of the roofline
+    at the machine measured around its own run."""
+    if len(rounds) < 2:
+        return
+    print("  rounds (fresh prompts of the same lengths; the engine's roofline at the machine measured around its run):")
+    for i, r in enumerate(rounds):
+        t = r.seconds["engine"]
+        rest = "".join(f", {names[k].replace('HF ', '')} {r.seconds[k]:.2f} s ({r.seconds[k] / t:.2f}x)"
+                       for k in names if k in r.seconds)
+        print(f"    {i + 1}: engine {t:.3f} s ({r.limit / t:.0%} of the roofline){rest}")
+    fractions = [r.limit / r.seconds["engine"] for r in rounds]
+    print(f"    median of the rounds' roofline fractions: {_median(fractions):.0%} "
+          f"(range {min(fractions):.0%}-{max(fractions):.0%})")
+
+
 def print_roofline(name, rec, seconds, shape, machine):
     table = roofline.summarise(rec.steps, shape, machine)
     print(f"  roofline, {name} (per step: bytes it must move, FLOPs it must do, the limit at the machine's rates, "
@@ -158,6 +223,8 @@ def main(argv=None) -> None:
     p.add_argument("--step-kinds", action="store_true", help="also time synthetic step kinds against the roofline")
     p.add_argument("--startup", action="store_true", help="also time cold and warm engine starts (fresh processes)")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of the engine and the batch baselines in turn, on fresh prompts; figures are medians")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads (default: torch's); 1 keeps ratios steady while other jobs load the CPU")
     a = p.parse_args(argv)
@@ -170,7 +237,9 @@ def main(argv=None) -> None:
     _, num_prompts, (shortest, longest), new = MODELS[a.model]
     a.prompts, a.new = a.prompts or num_prompts, a.new or new
     if a.quick:
-        a.prompts, a.new = 4, 8
+        a.prompts, a.new, a.rounds = 4, 8, 1
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     vocab = MODELS[a.model][0]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(shortest, longest + 1, (a.prompts,), generator=g).tolist()
@@ -198,32 +267,30 @@ def main(argv=None) -> None:
         engine.generate([[1] * n for n in (300, 7, 40, 2)], max_new_tokens=2)
         engine.stats.update(steps=0, model_s=0.0, overhead_s=0.0, tokens=0)
         graphs = graph_count()
-        ours, t_ours, rec = run_engine(engine, prompts, a.new)
+        cb_model = build(dtype, "paged|sdpa", a.model) if "hf_cb" not in a.skip else None
+        padded_model = model if "padded" not in a.skip else None
+        rounds = [run_round(engine, padded_model, cb_model, prompts if r == 0 else
+                            [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths],
+                            a.new, need, block, dtype, shape) for r in range(a.rounds)]
         recompiles = graph_count() - graphs
-        machines.append(roofline.measure_machine(dtype))  # right after the engine's run
+        machines += [m for r in rounds for m in r.machines]
+        mid = sorted(rounds, key=lambda r: r.seconds["engine"])[len(rounds) // 2]  # the median engine run
+        t_ours, rec = mid.seconds["engine"], mid.rec
         rows.append((f"pagedattn PagedEngine{' (eager)' if a.eager else ''}", t_ours))
         cached_tokens = sum(lengths) + total_new - a.prompts  # K/V written (the last token is never attended)
         paged_per_token = engine.kv_bytes / cached_tokens
-
-        if "padded" not in a.skip:
-            t0 = time.perf_counter()
-            padded, padded_bytes = padded_generate(model, prompts, a.new)
-            rows.append(("HF generate, padded batch", time.perf_counter() - t0))
-            same = sum(x == y for x, y in zip(ours, padded))
+        names = {"padded": "HF generate, padded batch", "hf_cb": "HF generate_batch (paged|sdpa)"}
+        for key, name in names.items():
+            if all(key in r.seconds for r in rounds):
+                rows.append((name, _median([r.seconds[key] for r in rounds])))
+        padded_bytes = rounds[0].padded_bytes
+        same = sum(r.same for r in rounds)
         if "serial" not in a.skip:
             t0 = time.perf_counter()
             serial = one_at_a_time(model, prompts, a.new)
             rows.append(("HF generate, one at a time", time.perf_counter() - t0))
-            same_serial = sum(x == y for x, y in zip(ours, serial))
-        if "hf_cb" not in a.skip:
-            cb_model = build(dtype, "paged|sdpa", a.model)
-            try:
-                t0 = time.perf_counter()
-                hf_continuous(cb_model, prompts, a.new, need, block, 1024)
-                rows.append(("HF generate_batch (paged|sdpa)", time.perf_counter() - t0))
-            except Exception as e:  # e.g. psutil missing
-                print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
-        # the machine before, right after the engine's run and after the baselines: the fastest figures are its
+            same_serial = sum(x == y for x, y in zip(rounds[0].tokens["engine"], serial))
+        # the machine before, right after the engine's runs and after the baselines: the fastest figures are its
         # limit (load on a shared CPU varies; a limit measured under load would flatter every runner)
         machines.append(roofline.measure_machine(dtype))
         machine = roofline.Machine(max(m.copy_bytes_per_s for m in machines),
@@ -232,10 +299,16 @@ def main(argv=None) -> None:
               f"{', '.join(f'{m.copy_bytes_per_s / 1e9:.1f}' for m in machines)} GB/s, matmul "
               f"{', '.join(f'{m.matmul_flops_per_s / 1e9:.0f}' for m in machines)} GFLOP/s; load average "
               f"{os.getloadavg()[0]:.2f})")
+        print_rounds(rounds, names)
         limit = roofline.summarise(rec.steps, shape, machine)["all"][2]
-        print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12} {'limit/time':>10}")
+        ratios = {names[k]: _median([r.seconds[k] / r.seconds["engine"] for r in rounds]) for k in names
+                  if all(k in r.seconds for r in rounds)}
+        print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12} {'limit/time':>10}"
+              + ("   (medians of the rounds; 'pagedattn x' the median of the rounds' own ratios)" if a.rounds > 1
+                 else ""))
         for name, t in rows:
-            print(f"  {name:32} {t:8.2f} {total_new / t:10.1f} {t / t_ours:12.2f} {limit / t:10.0%}")
+            x = ratios.get(name, t / t_ours)
+            print(f"  {name:32} {t:8.2f} {total_new / t:10.1f} {x:12.2f} {limit / t:10.0%}")
         print_roofline("the engine's steps on this workload", rec, t_ours, shape, machine)
         hf_limit = roofline.padded_batch_cost(shape, lengths, a.new).limit_s(machine)
         print(f"  (Hugging Face's padded batch must do at least: one prefill step of the batch, then {a.new - 1} "
@@ -255,7 +328,8 @@ def main(argv=None) -> None:
         if "serial" not in a.skip:
             print(f"  greedy tokens equal to one-at-a-time HF generate: {same_serial}/{a.prompts} prompts")
         if "padded" not in a.skip:
-            print(f"  greedy tokens equal to padded-batch HF generate: {same}/{a.prompts} prompts")
+            print(f"  greedy tokens equal to padded-batch HF generate: {same}/{a.prompts * a.rounds} prompts "
+                  f"({a.rounds} round{'s' if a.rounds > 1 else ''})")
         if a.step_kinds:
             kinds = pagedattn.PagedEngine(model, num_blocks=64 * -(-(256 + 16) // 16) + 128, block_size=16,
                                           max_num_tokens=1024, max_num_seqs=64, progress=False,

@@ -89,9 +89,13 @@ def test_an_output_in_a_missing_folder_is_refused_first(checkpoint, tmp_path, ca
     assert code == 2 and "does not exist" in cap.err
 
 
-def test_an_empty_prompt_is_one_error(out, capsys):
-    code, cap = _run(capsys, "run", out, "--ids", "")
-    assert code == 2 and cap.err.count("error") == 1 and "the prompt is empty" in cap.err, cap.err
+def test_an_empty_prompt_is_one_error_before_the_program_loads(out, capsys, monkeypatch):
+    from pagedattn import cli
+
+    monkeypatch.setattr(cli, "_load_program", lambda out: pytest.fail("the program loaded for a bad prompt"))
+    for argv in (("--ids", ""), ("--ids", "3 4", "--ids", " , ")):
+        code, cap = _run(capsys, "run", out, *argv)
+        assert code == 2 and cap.err.count("error") == 1 and "the prompt is empty" in cap.err, cap.err
 
 
 @pytest.mark.parametrize("flag", ["--num-blocks", "--max-new-tokens"])

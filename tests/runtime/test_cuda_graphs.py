@@ -295,7 +295,8 @@ def test_encoder_decoder_decode_steps_through_the_graphs_buffers_equal_hf_genera
     assert graphs.stats["eager"] >= 6 and engine.blocks.num_free == engine.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "t5"])
+# the encoder-decoder's compilation (~20 s) runs with the slow tests, to keep the main suite within its 8 minutes
+@pytest.mark.parametrize("arch", ["llama", pytest.param("t5", marks=pytest.mark.slow)])
 def test_compiled_decode_steps_through_the_graphs_buffers_compile_nothing_after_start_up(arch):
     """The buffers give a step the shapes and grad mode of the engine's own steps (2 block-table columns at
     least, tables contiguous, sizes of 1 only in the single-token step): a compiled step serves every capture size
