@@ -232,6 +232,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(a.threads)
     logging.getLogger("pagedattn").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # generate_batch's notes on the config
     if a.startup_child:
         return startup_child(a.model, a.dtypes[0])
     _, num_prompts, (shortest, longest), new = MODELS[a.model]
