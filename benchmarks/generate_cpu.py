@@ -142,10 +142,10 @@ def startup_child(model: str, dtype: str) -> None:
 
 @dataclass(frozen=True)
 class Round:
-    """One round: each runner's seconds and greedy tokens, the engine's recorded steps, the machine measured right
+    """One round: each runner's seconds, the engine's greedy tokens and recorded steps, the machine measured right
     before and after the engine's run, and how many prompts gave the engine the padded batch's tokens."""
     seconds: dict
-    tokens: dict
+    tokens: list
     rec: object
     machines: tuple
     limit: float
@@ -153,8 +153,10 @@ class Round:
     padded_bytes: int
 
 
-def _median(xs):
-    return statistics.median(xs)
+def fastest(machines) -> roofline.Machine:
+    """The machine at its best copy and matmul figures among ``machines`` (measurements of one machine)."""
+    return roofline.Machine(max(m.copy_bytes_per_s for m in machines), max(m.matmul_flops_per_s for m in machines),
+                            machines[0].device, machines[0].threads)
 
 
 def run_round(engine, model, cb_model, prompts, new, num_blocks, block_size, dtype, shape) -> Round:
@@ -162,9 +164,7 @@ def run_round(engine, model, cb_model, prompts, new, num_blocks, block_size, dty
     before = roofline.measure_machine(dtype)
     ours, t_ours, rec = run_engine(engine, prompts, new)
     after = roofline.measure_machine(dtype)
-    best = roofline.Machine(max(before.copy_bytes_per_s, after.copy_bytes_per_s),
-                            max(before.matmul_flops_per_s, after.matmul_flops_per_s), before.device, before.threads)
-    seconds, tokens, same, padded_bytes = {"engine": t_ours}, {"engine": ours}, 0, 0
+    seconds, same, padded_bytes = {"engine": t_ours}, 0, 0
     if model is not None:
         t0 = time.perf_counter()
         padded, padded_bytes = padded_generate(model, prompts, new)
@@ -177,8 +177,8 @@ def run_round(engine, model, cb_model, prompts, new, num_blocks, block_size, dty
             seconds["hf_cb"] = time.perf_counter() - t0
         except Exception as e:  # e.g. psutil missing
             print(f"  generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
-    limit = roofline.summarise(rec.steps, shape, best)["all"][2]
-    return Round(seconds, tokens, rec, (before, after), limit, same, padded_bytes)
+    limit = roofline.summarise(rec.steps, shape, fastest((before, after)))["all"][2]
+    return Round(seconds, ours, rec, (before, after), limit, same, padded_bytes)
 
 
 def print_rounds(rounds, names) -> None:
@@ -193,7 +193,7 @@ def print_rounds(rounds, names) -> None:
                        for k in names if k in r.seconds)
         print(f"    {i + 1}: engine {t:.3f} s ({r.limit / t:.0%} of the roofline){rest}")
     fractions = [r.limit / r.seconds["engine"] for r in rounds]
-    print(f"    median of the rounds' roofline fractions: {_median(fractions):.0%} "
+    print(f"    median of the rounds' roofline fractions: {statistics.median(fractions):.0%} "
           f"(range {min(fractions):.0%}-{max(fractions):.0%})")
 
 
@@ -283,26 +283,25 @@ def main(argv=None) -> None:
         names = {"padded": "HF generate, padded batch", "hf_cb": "HF generate_batch (paged|sdpa)"}
         for key, name in names.items():
             if all(key in r.seconds for r in rounds):
-                rows.append((name, _median([r.seconds[key] for r in rounds])))
+                rows.append((name, statistics.median([r.seconds[key] for r in rounds])))
         padded_bytes = rounds[0].padded_bytes
         same = sum(r.same for r in rounds)
         if "serial" not in a.skip:
             t0 = time.perf_counter()
             serial = one_at_a_time(model, prompts, a.new)
             rows.append(("HF generate, one at a time", time.perf_counter() - t0))
-            same_serial = sum(x == y for x, y in zip(rounds[0].tokens["engine"], serial))
+            same_serial = sum(x == y for x, y in zip(rounds[0].tokens, serial))
         # the machine before, right after the engine's runs and after the baselines: the fastest figures are its
         # limit (load on a shared CPU varies; a limit measured under load would flatter every runner)
         machines.append(roofline.measure_machine(dtype))
-        machine = roofline.Machine(max(m.copy_bytes_per_s for m in machines),
-                                   max(m.matmul_flops_per_s for m in machines), machines[0].device, machines[0].threads)
+        machine = fastest(machines)
         print(f"  machine: {machine.describe()} (best of {len(machines)} measurements: copy "
               f"{', '.join(f'{m.copy_bytes_per_s / 1e9:.1f}' for m in machines)} GB/s, matmul "
               f"{', '.join(f'{m.matmul_flops_per_s / 1e9:.0f}' for m in machines)} GFLOP/s; load average "
               f"{os.getloadavg()[0]:.2f})")
         print_rounds(rounds, names)
         limit = roofline.summarise(rec.steps, shape, machine)["all"][2]
-        ratios = {names[k]: _median([r.seconds[k] / r.seconds["engine"] for r in rounds]) for k in names
+        ratios = {names[k]: statistics.median([r.seconds[k] / r.seconds["engine"] for r in rounds]) for k in names
                   if all(k in r.seconds for r in rounds)}
         print(f"  {'method':32} {'seconds':>8} {'new tok/s':>10} {'pagedattn x':>12} {'limit/time':>10}"
               + ("   (medians of the rounds; 'pagedattn x' the median of the rounds' own ratios)" if a.rounds > 1

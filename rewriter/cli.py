@@ -543,18 +543,16 @@ def _prompts(args, info: dict, tok) -> list[list[int]]:
     texts = list(args.prompt) or ([] if args.ids else [info["default_prompt"]] if info.get("default_prompt") else [])
     if texts and tok is None:
         raise CliError("this checkpoint carries no tokenizer: give prompts as token ids with --ids '1 2 3'")
-    prompts = []
-    for t in texts:
-        prompts.append(tok(t, add_special_tokens=False)["input_ids"])
-        if not prompts[-1]:
-            raise CliError(f"--prompt {t!r}: the prompt is empty (it gives no tokens); give some text")
+    given = [(f"--prompt {t!r}", tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     for s in args.ids:
         try:
-            prompts.append([int(x) for x in s.replace(",", " ").split()])
+            given.append((f"--ids {s!r}", [int(x) for x in s.replace(",", " ").split()]))
         except ValueError as e:
             raise CliError(f"--ids {s!r}: token ids are integers separated by spaces or commas") from e
-        if not prompts[-1]:
-            raise CliError(f"--ids {s!r}: the prompt is empty; give at least one token id")
+    for what, ids in given:
+        if not ids:
+            raise CliError(f"{what}: the prompt is empty (no tokens); give at least one")
+    prompts = [ids for _, ids in given]
     if not prompts:
         raise CliError("nothing to generate from: give --prompt TEXT or --ids '1 2 3'")
     return prompts

@@ -1,5 +1,6 @@
 """Quiet, early, single errors: no output nobody asked for, and one clear line for each mistake."""
 
+import argparse
 import json
 import os
 import warnings
@@ -96,6 +97,10 @@ def test_an_empty_prompt_is_one_error_before_the_program_loads(out, capsys, monk
     for argv in (("--ids", ""), ("--ids", "3 4", "--ids", " , ")):
         code, cap = _run(capsys, "run", out, *argv)
         assert code == 2 and cap.err.count("error") == 1 and "the prompt is empty" in cap.err, cap.err
+    # text that the tokenizer turns into no tokens (this checkpoint carries none: a stand-in)
+    args = argparse.Namespace(prompt=["hi", " "], ids=[])
+    with pytest.raises(cli.CliError, match="--prompt ' ': the prompt is empty"):
+        cli._prompts(args, {}, lambda t, add_special_tokens: {"input_ids": [7] * len(t.strip())})
 
 
 @pytest.mark.parametrize("flag", ["--num-blocks", "--max-new-tokens"])
