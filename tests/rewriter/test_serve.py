@@ -299,13 +299,18 @@ def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served)
         waiting = pool.submit(client.completions.create, model="demo", prompt=TEXTS[1], max_tokens=4)
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
+        # stopped once the waiting request is in the engine: one still in the listener's backlog when the server
+        # closes it gets a connection reset, as from any server, which is not what this test is about
+        deadline = time.monotonic() + 30
+        while not engine.scheduler.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler.waiting, "the second request never reached the engine"
         srv.stop()
         rest = [line for line in lines if line]
         assert "shut down" in rest[-2] and rest[-1] == "data: [DONE]"
         with pytest.raises(openai.APIStatusError) as e:
             waiting.result()
-        # the waiting request reaches the server before the shutdown (aborted) or while it runs (refused)
-        assert e.value.status_code == 503 and ("shut down" in e.value.message or "shutting down" in e.value.message)
+        assert e.value.status_code == 503 and "shut down" in e.value.message  # aborted in the engine's queue
     assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
 
 
