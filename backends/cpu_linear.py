@@ -35,7 +35,7 @@ from pagedattn.backends.metadata import validation_enabled
 log = logging.getLogger("pagedattn")
 
 __all__ = ["SMALL_ROWS", "linear", "onednn_rows", "SmallLinears", "small_linears_available", "proven_layout",
-           "packed_weight_key", "mkl_linear_targets"]
+           "packed_weight_key", "mkl_linear_targets", "plain_rows_name", "restore_plain_rows"]
 
 # Rows up to which a dtype's calls take the native kernel. On a 2-core EPYC (Zen 5), llama16m's 25 linears from DRAM,
 # panels against oneDNN on the same packed weights: bf16 0.85 against 1.23 ms at 16 rows, 3.70 against 4.01 at 128;
@@ -186,6 +186,38 @@ def _drop_unread_attributes(gm: torch.fx.GraphModule, names) -> None:
             delattr(gm, name)
 
 
+_PLAIN_ROWS = "_pagedattn_plain_rows"
+
+
+def plain_rows_name(weight: str) -> str:
+    """The attribute holding the contiguous ``[N, K]`` copy of MKL's plain weight ``weight`` that
+    :class:`SmallLinears` gives the native kernel where Inductor keeps that weight transposed."""
+    return weight + _PLAIN_ROWS
+
+
+def _register_plain_rows(gm: torch.fx.GraphModule, name: str, weight: Tensor) -> None:
+    from torch._inductor.freezing_utils import enter_freezing, maybe_set_is_frozen_param
+
+    rows = weight.contiguous()
+    # a frozen parameter: Inductor's FX graph cache then stores its name, never its values, and a step loaded from the
+    # cache takes it from the module it is loaded for (restore_plain_rows makes it there)
+    with enter_freezing():
+        maybe_set_is_frozen_param(rows)
+    gm.register_buffer(name, rows)
+
+
+def restore_plain_rows(gm: torch.fx.GraphModule, names) -> None:
+    """Make the plain-row weights (:func:`plain_rows_name`) among ``names`` that ``gm`` lacks from the weights they
+    copy, as :class:`SmallLinears` made them: a step loaded from Inductor's FX graph cache reads them, and the pass
+    does not run for it. Names of any other kind are left alone."""
+    for name in names:
+        if not name.endswith(_PLAIN_ROWS) or hasattr(gm, name):
+            continue
+        weight = getattr(gm, name[:-len(_PLAIN_ROWS)], None)
+        if isinstance(weight, Tensor) and weight.dim() == 2 and not weight.is_mkldnn:
+            _register_plain_rows(gm, name, weight)
+
+
 class SmallLinears(CustomGraphPass):
     """Inductor post-grad pass (``post_grad_custom_pre_pass``): plain oneDNN linears over frozen weights become
     ``pagedattn::linear`` (see the module's docstring), and so do MKL's float32 linears over a static number of rows
@@ -223,8 +255,8 @@ class SmallLinears(CustomGraphPass):
                 if not w.is_contiguous():  # [N, K] rows for the kernel, once
                     if original.target not in plain:
                         with unset_fake_temporarily():
-                            gm.register_buffer(f"{original.target}_rows", w.contiguous())
-                        plain[original.target] = f"{original.target}_rows"
+                            _register_plain_rows(gm, plain_rows_name(original.target), w)
+                        plain[original.target] = plain_rows_name(original.target)
                     with graph.inserting_before(node):
                         weight = graph.get_attr(plain[original.target])
                     with unset_fake_temporarily():

@@ -9,9 +9,10 @@ With freezing, the cache keys a frozen constant by its metadata and takes its va
 loaded for (Inductor's own design: ``CompiledFxGraphConstantsWithGm``); the generated code reads a packed weight as
 an opaque input. :func:`frozen_steps_cacheable` keys packed weights the same way, their metadata being what the
 step may depend on (:func:`pagedattn.backends.cpu_linear.packed_weight_key`: shape, dtype and the layout their
-bytes are proved to hold, which is what :class:`~pagedattn.backends.cpu_linear.SmallLinears` decides by). A graph
-with MKL's packed linears stays uncached: the pass gives some of those a plain weight of its own, a module
-attribute that a cache hit would not create.
+bytes are proved to hold, which is what :class:`~pagedattn.backends.cpu_linear.SmallLinears` decides by). A step with
+MKL's packed linears (a float32 step of one token) is cached too: where the pass gives one a contiguous copy of its
+plain weight, a frozen attribute of the module that a step loaded from the cache reads but no pass made, the copy is
+made again from that weight as the step loads (:func:`pagedattn.backends.cpu_linear.restore_plain_rows`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 import types
 from typing import Any, Iterator, Optional
 
-from pagedattn.backends.cpu_linear import mkl_linear_targets, packed_weight_key
+from pagedattn.backends.cpu_linear import packed_weight_key, restore_plain_rows
 
 __all__ = ["frozen_steps_cacheable"]
 
@@ -37,16 +38,17 @@ def _patches() -> Optional[tuple]:
     the ones patched here. Built once: entering :func:`frozen_steps_cacheable` is then a few attribute writes (it
     runs around every step)."""
     try:
-        from torch._inductor import codecache
+        from torch._inductor import codecache, output_code
         from torch._inductor.freezing_utils import is_frozen_param
     except ImportError:  # pragma: no cover - torch without Inductor's FX graph cache
         return None
     validator, pickler = getattr(codecache, "CacheabilityValidator", None), getattr(codecache, "FxGraphCachePickler",
                                                                                      None)
-    needed = ((validator, "check_tensor"), (validator, "validate_graph"), (pickler, "_reduce_tensor"))
+    constants = getattr(output_code, "CompiledFxGraphConstantsWithGm", None)
+    needed = ((validator, "check_tensor"), (pickler, "_reduce_tensor"), (constants, "unwrap"))
     if any(cls is None or not isinstance(cls.__dict__.get(name), (staticmethod, types.FunctionType)) for cls, name in needed):
         return None
-    check, validate, reduce = (cls.__dict__[name] for cls, name in needed)
+    check, reduce, unwrap = (cls.__dict__[name] for cls, name in needed)
 
     def packed(t) -> bool:
         return t.is_mkldnn and is_frozen_param(t)
@@ -55,13 +57,11 @@ def _patches() -> Optional[tuple]:
         if not packed(t):
             check.__func__(t)
 
-    def validate_graph(self, include_constants: bool) -> None:
-        mkl = mkl_linear_targets()
-        for module in self.gm.modules():
-            graph = getattr(module, "graph", None)
-            if mkl and graph is not None and any(n.op == "call_function" and n.target in mkl for n in graph.nodes):
-                self.bypass("pagedattn: MKL's packed linears (the small-linear pass may add weights to the module)")
-        validate(self, include_constants)
+    def unwrap_constants(self, graph):
+        # a step loaded from the cache takes its frozen constants from self.gm by name; the plain-row weights among
+        # them are made by a pass that ran only when the step was compiled
+        restore_plain_rows(self.gm, graph.frozen_param_names.values())
+        return unwrap(self, graph)
 
     def reduce_tensor(self, t):
         if packed(t):
@@ -71,14 +71,15 @@ def _patches() -> Optional[tuple]:
                 check.__func__(t)
         return reduce(self, t)
 
-    return tuple(zip((validator, validator, pickler), ("check_tensor", "validate_graph", "_reduce_tensor"),
-                     (staticmethod(check_tensor), validate_graph, reduce_tensor)))
+    return tuple(zip((validator, pickler, constants), ("check_tensor", "_reduce_tensor", "unwrap"),
+                     (staticmethod(check_tensor), reduce_tensor, unwrap_constants)))
 
 
 @contextlib.contextmanager
 def frozen_steps_cacheable() -> Iterator[None]:
     """While it holds, Inductor's FX graph cache takes graphs whose frozen constants include oneDNN-packed weights,
-    keyed by :func:`~pagedattn.backends.cpu_linear.packed_weight_key`; other graphs are cached as Inductor would.
+    keyed by :func:`~pagedattn.backends.cpu_linear.packed_weight_key`, and a step loaded from it gets the plain-row
+    weights the small-linear pass made for it; other graphs are cached as Inductor would.
     Where this torch lacks the hooks, nothing changes (such steps compile at every start, as before)."""
     patches = _patches()
     if patches is None:

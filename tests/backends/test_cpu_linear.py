@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._inductor.freezing_utils import is_frozen_param
 
 from pagedattn.backends import cpu_linear, native, native_ops, set_validation
 
@@ -332,6 +333,8 @@ def test_the_pass_swaps_mkls_linears_at_few_static_rows_over_their_plain_weight(
     cpu_linear.SmallLinears()(gm.graph)
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [_linear_target()]
     assert not hasattr(gm, "packed") and not hasattr(gm, "original")
+    rows = getattr(gm, cpu_linear.plain_rows_name("original"))
+    assert rows.is_contiguous() and torch.equal(rows, w) and is_frozen_param(rows)  # cached by name, not by value
     gm.recompile()
     x = torch.randn(1, 64)
     _assert_close(gm(x), x, w, None)
@@ -339,6 +342,24 @@ def test_the_pass_swaps_mkls_linears_at_few_static_rows_over_their_plain_weight(
     many = _mkl_graph(w, rows=cpu_linear.SMALL_ROWS[torch.float32] + 1)
     cpu_linear.SmallLinears()(many.graph)
     assert [n.target for n in many.graph.nodes if n.op == "call_function"] == [torch.ops.mkl._mkl_linear]
+
+
+def test_plain_rows_missing_from_a_module_are_made_from_the_weights_they_copy():
+    # what a step loaded from Inductor's cache reads: the copy the pass would have made, from this module's weight
+    w = torch.randn(96, 64)
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    gm.register_buffer("weight", w.t().contiguous().t())
+    gm.register_buffer("other", torch.randn(3, 3))
+    name = cpu_linear.plain_rows_name("weight")
+    cpu_linear.restore_plain_rows(gm, [name, "other", cpu_linear.plain_rows_name("missing"), "_frozen_param7"])
+    rows = getattr(gm, name)
+    assert rows.is_contiguous() and torch.equal(rows, w) and is_frozen_param(rows)
+    # counter-examples: names of other kinds, a copy of a weight the module lacks, one already there
+    assert not hasattr(gm, cpu_linear.plain_rows_name("missing")) and not hasattr(gm, "_frozen_param7")
+    kept = torch.zeros(96, 64)
+    gm.register_buffer(name, kept)
+    cpu_linear.restore_plain_rows(gm, [name])
+    assert getattr(gm, name) is kept
 
 
 def test_onednn_rows_are_few_sizes_an_octave_never_fewer_and_at_most_an_eighth_more():

@@ -24,11 +24,11 @@ class Mlp(torch.nn.Module):
         return self.down(torch.relu(self.up(x))) + x
 
 
-def _compile_and_run(model, x, dynamic=True):
+def _compile_and_run(model, x, dynamic=True, options=None):
     """A fresh compile of ``model`` with freezing (Dynamo reset first): its output and the FX cache's counters."""
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend="inductor", dynamic=dynamic)
+    compiled = torch.compile(model, backend="inductor", dynamic=dynamic, options=options)
     if dynamic:
         torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad(), inductor_freezing(True):
@@ -96,14 +96,41 @@ def test_new_weights_of_the_same_shapes_reuse_the_code_with_their_own_values(mod
         torch.testing.assert_close(out, other(x))
 
 
-@pytest.mark.skipif(not cpu_linear.mkl_linear_targets(), reason="needs MKL's packed linear")
-def test_a_step_with_mkls_packed_linears_stays_uncached(model):
-    # a static number of rows gets MKL's linears, which the small-linear pass may give weights of their own
-    x = torch.randn(3, 64)
-    out, stats = _compile_and_run(model, x, dynamic=False)
-    assert stats == {"bypass": 1}, stats
+class TwoHeads(torch.nn.Module):
+    """Two linears of one input, without biases (as Llama's q/k/v): freezing concatenates them, and MKL's linear
+    keeps the joint weight transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x)], -1) * 2
+
+
+@pytest.mark.skipif(not cpu_linear.mkl_linear_targets() or not cpu_linear.small_linears_available(torch.float32),
+                    reason="needs MKL's packed linear and the native small-row kernel")
+def test_a_step_of_one_token_with_mkls_linears_is_cached_and_takes_its_plain_rows_from_its_own_weights(model,
+                                                                                                     monkeypatch):
+    # a static number of rows gets MKL's linears; the small-linear pass gives a transposed plain weight a contiguous
+    # copy of its own, which a step loaded from the cache must make from the weights it is loaded for
+    restored = []
+    real = cpu_linear.restore_plain_rows
+    monkeypatch.setattr(inductor_cache, "restore_plain_rows", lambda gm, names: restored.append(list(names)) or
+                        real(gm, names))
+    options = {"post_grad_custom_pre_pass": program.PostGradPasses((cpu_linear.SmallLinears(),))}
+    x = torch.randn(1, 64)
+    first = TwoHeads().eval()
+    out, stats = _compile_and_run(first, x, dynamic=False, options=options)
+    assert stats == {"miss": 1}, stats
+    other = TwoHeads().eval()  # other values, the same shapes
+    again, stats = _compile_and_run(other, x, dynamic=False, options=options)
+    assert stats == {"hit": 1}, stats
+    assert any(n.endswith(cpu_linear.plain_rows_name("")) for names in restored for n in names), restored
     with torch.no_grad():
-        torch.testing.assert_close(out, model(x))
+        torch.testing.assert_close(out, first(x))
+        torch.testing.assert_close(again, other(x))
+        assert not torch.allclose(again, first(x))
 
 
 def test_without_the_hooks_inductor_declines_packed_weights(model, monkeypatch):
@@ -114,11 +141,13 @@ def test_without_the_hooks_inductor_declines_packed_weights(model, monkeypatch):
 
 
 def test_the_hooks_are_undone_on_leaving():
-    from torch._inductor import codecache
+    from torch._inductor import codecache, output_code
 
-    before = (codecache.CacheabilityValidator.__dict__["check_tensor"], codecache.CacheabilityValidator.validate_graph,
-              codecache.FxGraphCachePickler._reduce_tensor)
+    def hooked():
+        return (codecache.CacheabilityValidator.__dict__["check_tensor"], codecache.FxGraphCachePickler._reduce_tensor,
+                output_code.CompiledFxGraphConstantsWithGm.unwrap)
+
+    before = hooked()
     with frozen_steps_cacheable():
-        assert codecache.FxGraphCachePickler._reduce_tensor is not before[2]
-    assert (codecache.CacheabilityValidator.__dict__["check_tensor"], codecache.CacheabilityValidator.validate_graph,
-            codecache.FxGraphCachePickler._reduce_tensor) == before
+        assert all(a is not b for a, b in zip(hooked(), before))
+    assert hooked() == before
