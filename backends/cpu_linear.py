@@ -213,7 +213,7 @@ def restore_plain_rows(gm: torch.fx.GraphModule, names) -> None:
     for name in names:
         if not name.endswith(_PLAIN_ROWS) or hasattr(gm, name):
             continue
-        weight = getattr(gm, name[:-len(_PLAIN_ROWS)], None)
+        weight = getattr(gm, name.removesuffix(_PLAIN_ROWS), None)
         if isinstance(weight, Tensor) and weight.dim() == 2 and not weight.is_mkldnn:
             _register_plain_rows(gm, name, weight)
 
@@ -254,9 +254,9 @@ class SmallLinears(CustomGraphPass):
                 weight = original
                 if not w.is_contiguous():  # [N, K] rows for the kernel, once
                     if original.target not in plain:
-                        with unset_fake_temporarily():
-                            _register_plain_rows(gm, plain_rows_name(original.target), w)
                         plain[original.target] = plain_rows_name(original.target)
+                        with unset_fake_temporarily():
+                            _register_plain_rows(gm, plain[original.target], w)
                     with graph.inserting_before(node):
                         weight = graph.get_attr(plain[original.target])
                     with unset_fake_temporarily():

@@ -77,12 +77,18 @@ def served():
     assert not process.proc.is_alive() and process.proc.exitcode == 0
 
 
+def _wait_until(condition, timeout: float, poll: float = 0.01) -> bool:
+    """Poll ``condition()`` until it holds or ``timeout`` seconds pass; whether it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(poll)
+    return bool(condition())
+
+
 def _settled(s, timeout: float = 10.0) -> None:
     """Wait until no request is in flight and the engine, having taken every command sent, holds no request and
     no block."""
-    deadline = time.monotonic() + timeout
-    while not s.loop.settled and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_until(lambda: s.loop.settled, timeout)
     assert s.loop.in_flight == 0 and s.loop.settled, s.loop.gauges
 
 
@@ -259,9 +265,7 @@ def test_client_that_gives_up_while_queued_aborts_its_request(served):
     with served.loop.paused():
         with pytest.raises(httpx.TimeoutException):
             httpx.post(served.srv.url + "/completions", json={"prompt": TEXTS[0], "max_tokens": 4}, timeout=0.5)
-        deadline = time.monotonic() + 10
-        while served.loop.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: not served.loop.in_flight, 10)
         assert served.loop.in_flight == 0  # aborted while still queued, not after the engine resumed
     _settled(served)
 
@@ -273,9 +277,7 @@ def test_full_queue_answers_503_and_loses_nothing(served):
         with served.loop.paused():  # nothing finishes until the queue is full
             futures = [pool.submit(served.client.completions.create, model="demo", prompt=TEXTS[i % len(TEXTS)],
                                    max_tokens=NEW, temperature=0) for i in range(capacity)]
-            deadline = time.monotonic() + 30
-            while served.loop.in_flight < capacity and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_until(lambda: served.loop.in_flight >= capacity, 30)
             with pytest.raises(openai.APIStatusError) as e:
                 served.client.completions.create(model="demo", prompt=TEXTS[0], max_tokens=2)
             assert e.value.status_code == 503 and "capacity" in e.value.message
@@ -299,18 +301,15 @@ def test_graceful_shutdown_aborts_what_is_in_flight_and_frees_everything(served)
         waiting = pool.submit(client.completions.create, model="demo", prompt=TEXTS[1], max_tokens=4)
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        # stopped once the waiting request is in the engine: one still in the listener's backlog when the server
+        # stopped once the server has the waiting request: one still in the listener's backlog when the server
         # closes it gets a connection reset, as from any server, which is not what this test is about
-        deadline = time.monotonic() + 30
-        while not engine.scheduler.waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.scheduler.waiting, "the second request never reached the engine"
+        assert _wait_until(lambda: app.state.engine_loop.in_flight == 2, 30), "the second request never arrived"
         srv.stop()
         rest = [line for line in lines if line]
         assert "shut down" in rest[-2] and rest[-1] == "data: [DONE]"
         with pytest.raises(openai.APIStatusError) as e:
             waiting.result()
-        assert e.value.status_code == 503 and "shut down" in e.value.message  # aborted in the engine's queue
+        assert e.value.status_code == 503 and "shut down" in e.value.message  # aborted while it waited
     assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()
 
 
@@ -409,10 +408,7 @@ def _alive(pid: int) -> bool:
 
 
 def _gone_within(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
+    return _wait_until(lambda: not _alive(pid), timeout, poll=0.05)
 
 
 def test_a_dead_engine_process_turns_into_500_and_503_not_hangs():
