@@ -16,7 +16,7 @@ copy and a bf16 matmul measured here). Then one table of synthetic step kinds (d
     python benchmarks/generate_cuda.py --triton-eager # also the engine with every step's attention in Triton
     python benchmarks/generate_cuda.py --sync-decode  # also the engine with async_decode=False
     python benchmarks/generate_cuda.py --freeze       # also the engine with the step compiled under freezing
-    python benchmarks/generate_cuda.py --concat       # also the engine with q/k/v and gate/up as one linear each
+    python benchmarks/generate_cuda.py --no-concat    # also the engine with q/k/v and gate/up as separate linears
 """
 
 from __future__ import annotations
@@ -216,9 +216,9 @@ def main(argv=None) -> None:
     p.add_argument("--sync-decode", action="store_true",
                    help="also time the engine with async_decode=False (each decode step read back before the next "
                         "starts)")
-    p.add_argument("--concat", action="store_true",
-                   help="also time the engine with compile_paged(concat_linears=True): q/k/v and gate/up as one "
-                        "linear each, without freezing")
+    p.add_argument("--no-concat", action="store_true",
+                   help="also time the engine with compile_paged(concat_linears=False): q/k/v and gate/up as "
+                        "separate linears (the default joins them)")
     p.add_argument("--triton-eager", action="store_true",
                    help="also time the engine with XFormersCudaBackend(triton=True): prefill and mixed steps' "
                         "attention through the Triton kernels too")
@@ -264,8 +264,8 @@ def main(argv=None) -> None:
         variants.append(("PagedEngine, async_decode=False", {"async_decode": False}))
     if a.freeze:
         variants.append(("PagedEngine, Inductor freezing", {"freeze": True}))
-    if a.concat:
-        variants.append(("PagedEngine, linears concatenated", {"concat_linears": True}))
+    if a.no_concat:
+        variants.append(("PagedEngine, linears not concatenated", {"concat_linears": False}))
     if a.triton_eager:
         from pagedattn.backends.xformers_cuda import XFormersCudaBackend
 

@@ -9,8 +9,8 @@ and records what it learns in the typed :class:`PassContext`. A pipeline is a tu
                                         caches and metadata as graph inputs (the paged graph)
 
 Passes that serve one runtime are applied where it needs them: ``FunctionalCacheWrites`` (XLA,
-ONNX), ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs) and ``ConcatLinears`` (asked for by
-``compile_paged(concat_linears=True)``).
+ONNX), ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs) and ``ConcatLinears`` (CUDA steps
+compiled by ``compile_paged``, unless ``concat_linears=False``).
 """
 
 from pagedattn.passes.classify_mask import classify_mask

@@ -397,7 +397,7 @@ class RewrittenModel(nn.Module):
 
     def compile_paged(self, backend: str = "inductor", *, cpu_fp32_matmuls: str = "cache",
                       freeze: Optional[bool] = None, small_linears: Optional[bool] = None,
-                      concat_linears: bool = False) -> "RewrittenModel":
+                      concat_linears: Optional[bool] = None) -> "RewrittenModel":
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
 
         ``freeze``: Inductor's freezing (``torch._inductor.config.freezing``): the weights become constants of
@@ -415,8 +415,9 @@ class RewrittenModel(nn.Module):
 
         ``concat_linears``: linears that read the same input (q/k/v, gate/up) run as one linear of their summed
         width, their weights made views of one concatenated tensor (:class:`pagedattn.passes.ConcatLinears`): one
-        GEMM launch instead of several narrow ones, for a GPU's decode steps. Off by default (not yet measured
-        against the steps as they are).
+        GEMM launch instead of several narrow ones, for a GPU's decode steps. ``None`` (default): on for Inductor on
+        CUDA (an H200's decode step at batch 64 2.35 -> 2.04 ms, benchmarks/RESULTS.md), off elsewhere (a CPU
+        step's freezing and small-linear kernel take its linears as they are).
 
         ``cpu_fp32_matmuls``: on a CPU without native bf16/fp16 GEMMs (no AVX512/AMX), run those matmuls
         in fp32 (:class:`pagedattn.passes.Fp32Matmuls`; 3-9x faster there): ``"cache"`` converts their
@@ -426,6 +427,8 @@ class RewrittenModel(nn.Module):
         if cpu_fp32_matmuls not in ("cache", "convert", "off"):
             raise ValueError(f"cpu_fp32_matmuls must be 'cache', 'convert' or 'off', got {cpu_fp32_matmuls!r}")
         gm = self.graph_module
+        if concat_linears is None:
+            concat_linears = backend == "inductor" and self.target == "cuda"
         if concat_linears and isinstance(gm, GraphModule):
             gm = copy_graph_module(gm)
             run_pipeline(gm, PassContext(), (ConcatLinears(),))

@@ -103,3 +103,17 @@ def test_an_engine_over_a_step_with_joined_linears_generates_hfs_tokens(compiled
     step.compile_paged("inductor" if compiled else "eager", concat_linears=True, freeze=False)
     engine = PagedEngine(step, block_size=4, num_blocks=96, max_num_tokens=64, progress=False)
     assert engine.generate(ps, max_new_tokens=8) == want
+
+
+@pytest.mark.parametrize("target, given, joined", [("cuda", None, True), ("cuda", False, False), ("cpu", None, False),
+                                                   ("cpu", True, True)])
+def test_compile_paged_joins_linears_by_default_for_cuda_steps_only(target, given, joined):
+    # a CUDA program is built and compiled (lazily) on any machine: no kernel runs here
+    m = tiny_model("llama", "eager")
+    ids = torch.arange(8)[None] % 100
+    rm = pagedattn.rewrite(m, (), {"input_ids": ids, "position_ids": torch.arange(8)[None], "use_cache": False},
+                           target=target)
+    rm.compile_paged(concat_linears=given, freeze=False)
+    gm = rm.graph_module._orig_mod
+    names = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_concat_linear")]
+    assert len(names) == (4 if joined else 0)  # 2 layers: q/k/v and gate/up each
