@@ -134,7 +134,7 @@ def sweep_triton(repeats: int) -> None:
         kv_bytes = 2 * sum(lens) * hkv * d * cache.element_size()
         for tile in (32, 64, 128):
             for warps in (4, 8):
-                for programs in (1024, 2048):
+                for programs in (256, 512, 1024, 2048):  # 256: batch 64's 4 KV heads, one split each
                     call = functools.partial(triton_paged.attend, q, cache, meta, p, tile=tile, num_warps=warps,
                                              programs=programs)
 
