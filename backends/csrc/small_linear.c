@@ -252,9 +252,17 @@ static int linear_plain(const linear_args *a) {
  * slower: its hardware prefetchers do not follow them (lin_nta_pays) */
 static inline int lin_nta_pays(void) { return __builtin_cpu_is("amd"); }
 
-static inline __attribute__((always_inline)) void lin_prefetch(const char *p, int nta) {
-    if (nta)
+/* where a requested weight line goes: PF_NTA (above), PF_L1 where one group of rows reads each line once, PF_L2 where
+ * several groups do (K in chunks or not): a 2-vCPU Xeon (Emerald Rapids class), llama16m's 25 float32 linears with the
+ * requests spread over the slices, into L1 against into L2: 6-16 % against 4-14 % faster than the requests made a
+ * step at a time at 1-12 rows, 5 % against 8-12 % at 16-24 rows (benchmarks/RESULTS.md) */
+enum { PF_L1, PF_L2, PF_NTA };
+
+static inline __attribute__((always_inline)) void lin_prefetch(const char *p, int where) {
+    if (where == PF_NTA)
         _mm_prefetch(p, _MM_HINT_NTA);
+    else if (where == PF_L2)
+        _mm_prefetch(p, _MM_HINT_T1);
     else
         _mm_prefetch(p, _MM_HINT_T0);
 }
@@ -263,7 +271,7 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
                                                              int64_t m0, const int mr, const int bf,
                                                              const char *prefetch_stop, int64_t st0, int64_t st1,
                                                              float *keep, const char *next, int share, int shares,
-                                                             const int nta) {
+                                                             const int where) {
     const int64_t K = a->K;
     const int64_t step_k = bf ? 32 : 16;
     const int64_t steps = (K + step_k - 1) / step_k;
@@ -278,13 +286,16 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
         const int64_t left = K - k0; /* k of this step that x has */
         const int slices = left >= step_k ? 16 : (int)(bf ? (left + 1) / 2 : left);
         const char *wst = panel + (size_t)st * 16 * SLICE_BYTES;
-        if (prefetch_stop) /* the first pass over the panel brings it in */
-            for (int o = 0; o < 16 * SLICE_BYTES; o += 64)
-                if (wst + LINEAR_PREFETCH_BYTES + o < prefetch_stop) lin_prefetch(wst + LINEAR_PREFETCH_BYTES + o, nta);
-        if (next && (st - st0) % shares == share) /* a later pass: its share of the next chunk, brought in meanwhile */
-            for (int o = 0; o < 16 * SLICE_BYTES; o += 64) lin_prefetch(next + (st - st0) * 16 * SLICE_BYTES + o, nta);
+        /* a slice's lines are requested as the slice is read: all 64 of a step requested before its first slice
+         * made the Xeon's calls slower (PF_L1 above) */
+        const char *nst = next && (st - st0) % shares == share ? next + (st - st0) * 16 * SLICE_BYTES : NULL;
         for (int sl = 0; sl < slices; sl++) {
             const char *w = wst + (size_t)sl * SLICE_BYTES;
+            if (prefetch_stop) /* the first pass over the panel brings it in */
+                for (int o = 0; o < SLICE_BYTES; o += 64)
+                    if (w + LINEAR_PREFETCH_BYTES + o < prefetch_stop) lin_prefetch(w + LINEAR_PREFETCH_BYTES + o, where);
+            if (nst) /* a later pass: its share of the next chunk, brought in meanwhile */
+                for (int o = 0; o < SLICE_BYTES; o += 64) lin_prefetch(nst + (size_t)sl * SLICE_BYTES + o, where);
             const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 64);
             const __m512 w2 = _mm512_loadu_ps(w + 128), w3 = _mm512_loadu_ps(w + 192);
             for (int m = 0; m < mr; m++) {
@@ -347,12 +358,12 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
 
 #define PANEL_ROWS_CASES(BF)                                                               \
     switch (mr) {                                                                          \
-        case 1: panel_rows(a, panel, n0, m0, 1, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                            \
-        case 2: panel_rows(a, panel, n0, m0, 2, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                            \
-        case 3: panel_rows(a, panel, n0, m0, 3, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                            \
-        case 4: panel_rows(a, panel, n0, m0, 4, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                            \
-        case 5: panel_rows(a, panel, n0, m0, 5, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                            \
-        default: panel_rows(a, panel, n0, m0, MAX_MR, BF, pf, st0, st1, kp, nx, sh, shs, nta); break;                      \
+        case 1: panel_rows(a, panel, n0, m0, 1, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                            \
+        case 2: panel_rows(a, panel, n0, m0, 2, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                            \
+        case 3: panel_rows(a, panel, n0, m0, 3, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                            \
+        case 4: panel_rows(a, panel, n0, m0, 4, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                            \
+        case 5: panel_rows(a, panel, n0, m0, 5, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                            \
+        default: panel_rows(a, panel, n0, m0, MAX_MR, BF, pf, st0, st1, kp, nx, sh, shs, where); break;                      \
     }
 
 static int linear_panels(const linear_args *a) {
@@ -366,7 +377,8 @@ static int linear_panels(const linear_args *a) {
      * group and then from L1 by the others, which meanwhile bring in the next chunk */
     const int groups = (int)((a->M + MAX_MR - 1) / MAX_MR);
     const int64_t chunk = groups > 1 && a->M <= CHUNKED_ROWS ? LINEAR_CHUNK_STEPS : steps;
-    const int nta = (groups == 1 || chunk < steps) && lin_nta_pays();  /* every pass reads its lines from L1 */
+    const int where = (groups == 1 || chunk < steps) && lin_nta_pays() ? PF_NTA /* every pass reads its lines from L1 */
+                    : groups == 1 ? PF_L1 : PF_L2;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
