@@ -151,5 +151,8 @@ def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
                 for x in inputs)
     # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences
     with torch.no_grad(), quiet_tracing(), no_duck_sizing():
-        return torch.export.export(model.graph_module, tuple(inputs), dynamic_shapes=dyn, strict=False)
+        # a compiled program (compile_paged) exports the graph it compiled: the same computation, with what its
+        # device-independent passes changed (linears joined, fp32 copies of weights)
+        gm = getattr(model.graph_module, "_orig_mod", model.graph_module)
+        return torch.export.export(gm, tuple(inputs), dynamic_shapes=dyn, strict=False)
 

@@ -117,3 +117,17 @@ def test_compile_paged_joins_linears_by_default_for_cuda_steps_only(target, give
     gm = rm.graph_module._orig_mod
     names = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_concat_linear")]
     assert len(names) == (4 if joined else 0)  # 2 layers: q/k/v and gate/up each
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["as_traced", "joined"])
+def test_a_compiled_program_saves_the_graph_it_compiled_and_loads_with_the_models_logits(joined, tmp_path):
+    m, rm = _rewritten()
+    rm.compile_paged(concat_linears=joined)
+    path = str(tmp_path / "step.pt2")
+    rm.save(path)
+    loaded = pagedattn.load(path)
+    saved = [p for p in loaded.exported_program.graph_signature.parameters if p.startswith("_concat_linear")]
+    assert len(saved) == (4 if joined else 0)
+    tokens = [5, 17, 3, 99, 42, 7]
+    want = m(input_ids=torch.tensor([tokens]), use_cache=False).logits
+    torch.testing.assert_close(_paged_logits(loaded.graph_module, loaded, tokens), want, atol=1e-5, rtol=1e-5)
