@@ -253,9 +253,9 @@ static int linear_plain(const linear_args *a) {
 static inline int lin_nta_pays(void) { return __builtin_cpu_is("amd"); }
 
 /* where a requested weight line goes: PF_NTA (above), PF_L1 where one group of rows reads each line once, PF_L2 where
- * several groups do (K in chunks or not): a 2-vCPU Xeon (Emerald Rapids class), llama16m's 25 float32 linears with the
- * requests spread over the slices, into L1 against into L2: 6-16 % against 4-14 % faster than the requests made a
- * step at a time at 1-12 rows, 5 % against 8-12 % at 16-24 rows (benchmarks/RESULTS.md) */
+ * several groups do (K in chunks or not). A 2-vCPU Xeon (Emerald Rapids class), llama16m's 25 float32 linears with the
+ * requests made slice by slice, against a step's made at once: into L1 4-16 % faster at 1-12 rows and 1-6 % at 16-24,
+ * into L2 1-14 % and 8 % (benchmarks/RESULTS.md). Measured there only: AMD's CPUs keep PF_NTA where they had it */
 enum { PF_L1, PF_L2, PF_NTA };
 
 static inline __attribute__((always_inline)) void lin_prefetch(const char *p, int where) {
