@@ -40,7 +40,7 @@ from pagedattn.runtime.context import paged_context, step_mode
 from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
-from pagedattn.tracing import without_hf_cache
+from pagedattn.tracing import uncompiled, without_hf_cache
 
 log = logging.getLogger("pagedattn")
 
@@ -238,7 +238,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     if isinstance(model, RewrittenModel):
         servable = _servable(model, model.input_names, dtype, **common)
     elif is_compiled(model):
-        names = accepted_inputs(_original(model))
+        names = accepted_inputs(uncompiled(model))
         servable = _servable(model, names, dtype, specs=_compiled_cache_specs(model, names, info), **common)
     else:
         with stages.stage(f"rewriting {type(model).__name__} (tracing, finding attention, checking)"):
@@ -411,10 +411,6 @@ class _Stages:
             print(f"pagedattn:   done in {dt:.1f} s", file=sys.stderr, flush=True)
 
 
-def _original(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)
-
-
 def is_compiled(model) -> bool:
     """A module (or a module whose forward is) compiled with ``torch.compile``."""
     return hasattr(model, "_orig_mod") or (hasattr(model, "forward") and
@@ -425,7 +421,7 @@ def accepted_inputs(model: nn.Module) -> set[str]:
     """The step inputs the model's forward takes: ``input_ids`` and which of ``position_ids``,
     ``use_cache``, ``logits_to_keep`` (``position_ids`` also when ``**kwargs`` honours them), and
     ``token_type_ids`` where they act as a prefix-LM's token types (``_token_types_mask``)."""
-    model = _original(model)
+    model = uncompiled(model)
     params = inspect.signature(model.forward).parameters
     names = {n for n in ("input_ids", "position_ids", "use_cache", "logits_to_keep") if n in params}
     if "position_ids" not in names and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) \
@@ -500,7 +496,7 @@ def example_inputs(names: set[str], vocab: Optional[int], device: torch.device |
 
 def _module_device(model) -> Optional[torch.device]:
     """Where the model's parameters (or else buffers) live; None when it has neither."""
-    for t in itertools.chain(_original(model).parameters(), _original(model).buffers()):
+    for t in itertools.chain(uncompiled(model).parameters(), uncompiled(model).buffers()):
         return t.device
     return None
 

@@ -26,7 +26,7 @@ from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
-from pagedattn.tracing import copy_graph_module, fits_static_sizes
+from pagedattn.tracing import copy_graph_module, fits_static_sizes, uncompiled
 
 log = logging.getLogger("pagedattn")
 
@@ -47,7 +47,7 @@ class ModelInfo:
 
     @classmethod
     def of(cls, model: Optional[nn.Module]) -> "ModelInfo":
-        model = getattr(model, "_orig_mod", model)
+        model = uncompiled(model)
         cfg = getattr(model, "config", None)
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         eos = None

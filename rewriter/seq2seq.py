@@ -33,6 +33,7 @@ from torch import nn
 from pagedattn.backends import AttentionBackend, build_cross_metadata, build_metadata, cross_slot_mapping
 from pagedattn.program import ModelInfo, RewrittenModel, inductor_freezing
 from pagedattn.runtime.context import paged_context
+from pagedattn.tracing import uncompiled
 
 log = logging.getLogger("pagedattn")
 
@@ -158,7 +159,7 @@ def is_seq2seq(model) -> bool:
     """A Hugging Face encoder-decoder (``config.is_encoder_decoder``) or a :class:`Seq2SeqSpec`."""
     if isinstance(model, Seq2SeqSpec):
         return True
-    cfg = getattr(getattr(model, "_orig_mod", model), "config", None)
+    cfg = getattr(uncompiled(model), "config", None)
     return bool(getattr(cfg, "is_encoder_decoder", False)) and hasattr(model, "get_encoder")
 
 

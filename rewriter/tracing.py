@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("pagedattn")
 
 __all__ = ["export_model", "flat_graph_module", "without_hf_cache", "static_sizes", "fits_static_sizes",
-           "copy_graph_module", "quiet_tracing", "recurrent_layers_opaque"]
+           "copy_graph_module", "quiet_tracing", "recurrent_layers_opaque", "uncompiled"]
 
 
 def dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
@@ -184,6 +184,11 @@ def flat_graph_module(ep: torch.export.ExportedProgram) -> tuple[GraphModule, An
     gm._forward_pre_hooks.clear()
     gm.recompile()
     return gm, info.in_spec, info.out_spec
+
+
+def uncompiled(module):
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``), or ``module`` itself where it is not compiled."""
+    return getattr(module, "_orig_mod", module)
 
 
 def copy_graph_module(gm: GraphModule) -> GraphModule:
