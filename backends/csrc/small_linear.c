@@ -267,6 +267,53 @@ static inline __attribute__((always_inline)) void lin_prefetch(const char *p, in
         _mm_prefetch(p, _MM_HINT_T0);
 }
 
+/* one slice's products: four vectors of 64 columns by each row's x at k (or pair of k) */
+static inline __attribute__((always_inline)) void slice_macs(__m512 acc[][4], const char *w, const char *const *xr,
+                                                             const int64_t k0, const int sl, const int mr, const int bf,
+                                                             const int64_t K) {
+    (void)K;
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 64);
+    const __m512 w2 = _mm512_loadu_ps(w + 128), w3 = _mm512_loadu_ps(w + 192);
+    for (int m = 0; m < mr; m++) {
+#if HAVE_LINEAR_BF16
+        if (bf) {
+            const int64_t k = k0 + 2 * sl;
+            uint32_t pair = 0; /* (x[k], x[k + 1]); past K a zero, never read */
+            if (k + 1 < K)
+                memcpy(&pair, xr[m] + k * 2, 4);
+            else
+                memcpy(&pair, xr[m] + k * 2, 2);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, xb);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, xb);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, xb);
+            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, xb);
+            continue;
+        }
+#endif
+        const __m512 xb = _mm512_set1_ps(((const float *)xr[m])[k0 + sl]);
+        acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+        acc[m][2] = _mm512_fmadd_ps(w2, xb, acc[m][2]);
+        acc[m][3] = _mm512_fmadd_ps(w3, xb, acc[m][3]);
+    }
+}
+
+/* a slice's four lines requested with a constant hint */
+#define PF_SLICE(p, HINT)                                                                         \
+    do {                                                                                          \
+        const char *pp_ = (p);                                                                    \
+        _mm_prefetch(pp_, HINT), _mm_prefetch(pp_ + 64, HINT), _mm_prefetch(pp_ + 128, HINT);     \
+        _mm_prefetch(pp_ + 192, HINT);                                                            \
+    } while (0)
+/* a whole step's 16 slices, each after its requests */
+#define STEP_LOOP(REQUEST)                                                                        \
+    for (int sl = 0; sl < 16; sl++) {                                                             \
+        const char *w = wst + (size_t)sl * SLICE_BYTES;                                           \
+        REQUEST;                                                                                  \
+        slice_macs(acc, w, xr, k0, sl, mr, bf, K);                                                \
+    }
+
 static inline __attribute__((always_inline)) void panel_rows(const linear_args *a, const char *panel, int64_t n0,
                                                              int64_t m0, const int mr, const int bf,
                                                              const char *prefetch_stop, int64_t st0, int64_t st1,
@@ -289,6 +336,25 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
         /* a slice's lines are requested as the slice is read: all 64 of a step requested before its first slice
          * made the Xeon's calls slower (PF_L1 above) */
         const char *nst = next && (st - st0) % shares == share ? next + (st - st0) * 16 * SLICE_BYTES : NULL;
+        /* whole steps whose lines ahead all lie before the stop (nearly all) take loops without a test per line;
+         * the hint a constant of each copy */
+        const int whole = slices == 16 && (!prefetch_stop || wst + 16 * SLICE_BYTES + LINEAR_PREFETCH_BYTES <= prefetch_stop);
+        if (whole && prefetch_stop) {
+            if (where == PF_L1) { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_T0)) }
+            else if (where == PF_L2) { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_T1)) }
+            else { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_NTA)) }
+            continue;
+        }
+        if (whole && nst) {
+            if (where == PF_L1) { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_T0)) }
+            else if (where == PF_L2) { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_T1)) }
+            else { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_NTA)) }
+            continue;
+        }
+        if (whole) {
+            STEP_LOOP((void)0)
+            continue;
+        }
         for (int sl = 0; sl < slices; sl++) {
             const char *w = wst + (size_t)sl * SLICE_BYTES;
             if (prefetch_stop) /* the first pass over the panel brings it in */
@@ -296,31 +362,7 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
                     if (w + LINEAR_PREFETCH_BYTES + o < prefetch_stop) lin_prefetch(w + LINEAR_PREFETCH_BYTES + o, where);
             if (nst) /* a later pass: its share of the next chunk, brought in meanwhile */
                 for (int o = 0; o < SLICE_BYTES; o += 64) lin_prefetch(nst + (size_t)sl * SLICE_BYTES + o, where);
-            const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 64);
-            const __m512 w2 = _mm512_loadu_ps(w + 128), w3 = _mm512_loadu_ps(w + 192);
-            for (int m = 0; m < mr; m++) {
-#if HAVE_LINEAR_BF16
-                if (bf) {
-                    const int64_t k = k0 + 2 * sl;
-                    uint32_t pair = 0; /* (x[k], x[k + 1]); past K a zero, never read */
-                    if (k + 1 < K)
-                        memcpy(&pair, xr[m] + k * 2, 4);
-                    else
-                        memcpy(&pair, xr[m] + k * 2, 2);
-                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
-                    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, xb);
-                    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, xb);
-                    acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, xb);
-                    acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, xb);
-                    continue;
-                }
-#endif
-                const __m512 xb = _mm512_set1_ps(((const float *)xr[m])[k0 + sl]);
-                acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
-                acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
-                acc[m][2] = _mm512_fmadd_ps(w2, xb, acc[m][2]);
-                acc[m][3] = _mm512_fmadd_ps(w3, xb, acc[m][3]);
-            }
+            slice_macs(acc, w, xr, k0, sl, mr, bf, K);
         }
     }
     if (st1 < steps) { /* a chunk of K: the sums kept for the next */
