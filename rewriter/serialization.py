@@ -16,7 +16,7 @@ from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.shapes import no_duck_sizing
 from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
-from pagedattn.tracing import quiet_tracing, uncompiled, without_fake_tensor_cache
+from pagedattn.tracing import quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
 
@@ -150,7 +150,7 @@ def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
     dyn = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
                 for x in inputs)
     # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences
-    with torch.no_grad(), quiet_tracing(), no_duck_sizing(), without_fake_tensor_cache():
+    with torch.no_grad(), quiet_tracing(), no_duck_sizing():
         # a compiled program (compile_paged) exports the graph it compiled, with what compile_paged's runtime passes
         # changed (linears joined, fp32 copies of weights): the same computation to rounding
         return torch.export.export(uncompiled(model.graph_module), tuple(inputs), dynamic_shapes=dyn, strict=False)

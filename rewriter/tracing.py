@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("pagedattn")
 
 __all__ = ["export_model", "flat_graph_module", "without_hf_cache", "static_sizes", "fits_static_sizes",
-           "copy_graph_module", "quiet_tracing", "recurrent_layers_opaque", "uncompiled", "without_fake_tensor_cache"]
+           "copy_graph_module", "quiet_tracing", "recurrent_layers_opaque", "uncompiled"]
 
 
 def dynamic_shapes(model: nn.Module, args, kwargs) -> dict:
@@ -159,21 +159,13 @@ def quiet_tracing():
         log.debug("warning while tracing: %s: %s", w.category.__name__, w.message)
 
 
-def without_fake_tensor_cache():
-    """FakeTensorMode's dispatch cache off, for ``torch.export``: with every size symbolic an export hits the cache
-    rarely, and making and checking each entry (symbolic sizes and strides) cost more than the dispatches it saves
-    (20 tiny Hugging Face models: each export 1.1-3x faster without it, the same graph, range constraints and
-    signature). Dynamo's compiles keep it: a compiled serving step's start was slower without it."""
-    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
-
-
 def export_model(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> torch.export.ExportedProgram:
     """``torch.export`` of ``model`` in eval mode with every input dimension dynamic."""
     kwargs = dict(kwargs or {})
     model.eval()
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), without_hf_cache(model), quiet_tracing(), without_fake_tensor_cache():
+        with torch.no_grad(), without_hf_cache(model), quiet_tracing():
             traced = _with_explicit_kwargs(model, kwargs, bool(args))
             ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes(traced, args, kwargs),
                                      strict=False)

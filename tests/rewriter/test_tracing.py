@@ -64,23 +64,3 @@ def test_with_recurrent_layers_opaque_the_length_stays_dynamic():
     assert 1 not in static_sizes(free, [x]).get(0, {})
     ops = {str(n.target) for n in free.graph.nodes if n.op == "call_function"}
     assert "pagedattn_trace.opaque_layer.default" in ops  # what reads the layer's output still shows reading it
-
-
-def test_export_runs_without_the_fake_tensor_cache_and_gives_the_same_program(monkeypatch):
-    # a speed choice (the cache costs an all-dynamic export more than it saves): the setting holds inside the export
-    # only, and the program is the one the cache would give
-    seen, real = [], torch.export.export
-
-    def export(*args, **kwargs):
-        seen.append(torch._dynamo.config.fake_tensor_cache_enabled)
-        return real(*args, **kwargs)
-
-    model, x = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)), torch.randn(3, 5, 8)
-    monkeypatch.setattr(torch.export, "export", export)
-    before = torch._dynamo.config.fake_tensor_cache_enabled
-    ep = export_model(model, (x,))
-    assert seen == [False] and torch._dynamo.config.fake_tensor_cache_enabled == before
-    cached = real(model, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO,
-                                                2: torch.export.Dim.AUTO},), strict=False)
-    assert ep.graph_module.code == cached.graph_module.code
-    assert str(ep.range_constraints) == str(cached.range_constraints)
