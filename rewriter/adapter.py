@@ -496,7 +496,8 @@ def example_inputs(names: set[str], vocab: Optional[int], device: torch.device |
 
 def _module_device(model) -> Optional[torch.device]:
     """Where the model's parameters (or else buffers) live; None when it has neither."""
-    for t in itertools.chain(uncompiled(model).parameters(), uncompiled(model).buffers()):
+    module = uncompiled(model)
+    for t in itertools.chain(module.parameters(), module.buffers()):
         return t.device
     return None
 

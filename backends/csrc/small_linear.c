@@ -313,6 +313,15 @@ static inline __attribute__((always_inline)) void slice_macs(__m512 acc[][4], co
         REQUEST;                                                                                  \
         slice_macs(acc, w, xr, k0, sl, mr, bf, K);                                                \
     }
+/* STEP_LOOP requesting each slice's four lines at ADDR (an expression of sl and w) with where's hint */
+#define STEP_LOOP_HINTED(ADDR)                                                                    \
+    if (where == PF_L1) {                                                                         \
+        STEP_LOOP(PF_SLICE(ADDR, _MM_HINT_T0))                                                    \
+    } else if (where == PF_L2) {                                                                  \
+        STEP_LOOP(PF_SLICE(ADDR, _MM_HINT_T1))                                                    \
+    } else {                                                                                      \
+        STEP_LOOP(PF_SLICE(ADDR, _MM_HINT_NTA))                                                   \
+    }
 
 static inline __attribute__((always_inline)) void panel_rows(const linear_args *a, const char *panel, int64_t n0,
                                                              int64_t m0, const int mr, const int bf,
@@ -337,21 +346,18 @@ static inline __attribute__((always_inline)) void panel_rows(const linear_args *
          * made the Xeon's calls slower (PF_L1 above) */
         const char *nst = next && (st - st0) % shares == share ? next + (st - st0) * 16 * SLICE_BYTES : NULL;
         /* whole steps whose lines ahead all lie before the stop (nearly all) take loops without a test per line;
-         * the hint a constant of each copy */
+         * the hint a constant of each copy. A pass requests either its own lines ahead or the next chunk's share
+         * (linear_panels gives one of the two); anything else takes the loop with tests below */
         const int whole = slices == 16 && (!prefetch_stop || wst + 16 * SLICE_BYTES + LINEAR_PREFETCH_BYTES <= prefetch_stop);
-        if (whole && prefetch_stop) {
-            if (where == PF_L1) { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_T0)) }
-            else if (where == PF_L2) { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_T1)) }
-            else { STEP_LOOP(PF_SLICE(w + LINEAR_PREFETCH_BYTES, _MM_HINT_NTA)) }
+        if (whole && prefetch_stop && !nst) {
+            STEP_LOOP_HINTED(w + LINEAR_PREFETCH_BYTES)
             continue;
         }
-        if (whole && nst) {
-            if (where == PF_L1) { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_T0)) }
-            else if (where == PF_L2) { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_T1)) }
-            else { STEP_LOOP(PF_SLICE(nst + (size_t)sl * SLICE_BYTES, _MM_HINT_NTA)) }
+        if (whole && nst && !prefetch_stop) {
+            STEP_LOOP_HINTED(nst + (size_t)sl * SLICE_BYTES)
             continue;
         }
-        if (whole) {
+        if (whole && !prefetch_stop && !nst) {
             STEP_LOOP((void)0)
             continue;
         }
