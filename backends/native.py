@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from filelock import FileLock, Timeout
 from torch import Tensor
 
 from pagedattn.backends.metadata import check_slot_values
@@ -61,6 +62,7 @@ MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
 MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
 _SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+_BUILD_WAIT_S = 600  # how long a process waits for another's build of the same object before building it itself
 
 
 class _Args(ctypes.Structure):
@@ -191,9 +193,10 @@ def _build(sources: dict[str, bytes], cc: str, defines: tuple[str, ...] = ()) ->
 def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str], stem: str, *, key: bytes = b"",
                  libs: Sequence[str] = ()) -> Optional[Path]:
     """The shared object of ``sources`` (file name: text) built by ``compiler`` with ``flags``: cached under
-    ``stem-<hash>.so``, else compiled into the cache (atomically: processes may race); None where it does not
-    compile. The hash covers the sources, the compiler's version, the flags, the machine and ``key``. A cache folder
-    others may write to is not used: the object is then built afresh in a private temporary folder."""
+    ``stem-<hash>.so``, else compiled into the cache (one process at a time builds it, then moves it in atomically);
+    None where it does not compile. The hash covers the sources, the compiler's version, the flags, the machine and
+    ``key``. A cache folder others may write to is not used: the object is then built afresh in a private temporary
+    folder."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     named = [b"%s\0%s" % (name.encode(), text) for name, text in sorted(sources.items())]
     digest = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(), " ".join(libs).encode(),
@@ -207,6 +210,28 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
     if target.exists() and _private(target):
         return target
+    # processes starting at once on a fresh machine (a server's workers, a test run's) build it once: the others
+    # wait for the first's object instead of compiling the same sources beside it on the same cores
+    lock = Path(f"{target}.lock")
+    try:
+        with FileLock(str(lock), timeout=_BUILD_WAIT_S):
+            try:
+                if target.exists() and _private(target):
+                    return target
+                return _compile_into(sources, compiler, flags, stem, libs, target)
+            finally:
+                # no lock file left behind: removed by whoever held it last, once the build is over (a process that
+                # takes a lock file made again finds the object, or builds it as the first did)
+                lock.unlink(missing_ok=True)
+    except Timeout:
+        log.debug("pagedattn: %s is still being built elsewhere after %d s: building it here too", target.name,
+                  _BUILD_WAIT_S)
+        return _compile_into(sources, compiler, flags, stem, libs, target)
+
+
+def _compile_into(sources: dict[str, bytes], compiler: str, flags: Sequence[str], stem: str, libs: Sequence[str],
+                  target: Path) -> Optional[Path]:
+    """Compile and link ``sources`` in a temporary folder beside ``target``, then move the object there."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         files = [Path(tmp) / name for name in sorted(sources)]
         for f in files:

@@ -20,6 +20,7 @@ import importlib
 import io
 import json
 import re
+import warnings
 import zipfile
 from typing import Any, Iterator, Optional
 
@@ -258,7 +259,10 @@ def _example_inputs(reader, record: str, names: set[str], path: str):
     if record not in names:
         return None
     try:
-        inputs = torch.load(io.BytesIO(reader.read_bytes(record)), weights_only=True)
+        # torch's notes on a pickle it may not read (another protocol) would only precede the one line below
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            inputs = torch.load(io.BytesIO(reader.read_bytes(record)), weights_only=True)
     except Exception as e:
         raise UnsafeArchive(f"{path}: its example inputs are not plain tensors and values "
                             f"(torch.load(weights_only=True) refused them: {str(e).splitlines()[0][:200]})") from e

@@ -402,10 +402,12 @@ def onnx_step_session(step: "Step", inputs: tuple, path):
     import onnxruntime as ort
 
     from pagedattn.onnx_export import translations
+    from pagedattn.tracing import quiet_tracing
 
     dyn = tuple({d: torch.export.Dim.AUTO for d in range(x.dim())} for x in inputs)
-    prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn, custom_translation_table=translations(),
-                             opset_version=18, verbose=False)
+    with quiet_tracing():  # torch.onnx's own deprecation notes, as pagedattn.onnx_export.export_onnx keeps them
+        prog = torch.onnx.export(step, inputs, dynamo=True, dynamic_shapes=dyn,
+                                 custom_translation_table=translations(), opset_version=18, verbose=False)
     prog.save(str(path))
     onnx.checker.check_model(str(path), full_check=True)
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])

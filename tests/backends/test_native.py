@@ -4,6 +4,7 @@ The sdpa_cpu tests run every CPU step through it as well (tests/backends/conftes
 
 import ctypes
 import functools
+import logging
 import math
 import os
 import re
@@ -306,6 +307,57 @@ def test_a_build_lands_in_the_cache_once(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(native, "_compile_units", lambda *a: calls.append(a))
     assert _answer_library() == built and not calls  # found, not compiled again
+
+
+_BUILDER = """
+import os, sys, time
+from pathlib import Path
+from pagedattn.backends import native
+ready = Path(sys.argv[2])
+(ready / str(os.getpid())).touch()
+while len(list(ready.iterdir())) < int(sys.argv[3]):  # every process imported: they ask at once
+    time.sleep(0.01)
+built = native.build_shared({"answer.c": b"int answer(void) { return 42; }\\n"}, sys.argv[1], ("-O2", "-shared", "-fPIC"),
+                            "answer")
+print(built)
+"""
+
+
+def test_processes_starting_at_once_build_once(tmp_path):
+    # a compiler that notes each compile and takes its time; the processes ask together, while the first builds
+    cc = shutil.which("cc") or shutil.which("gcc")
+    log, cache = tmp_path / "compiles", tmp_path / "cache"
+    slow = tmp_path / "slow-cc"
+    slow.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo x >> "{log}"; sleep 1;; esac\nexec "{cc}" "$@"\n')
+    slow.chmod(0o755)
+    env = {**os.environ, "PAGEDATTN_CACHE_DIR": str(cache)}
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER, str(slow), str(ready), "2"], stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    paths = {p.communicate(timeout=300)[0].split()[-1] for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(paths) == 1
+    assert log.read_text().count("x") == 1  # one build; the others waited for it and loaded it
+    built = Path(paths.pop())
+    assert ctypes.CDLL(str(built)).answer() == 42 and [p.name for p in cache.iterdir()] == [built.name]
+
+
+def test_a_build_held_up_elsewhere_past_the_wait_is_made_here(monkeypatch, tmp_path, caplog):
+    # counter-example to waiting for ever: a lock some other process never lets go of
+    from filelock import FileLock
+
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_BUILD_WAIT_S", 0.2)
+    held = []
+    real = native._compile_into
+    monkeypatch.setattr(native, "_compile_into", lambda *a: held.append(1) or real(*a))
+    first = _answer_library()  # its name, so that the lock can be taken before the second asks
+    first.unlink()
+    held.clear()
+    with FileLock(f"{first}.lock"), caplog.at_level(logging.DEBUG, logger="pagedattn"):
+        built = _answer_library()
+    assert built == first and held == [1] and ctypes.CDLL(str(built)).answer() == 42
+    assert "still being built elsewhere" in caplog.text
 
 
 def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_path):

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedattn import PagedEngine, SamplingParams
+from pagedattn.adapter import prepare_model
 from pagedattn.backends import set_validation
 from pagedattn.runtime.cuda_graphs import DecodeGraphs, DeviceTokens
 from pagedattn.runtime.engine import PendingStep
@@ -20,7 +21,8 @@ from .test_cuda_graphs import tiny_llama
 
 
 def engine_with_graphs(model, async_decode: bool = True, **kw) -> PagedEngine:
-    """A CPU engine whose decode steps go through the capture path's buffers (run eagerly), as on CUDA."""
+    """A CPU engine whose decode steps go through the capture path's buffers (run eagerly), as on CUDA. ``model``: the
+    model, or the ``servable`` fixture's program (one rewrite for the file's engines)."""
     kw = {"num_blocks": 96, "max_num_seqs": 8, **kw}
     engine = PagedEngine(model, block_size=4, compile=False, progress=False, async_decode=async_decode, **kw)
     engine.decode_graphs = DecodeGraphs(engine.servable, engine.kv_caches, kw["max_num_seqs"], engine.num_blocks,
@@ -40,6 +42,13 @@ def serve(engine: PagedEngine, requests) -> dict[int, tuple[list[int], str]]:
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def servable(model):
+    """``model`` rewritten and checked once, as ``engine_with_graphs`` would for each engine; engines share it as
+    ``PagedEngine`` serves a ``ServableModel`` (each has caches of its own)."""
+    return prepare_model(model, block_size=4, compile=False)
 
 
 def test_a_decode_step_starts_before_the_previous_one_is_read_back(model, monkeypatch):
@@ -62,18 +71,18 @@ def test_a_decode_step_starts_before_the_previous_one_is_read_back(model, monkey
     assert ("read",) not in events and sync.stats["overlapped_steps"] == 0
 
 
-def test_stop_tokens_and_token_limits_end_requests_as_the_synchronous_engine_does(model):
+def test_stop_tokens_and_token_limits_end_requests_as_the_synchronous_engine_does(servable):
     """A stop token ends a request whose next step is already under way (its token dropped, its blocks freed);
     requests of different token limits end at their own; the tokens are the synchronous engine's."""
     ps = prompts(lengths=(5, 17, 9, 30, 2))
-    free = serve(engine_with_graphs(model, async_decode=False), [(p, SamplingParams(max_new_tokens=12)) for p in ps])
+    free = serve(engine_with_graphs(servable, async_decode=False), [(p, SamplingParams(max_new_tokens=12)) for p in ps])
     # stop tokens met mid-way: the 4th token of request 0, the 7th of request 3
     stops = (free[0][0][3], free[3][0][6])
     for limits in ((12,) * 7, (12, 3, 9, 12, 1, 7, 12)):  # the same limit: every stop met with a step under way
         requests = [(p, SamplingParams(max_new_tokens=n, stop_token_ids=stops)) for p, n in zip(ps, limits)]
         results = []
         for async_decode in (True, False):
-            engine = engine_with_graphs(model, async_decode=async_decode)
+            engine = engine_with_graphs(servable, async_decode=async_decode)
             results.append(serve(engine, requests))
             assert engine.blocks.num_free == engine.num_blocks and len(engine.collect()) == 0
         assert results[0] == results[1]
@@ -81,12 +90,12 @@ def test_stop_tokens_and_token_limits_end_requests_as_the_synchronous_engine_doe
         assert len(results[0][3][0]) <= 7 and results[0][3][1] == "stop"
 
 
-def test_requests_that_join_or_leave_while_a_step_is_under_way_get_hf_generates_tokens(model):
+def test_requests_that_join_or_leave_while_a_step_is_under_way_get_hf_generates_tokens(model, servable):
     """Requests added while a step is pending (the next step reads the pending one first, then admits them) and a
     request aborted while its next token is under way (its token dropped): each one's tokens are HF generate's
     (the aborted one's a prefix of them)."""
     ps = prompts(lengths=(5, 17, 9, 30, 2))
-    engine = engine_with_graphs(model)
+    engine = engine_with_graphs(servable)
     first = [engine.add_request(p, max_new_tokens=10) for p in ps[:3]]
     while engine._pending is None:
         engine.step()
@@ -109,24 +118,24 @@ def test_requests_that_join_or_leave_while_a_step_is_under_way_get_hf_generates_
     assert engine.stats["overlapped_steps"] > 6 and engine.blocks.num_free == engine.num_blocks
 
 
-def test_a_cache_too_small_for_every_request_preempts_and_recomputes_with_generates_tokens(model):
+def test_a_cache_too_small_for_every_request_preempts_and_recomputes_with_generates_tokens(model, servable):
     """Blocks run out: the next step cannot be sure of room, so the pending one is read first and the scheduler
     preempts as it does without asynchronous steps."""
     ps = prompts(lengths=(5, 17, 9, 30, 2))
-    engine = engine_with_graphs(model, num_blocks=30)
+    engine = engine_with_graphs(servable, num_blocks=30)
     assert engine.generate(ps, max_new_tokens=16) == hf_generate(model, ps, 16)
     assert engine.stats["preemptions"] > 0 and engine.stats["overlapped_steps"] > 0
     assert engine.blocks.num_free == engine.num_blocks
 
 
-def test_blocks_filled_by_asynchronous_steps_are_shared_by_later_prompts(model):
+def test_blocks_filled_by_asynchronous_steps_are_shared_by_later_prompts(model, servable):
     """A block that an asynchronous step fills is registered for prefix caching once its tokens are read back:
     a second round whose prompts continue the first round's outputs reuses every full block of them, as many as
     the synchronous engine reuses, and generates HF's tokens."""
     ps = prompts(lengths=(5, 17, 9, 30, 2))
     hits = []
     for async_decode in (True, False):
-        engine = engine_with_graphs(model, async_decode=async_decode, num_blocks=400)
+        engine = engine_with_graphs(servable, async_decode=async_decode, num_blocks=400)
         out = engine.generate(ps, max_new_tokens=11)
         assert out == hf_generate(model, ps, 11)
         before = engine.blocks.prefix_hits
@@ -137,13 +146,13 @@ def test_blocks_filled_by_asynchronous_steps_are_shared_by_later_prompts(model):
     assert hits[0] == hits[1] >= sum((len(p) - 1) // 4 for p in again) - 2 * (20 // 4)
 
 
-def test_sampled_requests_run_synchronous_steps(model):
+def test_sampled_requests_run_synchronous_steps(servable):
     """Counter-example: a step with a request sampled at a temperature reads its logits on the host, so no step
     starts before it is read; seeded sampling gives the synchronous engine's tokens."""
     ps = prompts(lengths=(5, 17, 9))[:3]
     results = []
     for async_decode in (True, False):
-        engine = engine_with_graphs(model, async_decode=async_decode)
+        engine = engine_with_graphs(servable, async_decode=async_decode)
         results.append(engine.generate(ps, max_new_tokens=6, temperature=0.8, seed=3))
         assert engine.stats["overlapped_steps"] == 0
     assert results[0] == results[1]
@@ -184,11 +193,11 @@ def test_on_a_gpu_a_step_starts_behind_the_previous_one_without_a_host_sync(monk
 
 
 @pytest.fixture(scope="module")
-def engines(model):
-    """One synchronous engine (the reference) and asynchronous ones with caches of 16, 24 and 96 blocks, reused by
-    every example (building an engine rewrites and checks the model)."""
-    return {"sync": engine_with_graphs(model, async_decode=False, num_blocks=400),
-            **{n: engine_with_graphs(model, num_blocks=n) for n in (16, 24, 96)}}
+def engines(servable):
+    """One synchronous engine (the reference) and asynchronous ones with caches of 16, 24 and 96 blocks over the
+    file's one program, reused by every example."""
+    return {"sync": engine_with_graphs(servable, async_decode=False, num_blocks=400),
+            **{n: engine_with_graphs(servable, num_blocks=n) for n in (16, 24, 96)}}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

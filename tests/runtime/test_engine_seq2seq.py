@@ -181,6 +181,8 @@ def transformer():
     return TinyTransformer().eval()
 
 
+# nn.TransformerEncoder's own eager fast path (the model's code, run as the model runs it) notes its nested tensors
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
 def test_nn_transformer_tokens_equal_its_own_greedy_loop(transformer):
     spec = Seq2SeqSpec(encoder=EncoderOf(transformer), decoder=DecoderOf(transformer), hidden_size=32,
                        decoder_prompt=(1,), eos_token_id=2, vocab_size=SRC_VOCAB, max_source_len=128)
