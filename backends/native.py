@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -40,7 +41,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from filelock import FileLock, Timeout
@@ -212,21 +213,36 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         return target
     # processes starting at once on a fresh machine (a server's workers, a test run's) build it once: the others
     # wait for the first's object instead of compiling the same sources beside it on the same cores
-    lock = Path(f"{target}.lock")
+    with _build_lock(target):
+        if target.exists() and _private(target):
+            return target
+        return _compile_into(sources, compiler, flags, stem, libs, target)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Held while ``target`` is built here: one process at a time; another's build held past ``_BUILD_WAIT_S``, or a
+    folder that takes no locks (some network file systems), builds without it, as every process did before."""
+    path = Path(f"{target}.lock")
+    lock = FileLock(str(path))
     try:
-        with FileLock(str(lock), timeout=_BUILD_WAIT_S):
-            try:
-                if target.exists() and _private(target):
-                    return target
-                return _compile_into(sources, compiler, flags, stem, libs, target)
-            finally:
-                # no lock file left behind: removed by whoever held it last, once the build is over (a process that
-                # takes a lock file made again finds the object, or builds it as the first did)
-                lock.unlink(missing_ok=True)
+        lock.acquire(timeout=_BUILD_WAIT_S)
     except Timeout:
         log.debug("pagedattn: %s is still being built elsewhere after %d s: building it here too", target.name,
                   _BUILD_WAIT_S)
-        return _compile_into(sources, compiler, flags, stem, libs, target)
+        yield
+        return
+    except OSError as e:
+        log.debug("pagedattn: no lock for building %s (%s): building it without one", target.name, e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        # no lock file left behind: removed by whoever held it last, once the build is over (a process that takes a
+        # lock file made again finds the object, or builds it as the first did)
+        path.unlink(missing_ok=True)
+        lock.release()
 
 
 def _compile_into(sources: dict[str, bytes], compiler: str, flags: Sequence[str], stem: str, libs: Sequence[str],

@@ -360,6 +360,19 @@ def test_a_build_held_up_elsewhere_past_the_wait_is_made_here(monkeypatch, tmp_p
     assert "still being built elsewhere" in caplog.text
 
 
+def test_a_folder_that_takes_no_locks_still_gets_its_build(monkeypatch, tmp_path):
+    # some network file systems refuse flock: the object is built without the lock, as before there was one
+    import filelock
+
+    def refuse(self, *a, **k):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(filelock.FileLock, "acquire", refuse)
+    built = _answer_library()
+    assert built is not None and ctypes.CDLL(str(built)).answer() == 42
+
+
 def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
