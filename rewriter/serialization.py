@@ -16,7 +16,7 @@ from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
 from pagedattn.runtime.shapes import no_duck_sizing
 from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
-from pagedattn.tracing import quiet_tracing, uncompiled
+from pagedattn.tracing import fake_tensor_cache_for, quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
 
@@ -149,8 +149,9 @@ def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
         inputs.append(position_mod.default_values(model.value_spec, meta.num_seqs))
     dyn = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
                 for x in inputs)
-    # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences
-    with torch.no_grad(), quiet_tracing(), no_duck_sizing():
+    # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences;
+    # the graph is flat, so its attention sites (one a layer) stand for the blocks it repeats
+    with torch.no_grad(), quiet_tracing(), no_duck_sizing(), fake_tensor_cache_for(model.num_sites):
         # a compiled program (compile_paged) exports the graph it compiled, with what compile_paged's runtime passes
         # changed (linears joined, fp32 copies of weights): the same computation to rounding
         return torch.export.export(uncompiled(model.graph_module), tuple(inputs), dynamic_shapes=dyn, strict=False)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedattn.tracing import export_model, recurrent_layers_opaque, static_sizes
+from pagedattn import tracing
+from pagedattn.tracing import (
+    FAKE_TENSOR_CACHE_MIN_REPEATS,
+    export_model,
+    recurrent_layers_opaque,
+    repeated_blocks,
+    static_sizes,
+)
 
 
 class Mixer(nn.Module):
@@ -64,3 +71,49 @@ def test_with_recurrent_layers_opaque_the_length_stays_dynamic():
     assert 1 not in static_sizes(free, [x]).get(0, {})
     ops = {str(n.target) for n in free.graph.nodes if n.op == "call_function"}
     assert "pagedattn_trace.opaque_layer.default" in ops  # what reads the layer's output still shows reading it
+
+
+def test_repeated_blocks_counts_the_most_repeated_block_not_its_leaves_or_containers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64)
+    assert repeated_blocks(LlamaForCausalLM(LlamaConfig(num_hidden_layers=3, **cfg))) == 3
+    assert repeated_blocks(nn.Sequential(*[nn.Linear(4, 4) for _ in range(9)])) == 1  # leaves and a container only
+    assert repeated_blocks(nn.Sequential(*[Layer() for _ in range(7)])) == 7
+
+
+def test_exports_take_the_fake_tensor_cache_by_depth_and_give_the_same_program(monkeypatch):
+    # a choice of speed (the cache costs a shallow all-dynamic export more than it saves), held inside the export only:
+    # a shallow model's program is the one the cache gives, and a deep one keeps the cache
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seen, real = [], torch.export.export
+
+    def export(*args, **kwargs):
+        seen.append(torch._dynamo.config.fake_tensor_cache_enabled)
+        return real(*args, **kwargs)
+
+    cfg = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64)
+    kw = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "use_cache": False}
+    shallow = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **cfg))
+    deep = LlamaForCausalLM(LlamaConfig(num_hidden_layers=FAKE_TENSOR_CACHE_MIN_REPEATS, **cfg))
+    before = torch._dynamo.config.fake_tensor_cache_enabled
+    monkeypatch.setattr(torch.export, "export", export)
+    ep = export_model(shallow, (), kw)
+    export_model(deep, (), kw)
+    assert seen == [False, True] and torch._dynamo.config.fake_tensor_cache_enabled == before
+    monkeypatch.setattr(tracing, "FAKE_TENSOR_CACHE_MIN_REPEATS", 1)  # the shallow model with the cache
+    cached = export_model(shallow, (), kw)
+    assert seen[-1] is True
+    # the same ops on the same operands (a few intermediate nodes are numbered differently, nothing reads their names)
+    assert _structure(ep) == _structure(cached)
+    assert str(ep.range_constraints) == str(cached.range_constraints)
+    assert ep.graph_signature == cached.graph_signature
+
+
+def _structure(ep) -> list[tuple]:
+    """Each node's kind, target and operands, the operands by their positions in the graph."""
+    nodes = list(ep.graph_module.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    ref = lambda x: torch.fx.node.map_arg(x, lambda n: f"%{at[n]}")  # noqa: E731
+    return [(n.op, str(n.target), str(ref(n.args)), str(ref(n.kwargs))) for n in nodes]
