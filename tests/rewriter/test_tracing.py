@@ -105,7 +105,7 @@ def test_exports_take_the_fake_tensor_cache_by_depth_and_give_the_same_program(m
     monkeypatch.setattr(tracing, "FAKE_TENSOR_CACHE_MIN_REPEATS", 1)  # the shallow model with the cache
     cached = export_model(shallow, (), kw)
     assert seen[-1] is True
-    # the same ops on the same operands (a few intermediate nodes are numbered differently, nothing reads their names)
+    # the same ops on the same operands (a few intermediate nodes are numbered differently: their names only)
     assert _structure(ep) == _structure(cached)
     assert str(ep.range_constraints) == str(cached.range_constraints)
     assert ep.graph_signature == cached.graph_signature
