@@ -3,6 +3,7 @@ traces for every length (what ``adapter.mask_hints`` establishes a single-token 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -82,10 +83,22 @@ def test_repeated_blocks_counts_the_most_repeated_block_not_its_leaves_or_contai
     assert repeated_blocks(nn.Sequential(*[Layer() for _ in range(7)])) == 7
 
 
-def test_exports_take_the_fake_tensor_cache_by_depth_and_give_the_same_program(monkeypatch):
+def _tiny_lm(arch: str, layers: int):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=64)).eval()
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=4, vocab_size=64)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_exports_take_the_fake_tensor_cache_by_depth_and_give_the_same_program(arch, monkeypatch):
     # a choice of speed (the cache costs a shallow all-dynamic export more than it saves), held inside the export only:
-    # a shallow model's program is the one the cache gives, and a deep one keeps the cache
-    from transformers import LlamaConfig, LlamaForCausalLM
+    # a shallow model's programs (the model's, and the rewritten one's that a save exports) are the ones the cache
+    # gives, and a deep model keeps the cache
+    import pagedattn
+    from pagedattn.serialization import export_paged
 
     seen, real = [], torch.export.export
 
@@ -93,22 +106,22 @@ def test_exports_take_the_fake_tensor_cache_by_depth_and_give_the_same_program(m
         seen.append(torch._dynamo.config.fake_tensor_cache_enabled)
         return real(*args, **kwargs)
 
-    cfg = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64)
     kw = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "use_cache": False}
-    shallow = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **cfg))
-    deep = LlamaForCausalLM(LlamaConfig(num_hidden_layers=FAKE_TENSOR_CACHE_MIN_REPEATS, **cfg))
+    shallow, deep = _tiny_lm(arch, 2), _tiny_lm(arch, FAKE_TENSOR_CACHE_MIN_REPEATS)
+    rm = pagedattn.rewrite(shallow, (), kw)
     before = torch._dynamo.config.fake_tensor_cache_enabled
     monkeypatch.setattr(torch.export, "export", export)
-    ep = export_model(shallow, (), kw)
+    programs = [export_model(shallow, (), kw), export_paged(rm)]
     export_model(deep, (), kw)
-    assert seen == [False, True] and torch._dynamo.config.fake_tensor_cache_enabled == before
+    assert seen == [False, False, True] and torch._dynamo.config.fake_tensor_cache_enabled == before
     monkeypatch.setattr(tracing, "FAKE_TENSOR_CACHE_MIN_REPEATS", 1)  # the shallow model with the cache
-    cached = export_model(shallow, (), kw)
-    assert seen[-1] is True
-    # the same ops on the same operands (a few intermediate nodes are numbered differently: their names only)
-    assert _structure(ep) == _structure(cached)
-    assert str(ep.range_constraints) == str(cached.range_constraints)
-    assert ep.graph_signature == cached.graph_signature
+    cached = [export_model(shallow, (), kw), export_paged(rm)]
+    assert seen[-2:] == [True, True]
+    for ep, with_cache in zip(programs, cached):
+        # the same ops on the same operands (a few intermediate nodes are numbered differently: their names only)
+        assert _structure(ep) == _structure(with_cache)
+        assert str(ep.range_constraints) == str(with_cache.range_constraints)
+        assert ep.graph_signature == with_cache.graph_signature
 
 
 def _structure(ep) -> list[tuple]:
