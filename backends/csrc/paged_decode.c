@@ -21,6 +21,11 @@
 #define PREFETCH_BYTES 8192  /* K and V bytes read ahead of the key being scored (prefetch_ahead): on a 2-core EPYC,
                               * half as far made decodes from DRAM 7-15 % slower, twice as far 0-9 % */
 #endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2 /* prefetch_key's requests go to L2 (prefetcht1): on a 2-core EPYC (Zen 4), decodes from
+                             * DRAM 16-30 % faster than into L1 (prefetcht0), which holds only a few misses in flight;
+                             * the same in cache (benchmarks/RESULTS.md) */
+#endif
 #define TILE 32       /* keys scored at once (the scalar path; at least the vector path's 16) */
 #define CHUNK_TILES 8 /* the vector path's tiles scored before their softmax and weighted sums */
 
@@ -44,13 +49,13 @@ static inline void prefetch_key(const decode_args *a, const int32_t *table, cons
                                 int64_t row_bytes, int64_t esz) {
     const int64_t off = ((int64_t)table[j / a->block_size] * a->c_block + (j % a->block_size) * a->c_token) * esz;
     for (int64_t o = 0; o < row_bytes; o += 64) {
-        __builtin_prefetch(ck + off + o, 0, 3);
-        __builtin_prefetch(cv + off + o, 0, 3);
+        __builtin_prefetch(ck + off + o, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(cv + off + o, 0, PREFETCH_LOCALITY);
     }
 }
 
 /* how many keys ahead prefetch_key() asks for: PREFETCH_BYTES of K and V rows (row_bytes each), 4 to 32 keys (a
- * fixed count of keys was too near for small rows and too far for large ones: lines evicted from L1 before use) */
+ * fixed count of keys was too near for small rows and too far for large ones: lines evicted before use) */
 static inline int64_t prefetch_ahead(int64_t row_bytes) {
     const int64_t keys = PREFETCH_BYTES / (2 * row_bytes);
     return keys < 4 ? 4 : keys > 32 ? 32 : keys;
