@@ -275,7 +275,7 @@ def generation(num_prompts, new, quick, compile_too):
     print(f"{'runner':34} {'s':>7} {'new tok/s':>10}")
     print(f"{'HF generate, padded batch (sdpa)':34} {t_hf:7.2f} {total / t_hf:10.0f}")
     print(f"{'PagedEngine compile=False (xformers)':34} {t_eng:7.2f} {total / t_eng:10.0f}   "
-          f"(rewrite {t_setup:.1f} s; {engine.stats['steps']} steps, Python overhead "
+          f"(rewrite {t_setup:.1f} s; {engine.stats['steps']} steps, the engine's own work around the model call "
           f"{100 * engine.overhead_share():.0f}% of step time)")
     print(f"engine/HF speed-up {t_hf / t_eng:.2f}x; identical outputs {same}/{num_prompts}; "
           f"tokens agreeing before the first difference: median {agree:.0f} of {new}")

@@ -6,7 +6,9 @@ Workloads (``--model``): ``llama34m``, a random-weight Llama-style model (~34 M 
 GQA 6/2, vocab 8000), 16 prompts of 16-256 tokens, 48 new tokens each. Greedy. Baselines: (a) `generate`
 on the left-padded batch (DynamicCache, sdpa), (b) `generate` one request at a time, (c) transformers'
 continuous batching `generate_batch` (`attn_implementation="paged|sdpa"`, needs psutil on CPU). Also KV
-bytes allocated per cached token against the padded cache, and the engine's per-step Python overhead share.
+bytes allocated per cached token against the padded cache, and the share of step time the engine spends around
+the model call; ``--breakdown`` splits a decode step at the workload's batch into its kernels (linears, attention,
+cache writes, timed by ``torch.profiler``) and the rest (Python, dispatch, Inductor's small kernels, sampling).
 
 Rounds (``--rounds``, default 3): the engine, the padded batch and ``generate_batch`` run in turn that many times,
 each round on fresh prompts of the same lengths (the same steps, no prefix-cache hits from the round before). The
@@ -23,6 +25,7 @@ start in fresh processes: cold (an empty Inductor cache directory) and warm (the
 
     python benchmarks/generate_cpu.py                 # the figures in benchmarks/RESULTS.md
     python benchmarks/generate_cpu.py --model llama16m --step-kinds --startup
+    python benchmarks/generate_cpu.py --model llama16m --skip padded serial hf_cb --breakdown   # a decode step split
     python benchmarks/generate_cpu.py --quick         # a smoke run (4 prompts, 8 tokens)
 
 On a shared CPU, a 2-thread run's times swing by up to 10x with the other jobs' load (OpenMP threads wait
@@ -222,6 +225,8 @@ def main(argv=None) -> None:
     p.add_argument("--eager", action="store_true", help="run the engine's paged graph without Inductor")
     p.add_argument("--step-kinds", action="store_true", help="also time synthetic step kinds against the roofline")
     p.add_argument("--startup", action="store_true", help="also time cold and warm engine starts (fresh processes)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split a decode step's time at the workload's batch: its kernels against the rest")
     p.add_argument("--startup-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of the engine and the batch baselines in turn, on fresh prompts; figures are medians")
@@ -315,7 +320,8 @@ def main(argv=None) -> None:
               f"decode steps of it: limit {hf_limit:.3f} s, padding not counted)")
         print(f"  engine start (rewrite, compile, checks): {t_start:.2f} s in this process; recompiles during the "
               f"timed run: {recompiles}; steps {engine.stats['steps']}, "
-              f"Python overhead {100 * engine.overhead_share():.1f}% of step time")
+              f"the engine's own work around the model call {100 * engine.overhead_share():.1f}% of step time "
+              f"(--breakdown splits a step)")
         blocks_tokens = need * block
         # padding positions run the whole model too (attention aside, each costs what a real token does)
         ours_pos, padded_pos = sum(lengths) + total_new, a.prompts * (max(lengths) + a.new)
@@ -337,6 +343,8 @@ def main(argv=None) -> None:
             print("  step kinds (synthetic steps through a fresh engine, per step):")
             for row in roofline.step_kinds(kinds, shape, machine, vocab=vocab):
                 print(row)
+        if a.breakdown:
+            print(roofline.decode_breakdown(engine, vocab=vocab, batch=a.prompts))
         if a.startup:
             cold, warm = startup_times(a.model, dname)
             print(f"  engine start in a fresh process (defaults): cold {cold:.1f} s (empty Inductor cache), "

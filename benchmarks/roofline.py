@@ -305,6 +305,54 @@ def step_kinds(engine, shape: ModelShape, machine: Machine, *, vocab: int, conte
     return rows
 
 
+# torch.profiler records whose own time is a kernel's, by what it computes (substrings of the records' names: the
+# native C++ operators, their Python fallbacks and oneDNN's or ATen's GEMMs)
+KERNEL_RECORDS = (("linears", ("linear", "aten::mm", "aten::addmm")), ("attention", ("paged_attention",)),
+                  ("cache writes", ("write_kv_cache",)))
+
+
+def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200, steps: int = 20,
+                     seed: int = 1) -> str:
+    """Where a decode step's time goes: ``batch`` requests of ``context`` random tokens (fewer where the engine's free
+    blocks would not hold them) decoding, ``steps`` steps
+    timed as they run, then as many under ``torch.profiler``, whose records give the time the step's kernels take
+    on the calling thread (:data:`KERNEL_RECORDS`; their OpenMP threads work inside it). The rest of the step is
+    the unprofiled step less theirs: Python (the engine's, Dynamo's and the generated code's), the dispatcher,
+    Inductor's small kernels and sampling. One line of text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(seed)
+    new = 2 * steps + 4 + -(-batch * context // engine.scheduler.max_num_tokens)
+    bs = engine.block_size
+    context = min(context, engine.blocks.num_free // batch * bs - new)  # every request keeps its blocks: no preemption
+    rids = [engine.add_request(torch.randint(1, vocab, (context,), generator=g).tolist(), max_new_tokens=new)
+            for _ in range(batch)]
+    rec = StepRecorder(engine)
+    while any(r.num_computed < r.num_tokens - 1 or not r.output for r in _running(engine, rids)):
+        rec.step()  # prefills, until every request decodes
+    rec.steps.clear()
+
+    def timed():
+        for _ in range(steps):
+            rec.step()
+
+    call_with_frame_room(timed)  # as a serving loop runs its steps (pagedattn.runtime.frames)
+    assert all(len(s.chunks) == batch and step_kind(s.chunks) == "decode" for s in rec.steps)
+    wall = sum(s.seconds for s in rec.steps) / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call_with_frame_room(timed)
+    own = dict.fromkeys((name for name, _ in KERNEL_RECORDS), 0.0)
+    for record in prof.key_averages():
+        name = next((n for n, keys in KERNEL_RECORDS if any(k in record.key for k in keys)), None)
+        if name is not None:
+            own[name] += record.self_cpu_time_total / 1e6 / steps  # microseconds over the profiled steps
+    _finish(engine, rec, rids)
+    rest = wall - sum(own.values())
+    parts = ", ".join(f"{n} {1e3 * t:.2f} ms ({t / wall:.0%})" for n, t in own.items())
+    return (f"  decode step at batch {batch} (ctx {context}): {1e3 * wall:.2f} ms; {parts}; the rest (Python, "
+            f"dispatch, Inductor's small kernels, sampling) {1e3 * rest:.2f} ms ({rest / wall:.0%})")
+
+
 def _finish(engine, rec: StepRecorder, rids) -> None:
     """End the requests: aborted where the engine can, else run to the end."""
     if hasattr(engine, "abort"):

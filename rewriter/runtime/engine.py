@@ -813,6 +813,9 @@ class PagedEngine:
         return results
 
     def overhead_share(self) -> float:
+        """The share of the steps' time the engine spent around the model call (scheduling, metadata, sampling and
+        handling the tokens); the Python inside the model call (Dynamo's, the generated code's) counts as the
+        model's."""
         total = self.stats["model_s"] + self.stats["overhead_s"]
         return self.stats["overhead_s"] / total if total else 0.0
 
