@@ -3,7 +3,7 @@
 The engine's compiled step runs its kernels from Python: Dynamo's and AOTAutograd's wrappers, then Inductor's
 generated Python calling each kernel and operator (``generate_cpu.py --breakdown`` puts a third of a fp32 decode
 step outside the kernels). AOTInductor compiles the same paged program (``RewrittenModel.exported_program``) with
-the same Inductor passes (freezing, pagedattn's small linears and C++ paged ops) into a library whose runner
+the same Inductor options and passes (``program.paged_step_options``, freezing) into a library whose runner
 calls them from C++. This script captures the compiled step's inputs over a few real engine steps (decodes of 1,
 3, 10 and 16 requests, prefills of 150 to 1,024 tokens), runs each through both, checks the logits against each
 other and times them, alternating.
@@ -31,8 +31,6 @@ import generate_cpu  # noqa: E402
 import pagedattn  # noqa: E402
 from pagedattn import program  # noqa: E402
 from pagedattn.backends.base import use_backend  # noqa: E402
-from pagedattn.backends.cpu_linear import SmallLinears  # noqa: E402
-from pagedattn.backends.native_ops import NativePagedOps  # noqa: E402
 
 
 def captured_steps(engine, vocab: int, seed: int = 0) -> list[list]:
@@ -43,7 +41,10 @@ def captured_steps(engine, vocab: int, seed: int = 0) -> list[list]:
     calls, forward = [], step.forward
 
     def capture(*args, **kwargs):
-        calls.append([x.clone() if isinstance(x, torch.Tensor) and x.numel() < 100_000 else x for x in args])
+        # copies outside the step's inference mode, as the engine makes a step's inputs: a prefill's attention
+        # (pagedattn::paged_attention's Python kernel) reads their version counters, which inference tensors lack
+        with torch.inference_mode(False):
+            calls.append([x.clone() if isinstance(x, torch.Tensor) and x.numel() < 100_000 else x for x in args])
         return forward(*args, **kwargs)
 
     step.forward = capture
@@ -65,13 +66,14 @@ def compare(dtype: torch.dtype, model_name: str, rounds: int) -> None:
     engine.generate([[1] * n for n in (300, 7, 40, 2)], max_new_tokens=2)
     rewritten = engine.servable.step
     calls = captured_steps(engine, vocab)
-    options = {"freezing": True, "cpp.enable_concat_linear": True,
-               "post_grad_custom_pre_pass": program.PostGradPasses((SmallLinears(), NativePagedOps()))}
+    # the compiled step's own Inductor options and passes (Dynamo's guard filter aside: no Dynamo here), with freezing
+    options = {k: v for k, v in program.paged_step_options("inductor", "cpu", freeze=True).items()
+               if k != "guard_filter_fn"}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         exported = rewritten.exported_program
         t1 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), program.inductor_freezing(True):
             path = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"),
                                                             inductor_configs=options)
         t2 = time.perf_counter()
@@ -79,28 +81,24 @@ def compare(dtype: torch.dtype, model_name: str, rounds: int) -> None:
         t3 = time.perf_counter()
     print(f"\n{str(dtype)[6:]}: export {t1 - t0:.1f} s, AOTInductor compile {t2 - t1:.1f} s, load {t3 - t2:.2f} s")
     compiled, seen = rewritten.graph_module, set()
-    # copies made in the step (inference mode) are inference tensors, whose version counter a prefill's attention
-    # (pagedattn::paged_attention's Python kernel) reads: both runs take copies made outside it, as the engine makes
-    # a step's inputs (the caches are the engine's own)
-    ordinary = [[x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x for x in args] for args in calls]
     with torch.inference_mode(), use_backend(rewritten.backend), program.inductor_freezing(True):
-        for args, plain in zip(calls, ordinary):
+        for args in calls:
             tokens = args[0].shape[-1]
             if tokens in seen:
                 continue
             seen.add(tokens)
             try:
-                ours = runner(*plain)[0]
+                ours = runner(*args)[0]
             except Exception as e:  # reported: the runner is not a serving path yet
                 print(f"  step of {tokens:4d} tokens: the runner refused it ({str(e).splitlines()[0][:120]})")
                 continue
-            theirs = compiled(*plain)
+            theirs = compiled(*args)
             theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
             times = {"runner": [], "compiled": []}
             for _ in range(rounds):
-                for name, fn, inputs in (("runner", runner, plain), ("compiled", compiled, plain)):
+                for name, fn in (("runner", runner), ("compiled", compiled)):
                     t0 = time.perf_counter()
-                    fn(*inputs)
+                    fn(*args)
                     times[name].append(time.perf_counter() - t0)
             a, b = (statistics.median(times[k]) for k in ("runner", "compiled"))
             diff = (ours.float() - theirs.float()).abs().max().item()

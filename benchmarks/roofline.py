@@ -272,10 +272,7 @@ def step_kinds(engine, shape: ModelShape, machine: Machine, *, vocab: int, conte
     for b in batches:
         # the first requests decode while the last ones still prefill: enough new tokens to outlast that
         new = repeats + 2 + -(-b * context // budget)
-        rids = [engine.add_request(prompt(context), max_new_tokens=new) for _ in range(b)]
-        while any(r.num_computed < r.num_tokens - 1 or not r.output for r in _running(engine, rids)):
-            rec.step()  # prefills, until every request decodes
-        rec.steps.clear()
+        rids = _decoding(engine, rec, [prompt(context) for _ in range(b)], new)
         for _ in range(repeats):
             rec.step()
         assert all(len(s.chunks) == b and step_kind(s.chunks) == "decode" for s in rec.steps)
@@ -314,23 +311,19 @@ KERNEL_RECORDS = (("linears", ("linear", "aten::mm", "aten::addmm")), ("attentio
 def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200, steps: int = 20,
                      seed: int = 1) -> str:
     """Where a decode step's time goes: ``batch`` requests of ``context`` random tokens (fewer where the engine's free
-    blocks would not hold them) decoding, ``steps`` steps
-    timed as they run, then as many under ``torch.profiler``, whose records give the time the step's kernels take
-    on the calling thread (:data:`KERNEL_RECORDS`; their OpenMP threads work inside it). The rest of the step is
-    the unprofiled step less theirs: Python (the engine's, Dynamo's and the generated code's), the dispatcher,
-    Inductor's small kernels and sampling. One line of text."""
+    blocks would not hold them) decoding, ``steps`` steps timed as they run, then as many under ``torch.profiler``,
+    whose records give the time the step's kernels take on the calling thread (:data:`KERNEL_RECORDS`; their OpenMP
+    threads work inside it). The rest of the step is the unprofiled step less theirs: Python (the engine's, Dynamo's
+    and the generated code's), the dispatcher, Inductor's small kernels and sampling. One line of text."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)
     new = 2 * steps + 4 + -(-batch * context // engine.scheduler.max_num_tokens)
     bs = engine.block_size
     context = min(context, engine.blocks.num_free // batch * bs - new)  # every request keeps its blocks: no preemption
-    rids = [engine.add_request(torch.randint(1, vocab, (context,), generator=g).tolist(), max_new_tokens=new)
-            for _ in range(batch)]
     rec = StepRecorder(engine)
-    while any(r.num_computed < r.num_tokens - 1 or not r.output for r in _running(engine, rids)):
-        rec.step()  # prefills, until every request decodes
-    rec.steps.clear()
+    rids = _decoding(engine, rec, [torch.randint(1, vocab, (context,), generator=g).tolist() for _ in range(batch)],
+                     new)
 
     def timed():
         for _ in range(steps):
@@ -351,6 +344,16 @@ def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200,
     parts = ", ".join(f"{n} {1e3 * t:.2f} ms ({t / wall:.0%})" for n, t in own.items())
     return (f"  decode step at batch {batch} (ctx {context}): {1e3 * wall:.2f} ms; {parts}; the rest (Python, "
             f"dispatch, Inductor's small kernels, sampling) {1e3 * rest:.2f} ms ({rest / wall:.0%})")
+
+
+def _decoding(engine, rec: StepRecorder, prompts, new: int) -> list[int]:
+    """Requests of ``prompts`` (``new`` tokens each) stepped through their prefills until every one decodes, the
+    recorder's steps then cleared; their ids."""
+    rids = [engine.add_request(p, max_new_tokens=new) for p in prompts]
+    while any(r.num_computed < r.num_tokens - 1 or not r.output for r in _running(engine, rids)):
+        rec.step()
+    rec.steps.clear()
+    return rids
 
 
 def _finish(engine, rec: StepRecorder, rids) -> None:

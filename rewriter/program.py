@@ -30,7 +30,7 @@ from pagedattn.tracing import copy_graph_module, fits_static_sizes, uncompiled
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["RewrittenModel", "ModelInfo", "check_positions", "check_padding", "check_values"]
+__all__ = ["RewrittenModel", "ModelInfo", "check_positions", "check_padding", "check_values", "paged_step_options"]
 
 
 class ModelInfo:
@@ -180,6 +180,31 @@ def serving_step_options() -> dict:
     CPU). Dynamo's guards still check the step's inputs. Under full validation (``set_validation(True)``, as
     pagedattn's tests run) the checks stay, so that tests hold every kernel to its fake."""
     return {} if validation_enabled() else {"size_asserts": False, "alignment_asserts": False}
+
+
+def paged_step_options(backend: str, target: str, *, freeze: bool,
+                       small_linears: Optional[bool] = None) -> Optional[dict]:
+    """The compile options of a paged step for ``backend`` on ``target`` (see ``RewrittenModel.compile_paged`` for
+    ``freeze`` and ``small_linears``): freezing's (:func:`frozen_step_options`), serving's
+    (:func:`serving_step_options`) and, on the CPU, the post-grad passes (pagedattn's small linears, a step's shared
+    values once, the paged ops' C++ stand-ins). None where there are none."""
+    if freeze and backend != "inductor":
+        raise ValueError(f"freeze=True needs the inductor backend, not {backend!r}")
+    if small_linears and not (freeze and target == "cpu"):
+        raise ValueError("small_linears=True needs a CPU step compiled with freezing (freeze=True)")
+    options = frozen_step_options(freeze)
+    if backend == "inductor":
+        options = {**(options or {}), **serving_step_options()} or None
+    passes = []
+    if freeze and target == "cpu" and small_linears is not False:
+        passes.append(SmallLinears())
+    if backend == "inductor" and target == "cpu":
+        passes.append(RealizeSharedValues())  # a rotary table's sines and cosines once a step, not per layer
+        if native_ops.paged_ops() is not None:
+            passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
+    if passes:
+        options = {**(options or {}), "post_grad_custom_pre_pass": PostGradPasses(tuple(passes))}
+    return options
 
 
 try:
@@ -437,22 +462,7 @@ class RewrittenModel(nn.Module):
             run_pipeline(gm, PassContext(), (Fp32Matmuls(cache_weights=cpu_fp32_matmuls == "cache"),))
         if freeze is None:
             freeze = backend == "inductor" and self.target == "cpu"
-        if freeze and backend != "inductor":
-            raise ValueError(f"freeze=True needs the inductor backend, not {backend!r}")
-        options = frozen_step_options(freeze)
-        if backend == "inductor":
-            options = {**(options or {}), **serving_step_options()} or None
-        if small_linears and not (freeze and self.target == "cpu"):
-            raise ValueError("small_linears=True needs a CPU step compiled with freezing (freeze=True)")
-        passes = []
-        if freeze and self.target == "cpu" and small_linears is not False:
-            passes.append(SmallLinears())
-        if backend == "inductor" and self.target == "cpu":
-            passes.append(RealizeSharedValues())  # a rotary table's sines and cosines once a step, not per layer
-            if native_ops.paged_ops() is not None:
-                passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
-        if passes:
-            options = {**(options or {}), "post_grad_custom_pre_pass": PostGradPasses(tuple(passes))}
+        options = paged_step_options(backend, self.target, freeze=freeze, small_linears=small_linears)
         self.graph_module = torch.compile(gm, backend=backend, dynamic=True, options=options)
         if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
             self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True, options=options)
