@@ -204,7 +204,8 @@ def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:
 
 def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto", block_size: int = 16,
                   dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
-                  compile: Optional[bool] = False, progress: bool = False, token_type_runs: int = 4) -> ServableModel:
+                  compile: Optional[bool] = False, progress: bool = False, token_type_runs: int = 4,
+                  ahead_of_time: Optional[bool] = None) -> ServableModel:
     """Turn a model into a :class:`ServableModel`, or raise ``ValueError`` saying why it cannot be served.
 
     ``model`` is a Hugging Face causal LM or any module taking ``input_ids`` (rewritten here), a
@@ -215,7 +216,8 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     of its own (CPU, CUDA). Compiled packed steps are padded to sizes of at least 2
     (``ServableModel.min_step``), which keeps a serving loop in one graph. ``progress`` prints each
     start-up stage (rewriting, compiling, checking) and its time on stderr. ``token_type_runs``: image blocks per
-    request a mask built from token types is established for (``pagedattn.rewrite``).
+    request a mask built from token types is established for (``pagedattn.rewrite``). ``ahead_of_time``: a CPU step is
+    compiled with AOTInductor into a package kept on disk where it can (``RewrittenModel.compile_paged``).
     """
     stages = _Stages(progress)
     backend = get_backend(target)
@@ -226,7 +228,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
             servable = _seq2seq_servable(model, backend, block_size, dtype, eos_token_id)
         if compile or (compile is None and backend.step_padder(512, 256, 1) is None):
             with stages.stage("compiling the encoder and the decoder step with Inductor"):
-                servable = _compile(servable)
+                servable = _compile(servable, ahead_of_time)
         return servable
     model_device = _module_device(model)
     if model_device is not None and model_device.type != device.type:
@@ -262,8 +264,8 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
             backend.step_padder(512, 256, 1) is None
     if compile:
         with stages.stage("compiling the paged step with Inductor (a first start takes a while; later starts "
-                          "reuse Inductor's on-disk cache)"):
-            servable = _compile(servable)
+                          "reuse what it left on disk)"):
+            servable = _compile(servable, ahead_of_time)
     elif isinstance(servable.step, RewrittenModel) and servable.step.min_sizes > 1:
         # an exported program run eagerly checks its inputs' sizes as traced: pad every step up to them
         servable = dataclasses.replace(servable, min_step=servable.step.min_sizes, pad_single_token=True)
@@ -319,7 +321,7 @@ def _eager_writes_for(step: RewrittenModel, backend: AttentionBackend) -> None:
         run_pipeline(step.graph_module, PassContext(), (FunctionalCacheWrites("copy_back"),))
 
 
-def _compile(servable: ServableModel) -> ServableModel:
+def _compile(servable: ServableModel, ahead_of_time: Optional[bool] = None) -> ServableModel:
     """Compile the servable's step(s) and run a first step (Inductor compiles lazily, on first call)."""
     if not isinstance(servable.step, RewrittenModel):
         raise ValueError("compile=True applies to models the engine rewrites or a RewrittenModel; "
@@ -328,7 +330,7 @@ def _compile(servable: ServableModel) -> ServableModel:
     # in place: one served (or compiled) before keeps its compiled graph
     for step in (servable.step, servable.fresh_step):
         if step is not None and not is_compiled(step.graph_module):
-            step.compile_paged()
+            step.compile_paged(ahead_of_time=ahead_of_time)
     if servable.seq2seq is not None and servable.seq2seq.compiled_encoder is None:
         try:
             with no_duck_sizing():

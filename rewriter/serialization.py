@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 from typing import Optional
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -20,7 +22,7 @@ from pagedattn.tracing import fake_tensor_cache_for, quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["save", "load", "export_paged", "example_paged_inputs", "example_sequences"]
+__all__ = ["save", "load", "export_paged", "paged_export_inputs", "example_paged_inputs", "example_sequences"]
 
 _INFO_FILE = "pagedattn.json"
 
@@ -132,7 +134,7 @@ def example_sequences(num_tokens: int, block_size: int) -> list[tuple[int, int, 
 
 def example_paged_inputs(model: RewrittenModel):
     """Caches and metadata matching the example inputs: each batch row one fresh sequence."""
-    node = next(n for n in model.graph_module.graph.nodes if is_paged_attention(n))
+    node = next(n for n in uncompiled(model.graph_module).graph.nodes if is_paged_attention(n))
     tokens = read_paged(node).query.meta.get("val")  # [B*S, Hq, D]
     specs = example_sequences(_hint(tokens.shape[0]), model.block_size)
     meta = build_metadata(specs, model.block_size)
@@ -140,19 +142,37 @@ def example_paged_inputs(model: RewrittenModel):
     return caches, meta
 
 
-def export_paged(model: RewrittenModel) -> torch.export.ExportedProgram:
+def paged_export_inputs(model: RewrittenModel) -> list:
+    """The example inputs a paged program is exported with: the model's, then caches and metadata
+    (:func:`example_paged_inputs`), then the per-request values where the masks read some."""
     if model.example_inputs is None:
         raise RuntimeError("no example inputs to export with")
     caches, meta = example_paged_inputs(model)
     inputs = [*model.example_inputs, *caches, *meta.tensors()]
     if model.value_spec is not None:  # [num_seqs, count]: the step's per-request values
         inputs.append(position_mod.default_values(model.value_spec, meta.num_seqs))
+    return inputs
+
+
+def export_paged(model: RewrittenModel, graph_module: Optional[nn.Module] = None, *,
+                 size_oblivious: bool = False) -> torch.export.ExportedProgram:
+    """The paged graph (``graph_module``, default the model's own) as a ``torch.export`` program over
+    :func:`paged_export_inputs`, every dimension dynamic.
+
+    By default export specialises sizes 0 and 1, so every dynamic size of the program is at least 2 (what
+    :func:`example_sequences` gives). ``size_oblivious`` traces without that specialisation (torch's
+    ``backed_size_oblivious``): the program's sizes range from 0, and where a size of 1 would have changed what
+    it computes (broadcasting) the program holds a runtime assertion instead, so one program serves a step of one
+    sequence, one block or one row as well."""
+    inputs = paged_export_inputs(model)
     dyn = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
                 for x in inputs)
+    gm = uncompiled(model.graph_module if graph_module is None else graph_module)
+    oblivious = fx_config.patch(backed_size_oblivious=True) if size_oblivious else contextlib.nullcontext()
     # without duck sizing: the values' count (2 for one span) must not take the symbol of an equal number of sequences;
     # the graph is flat, so its attention sites (one a layer) stand for the blocks it repeats
-    with torch.no_grad(), quiet_tracing(), no_duck_sizing(), fake_tensor_cache_for(model.num_sites):
+    with torch.no_grad(), quiet_tracing(), no_duck_sizing(), fake_tensor_cache_for(model.num_sites), oblivious:
         # a compiled program (compile_paged) exports the graph it compiled, with what compile_paged's runtime passes
         # changed (linears joined, fp32 copies of weights): the same computation to rounding
-        return torch.export.export(uncompiled(model.graph_module), tuple(inputs), dynamic_shapes=dyn, strict=False)
+        return torch.export.export(gm, tuple(inputs), dynamic_shapes=dyn, strict=False)
 

@@ -87,7 +87,9 @@ class PagedEngine:
     state; ``False`` runs it eager). Compiling happens here, before the first request: steps are
     padded to sizes of at least 2 (single-token steps excepted: they have a graph of their own) so
     that every step runs one of the two graphs compiled at start-up (``pagedattn.runtime.shapes``),
-    and a second start of the same model reuses Inductor's on-disk caches. ``progress`` (default on) prints
+    and a second start of the same model reuses Inductor's on-disk caches. On the CPU the step is compiled ahead of
+    time (``ahead_of_time=None``: where it applies; ``False``: with ``torch.compile``): AOTInductor's runner, its
+    package kept on disk and loaded by a later start (``RewrittenModel.compile_paged``). ``progress`` (default on) prints
     each start-up stage (rewriting, compiling, checking) and its time on stderr.
 
     When the cache runs out of blocks the newest running request is preempted.
@@ -151,9 +153,10 @@ class PagedEngine:
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
                  progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4,
-                 async_decode: bool = True):
+                 async_decode: bool = True, ahead_of_time: Optional[bool] = None):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
-        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs)
+        self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs,
+                                  ahead_of_time)
         sv = self.servable
         self.backend, self.device, self.block_size = sv.backend, sv.device, sv.block_size
         self.vocab_size, self.cache_specs, self.cache_dtype = sv.vocab_size, list(sv.cache_specs), sv.cache_dtype
@@ -863,11 +866,12 @@ def _preemption_counts(sched: Scheduler) -> tuple[int, int, int, int]:
 # ------------------------------------------------------------------ the model
 
 
-def _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs):
+def _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs, ahead_of_time):
     """The model as the engine runs it: a ``ServableModel`` as given, or one the adapter prepares."""
     from pagedattn.adapter import ServableModel, prepare_model
 
     if isinstance(model, ServableModel):
         return model
     return prepare_model(model, target=target, block_size=block_size, dtype=dtype, eos_token_id=eos_token_id,
-                         compile=compile, progress=progress, token_type_runs=token_type_runs)
+                         compile=compile, progress=progress, token_type_runs=token_type_runs,
+                         ahead_of_time=ahead_of_time)

@@ -88,7 +88,8 @@ def test_frozen_step_guards_its_inputs_not_its_modules(llama, eager, monkeypatch
         return {"guard_filter_fn": record}
 
     monkeypatch.setattr(program, "frozen_step_options", recording)
-    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
+    # the step torch.compile builds (Dynamo's guards): the one a step compiled ahead of time falls back to
+    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False, ahead_of_time=False)
     ps = prompts()[:3]
     assert engine.generate(ps, max_new_tokens=4) == eager.generate(ps, max_new_tokens=4)
     kept = [e for e, k in seen if k]
@@ -116,7 +117,7 @@ def test_serving_steps_leave_out_inductors_output_checks_only_outside_validation
     monkeypatch.setattr(program.torch, "compile", recording)
     assert program.serving_step_options() == {}
     set_validation(False)
-    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False)
+    engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, progress=False, ahead_of_time=False)
     ps = prompts()[:3]
     with profile() as prof:
         out = engine.generate(ps, max_new_tokens=4)
@@ -180,7 +181,7 @@ def test_small_linears_need_a_frozen_cpu_step(llama, monkeypatch):
     seen = []
     monkeypatch.setattr(program.torch, "compile", lambda gm, **kw: seen.append(kw["options"]) or gm)
     for small in (None, False):
-        rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged(small_linears=small)
+        rewrite(llama, torch.tensor([[1, 2, 3]])).compile_paged(small_linears=small, ahead_of_time=False)
     kinds = [[type(p) for p in o["post_grad_custom_pre_pass"].passes] if "post_grad_custom_pre_pass" in o else []
              for o in seen]
     assert SmallLinears in kinds[0] and SmallLinears not in kinds[1]

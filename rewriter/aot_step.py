@@ -1,0 +1,324 @@
+"""A paged step compiled ahead of time: AOTInductor's C++ runner over the exported paged program, its package
+cached on disk.
+
+A step compiled with ``torch.compile`` runs its kernels from Python: Dynamo's guards, AOTAutograd's wrappers, then
+Inductor's generated Python calling each kernel (on the CPU a third of a small model's fp32 decode step,
+``benchmarks/generate_cpu.py --breakdown``). AOTInductor compiles the same program, with the same Inductor options
+and passes (``program.paged_step_options``) and freezing, into a shared library whose runner calls the kernels from
+C++ (``benchmarks/aoti_step.py``: decode steps 0.69-0.94x the compiled step's time). Its package is kept in
+Inductor's cache directory under a key of everything it is built from (:func:`package_key`), so a later start loads
+it instead of tracing, exporting and compiling again.
+
+What the runner computes is the program's for every input it takes:
+
+- the program is exported without specialising sizes 0 and 1 (``export_paged(size_oblivious=True)``), so each of
+  its dynamic sizes ranges from 0 and a step of one sequence, one block or one row runs the same code; where a
+  size of 1 would change the computation (broadcasting), the program asserts at run time instead of assuming;
+- the runner checks nothing about its inputs (AOTInductor's own checks are off unless an environment variable is
+  set before the process first runs one), so :class:`InputGuard` checks every call: the inputs' count, dtypes,
+  ranks, contiguity, each static size, each dynamic size against its range, sizes the program shares between
+  inputs equal, and non-tensor inputs equal to the values the program was built for. A call it refuses runs the
+  step compiled with ``torch.compile`` instead (built on first need), so the step serves every input the compiled
+  step would.
+
+Loading a package runs its code (a shared library), as Inductor loads the kernels it caches: the packages live in
+Inductor's cache directory and are as trusted as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+log = logging.getLogger("pagedattn")
+
+__all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "AotUnsupported"]
+
+# the package format's version: bump when what a package holds, or how it is keyed, changes
+SCHEMA = "pagedattn-aot-step/1"
+GUARD_METADATA = "pagedattn_input_guard"
+
+
+class AotUnsupported(Exception):
+    """The step cannot be compiled ahead of time (the message says why); it is compiled with ``torch.compile``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputGuard:
+    """What a step's inputs must be for the package's program to compute what the graph does.
+
+    ``tensors``: per tensor input, ``(position, dtype, sizes)`` where a size is an ``int`` (static) or a
+    ``str`` (a dynamic size's symbol; inputs naming the same symbol must agree). ``ranges``: each symbol's
+    ``(lower, upper)`` bounds (``upper`` None: unbounded). ``constants``: per non-tensor input, its position and
+    the value the program was built for. ``count``: the number of inputs.
+    """
+
+    count: int
+    tensors: tuple[tuple[int, torch.dtype, tuple[int | str, ...]], ...]
+    ranges: tuple[tuple[str, int, Optional[int]], ...]
+    constants: tuple[tuple[int, Any], ...] = ()
+
+    @classmethod
+    def of(cls, program: torch.export.ExportedProgram) -> "InputGuard":
+        """The guard of an exported program's user inputs (raises :class:`AotUnsupported` for an input whose size is
+        an expression of symbols, or a non-tensor input whose value JSON cannot hold)."""
+        from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
+
+        nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        tensors, constants, symbols = [], [], set()
+        for i, spec in enumerate(specs):
+            if isinstance(spec.arg, ConstantArgument):
+                val, name = spec.arg.value, spec.arg.name
+            elif isinstance(spec.arg, TensorArgument):
+                val, name = nodes[spec.arg.name].meta.get("val"), spec.arg.name
+            else:
+                raise AotUnsupported(f"input {i} is a {type(spec.arg).__name__}, which the package cannot record")
+            if isinstance(val, torch.Tensor):
+                sizes = []
+                for d in val.shape:
+                    if isinstance(d, int):
+                        sizes.append(d)
+                    elif isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                        sizes.append(str(d.node.expr))
+                        symbols.add(d.node.expr)
+                    else:
+                        raise AotUnsupported(f"input {name!r} has a size {d} that is not one symbol")
+                tensors.append((i, val.dtype, tuple(sizes)))
+            elif val is None or isinstance(val, (bool, int, float, str)):
+                constants.append((i, val))
+            else:
+                raise AotUnsupported(f"input {name!r} is a {type(val).__name__}, which the package cannot record")
+        ranges = []
+        for sym in sorted(symbols, key=str):
+            vr = program.range_constraints.get(sym)
+            lower = _finite(vr.lower) if vr is not None else None
+            upper = _finite(vr.upper) if vr is not None else None
+            lower = 0 if lower is None else max(lower, 0)
+            ranges.append((str(sym), lower, upper))
+        return cls(len(specs), tuple(tensors), tuple(ranges), tuple(constants))
+
+    def to_json(self) -> str:
+        return json.dumps({"count": self.count, "ranges": self.ranges, "constants": self.constants,
+                           "tensors": [(i, str(dtype).removeprefix("torch."), sizes) for i, dtype, sizes in self.tensors]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "InputGuard":
+        d = json.loads(text)
+        dtypes = {}
+        for _, name, _ in d["tensors"]:
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {name!r}")
+            dtypes[name] = dtype
+        return cls(int(d["count"]), tuple((int(i), dtypes[name], tuple(sizes)) for i, name, sizes in d["tensors"]),
+                   tuple((s, int(lo), None if hi is None else int(hi)) for s, lo, hi in d["ranges"]),
+                   tuple((int(i), v) for i, v in d["constants"]))
+
+    @functools.cached_property
+    def _checks(self) -> tuple:
+        """The tensor checks with symbols numbered, for :meth:`refusal`'s loop."""
+        index = {s: k for k, (s, _, _) in enumerate(self.ranges)}
+        return tuple((i, dtype, tuple(s if isinstance(s, int) else -1 - index[s] for s in sizes))
+                     for i, dtype, sizes in self.tensors)
+
+    def refusal(self, flat) -> Optional[str]:
+        """Why the program cannot take these inputs, or None where it can."""
+        if len(flat) != self.count:
+            return f"{len(flat)} inputs, the program takes {self.count}"
+        seen: list = [None] * len(self.ranges)
+        for i, dtype, sizes in self._checks:
+            t = flat[i]
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(sizes) or not t.is_contiguous() \
+                    or t.device.type != "cpu":
+                return f"input {i} is not a contiguous CPU tensor of {dtype} with {len(sizes)} dimensions"
+            for d, s in zip(t.shape, sizes):
+                if s >= 0:
+                    if d != s:
+                        return f"input {i} has sizes {tuple(t.shape)}, the program fixed one to {s}"
+                elif seen[-1 - s] is None:
+                    seen[-1 - s] = d
+                elif seen[-1 - s] != d:
+                    return f"input {i}'s size {d} differs from another input's that the program takes as equal"
+        for (sym, lower, upper), d in zip(self.ranges, seen):
+            if d is not None and (d < lower or (upper is not None and d > upper)):
+                return f"size {d} outside the program's range [{lower}, {upper}] for {sym}"
+        for i, value in self.constants:
+            if type(flat[i]) is not type(value) or flat[i] != value:
+                return f"input {i} is {flat[i]!r}, the program was built for {value!r}"
+        return None
+
+
+def _finite(bound) -> Optional[int]:
+    """A range's bound as an int, or None where it is infinite."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+class AotStep(nn.Module):
+    """A paged step run by AOTInductor's runner, its inputs checked by an :class:`InputGuard`; inputs it refuses run
+    ``fallback()`` (called once, on first need: the step compiled with ``torch.compile``). Holds the graph it was
+    compiled from as ``_orig_mod``, as a ``torch.compile``'d module does."""
+
+    def __init__(self, runner, guard: InputGuard, graph_module: nn.Module, fallback: Callable[[], Callable],
+                 source: str):
+        super().__init__()
+        self._orig_mod = graph_module
+        self.runner, self.guard, self.source = runner, guard, source  # source: "built" or "loaded"
+        self._make_fallback, self._fallback = fallback, None
+
+    def __getattr__(self, name: str):
+        # what the module does not hold is the compiled graph's, as with a torch.compile'd module (its graph, code)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("_orig_mod"), name)
+
+    def forward(self, *flat) -> list:
+        why = self.guard.refusal(flat)
+        if why is None:
+            # the loader's own call: AOTICompiledModel.__call__ parses its input and output specs on every call
+            return self.runner.loader.boxed_run([x for x in flat if isinstance(x, torch.Tensor)])
+        if self._fallback is None:
+            log.info("the ahead-of-time step cannot take these inputs (%s): they run the step compiled with "
+                     "torch.compile", why)
+            self._fallback = self._make_fallback()
+        return self._fallback(*flat)
+
+
+# ---------------------------------------------------------------------- the package
+
+
+def package_dir() -> str:
+    """Where packages are kept: ``pagedattn_steps`` in Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "pagedattn_steps")
+
+
+@functools.cache  # a fact about the code installed for this process
+def _code_digest() -> str:
+    """A digest of pagedattn's own sources (Python and the native library's C): a package built by other code is
+    not loaded."""
+    import pagedattn
+    import pagedattn.backends
+    import pagedattn.passes
+
+    h = hashlib.sha256()
+    roots = sorted({os.path.dirname(m.__file__) for m in (pagedattn, pagedattn.backends, pagedattn.passes)})
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if name.endswith((".py", ".c", ".cpp", ".h")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()
+
+
+def _host() -> str:
+    """The machine a package's code is built for: its architecture and the vector ISA Inductor picks."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = str(pick_vec_isa())
+    except Exception:  # pragma: no cover - torch without Inductor's ISA detection
+        isa = "unknown"
+    return f"{platform.machine()}/{isa}"
+
+
+def _tensor_digest(h, name: str, t: torch.Tensor) -> None:
+    h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}\0".encode())
+    if t.device.type != "meta":
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _option_text(value) -> str:
+    uuid = getattr(value, "uuid", None)
+    return f"{type(value).__qualname__}({uuid()})" if callable(uuid) else repr(value)
+
+
+def package_key(gm: nn.Module, options: dict, inputs: list) -> str:
+    """The key of the package built from ``gm`` with Inductor ``options`` over export ``inputs``: the graph's code
+    and every tensor it reads (parameters, buffers, constants: their bytes, since freezing makes them part of the
+    package), the options (a pass by its ``uuid()``), the inputs' dtypes, ranks and non-tensor values, the versions of
+    torch and of pagedattn's sources, and the host's architecture and vector ISA."""
+    h = hashlib.sha256()
+    for part in (SCHEMA, torch.__version__, _code_digest(), _host()):
+        h.update(part.encode() + b"\0")
+    for name, module in sorted(gm.named_modules(), key=lambda x: x[0]):
+        code = module.code if isinstance(module, GraphModule) else repr(module)
+        h.update(f"module {name} {type(module).__qualname__}\0{code}\0".encode())
+    tensors: dict[str, torch.Tensor] = dict(gm.named_parameters(remove_duplicate=False))
+    tensors.update(gm.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in tensors:
+            value = _attr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                tensors[node.target] = value
+    for name in sorted(tensors):
+        _tensor_digest(h, name, tensors[name])
+    for name in sorted(options):
+        h.update(f"option {name}={_option_text(options[name])}\0".encode())
+    for x in inputs:
+        desc = f"tensor {x.dtype} {x.dim()}" if isinstance(x, torch.Tensor) else f"value {x!r}"
+        h.update(desc.encode() + b"\0")
+    return h.hexdigest()[:40]
+
+
+def _attr(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def load_or_build(key: str, build: Callable[[str], None], directory: Optional[str] = None) -> tuple[Any, InputGuard, str]:
+    """The runner and input guard of the package ``key``: loaded from ``directory`` (default :func:`package_dir`), or
+    built there first by ``build(path)`` (which writes a package whose metadata holds the guard). Returns
+    ``(runner, guard, "loaded" | "built")``. A package that does not load is built again."""
+    directory = directory or package_dir()
+    path = os.path.join(directory, f"{key}.pt2")
+    if os.path.exists(path):
+        try:
+            runner, guard = _load(path)
+            return runner, guard, "loaded"
+        except Exception as e:  # a truncated or foreign file: built again below
+            log.info("the cached step package %s did not load (%s): building it again", path, _first_line(e))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f"{key}.{os.getpid()}.tmp.pt2")
+    try:
+        build(tmp)
+        os.replace(tmp, path)  # atomic: another process sees the whole package or none
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    runner, guard = _load(path)
+    return runner, guard, "built"
+
+
+def _load(path: str) -> tuple[Any, InputGuard]:
+    runner = torch._inductor.aoti_load_package(path)
+    text = runner.get_metadata().get(GUARD_METADATA)
+    if text is None:
+        raise ValueError("the package has no input guard")
+    return runner, InputGuard.from_json(text)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

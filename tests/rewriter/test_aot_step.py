@@ -1,0 +1,224 @@
+"""The paged step compiled ahead of time (``compile_paged(ahead_of_time=True)``, ``pagedattn.aot_step``): the same
+logits as the eager paged step at every size, sizes of one included (the program is exported without specialising
+them); its package loaded by a later start; inputs outside its program refused and run by the fallback; a package
+that cannot be built or loaded handled."""
+
+import dataclasses
+import logging
+import os
+
+import pytest
+import torch
+
+import pagedattn
+from pagedattn import aot_step
+from pagedattn.adapter import prepare_model
+from pagedattn.aot_step import AotStep, InputGuard, load_or_build, package_key
+from pagedattn.backends import build_metadata, set_validation
+from pagedattn.runtime.shapes import graph_count
+
+from ..support import engine_example, hf_generate, prompts, tiny_model
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """Packages in a directory of this module's own: its first build is cold, the later ones load it."""
+    directory = tmp_path_factory.mktemp("aot_steps")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aot_step, "package_dir", lambda: str(directory))
+        yield directory
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def served(model, packages):
+    """The model prepared as the engine prepares it, its step compiled ahead of time, and eagerly (with validation, as
+    the tests' own engines: a module's fixture is made before the function-scoped fixture turns it on)."""
+    set_validation(True)
+    aot = prepare_model(model, block_size=BS, compile=True, ahead_of_time=True)
+    eager = prepare_model(model, block_size=BS, compile=False)
+    return aot, eager
+
+
+def test_step_is_the_runner_and_its_package_is_kept(served, packages):
+    aot, _ = served
+    step = aot.step.graph_module
+    assert isinstance(step, AotStep) and step.source == "built"
+    assert [p.suffix for p in packages.iterdir()] == [".pt2"]  # the package, no temporary file left
+
+
+STEPS = (  # (sequences as (cached tokens, new tokens, block numbers), rows whose logits are read)
+    ([(0, 1, [0])], [0]),  # one sequence, one token, one block, one row: every size 1
+    ([(1, 1, [0])], [0]),  # its decode
+    ([(0, 6, [1, 2])], [5]),  # a prompt over two blocks
+    ([(2, 1, [0]), (6, 1, [1, 2]), (0, 3, [3])], [0, 1, 4]),  # decodes beside a prompt
+    ([(3, 1, [0]), (7, 1, [1, 2])], [0, 1]),  # decodes alone
+    ([(4, 9, [0, 1, 2, 3])], [2, 8]),  # a long prompt after its cached tokens, two rows
+)
+
+
+def test_logits_equal_the_eager_step_at_every_size(served, model):
+    # unpadded (min_step 1): the runner takes steps of one sequence, one block and one row as they are
+    aot, eager = served
+    aot = dataclasses.replace(aot, min_step=1)
+    caches = {"aot": aot.allocate_kv_caches(8), "eager": eager.allocate_kv_caches(8)}
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for seqs, rows in STEPS:
+        n = sum(new for _, new, _ in seqs)
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        pos = [p for ctx, new, _ in seqs for p in range(ctx, ctx + new)]
+        meta = build_metadata(seqs, BS)
+        ours = aot.run_packed(caches["aot"], meta, ids, pos, rows)
+        theirs = eager.run_packed(caches["eager"], meta, ids, pos, rows)
+        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    for a, b in zip(caches["aot"], caches["eager"]):  # the writes too
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert aot.step.graph_module._fallback is None  # every step ran in the runner
+
+
+def test_engine_tokens_equal_hugging_face_and_a_second_start_loads_the_package(model, packages):
+    ps = prompts()
+    ref = hf_generate(model, ps, 8)
+    before = graph_count()
+    engine = pagedattn.PagedEngine(model, block_size=BS, num_blocks=96, max_num_tokens=24, progress=False)
+    assert isinstance(engine.model.graph_module, AotStep)  # ahead of time by default on the CPU
+    assert engine.model.graph_module.source == "loaded"  # built by the fixture above: same model and options
+    assert engine.generate(ps, max_new_tokens=8) == ref
+    assert graph_count() == before  # no Dynamo graph: the runner serves every step
+
+
+def test_the_environment_turns_it_off(model, packages, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_AHEAD_OF_TIME", "0")
+    rm = pagedattn.rewrite(model, (), engine_example(model)).compile_paged()
+    assert not isinstance(rm.graph_module, AotStep)
+
+
+def test_guard_refuses_what_the_program_does_not_take(served):
+    aot, _ = served
+    guard = aot.step.graph_module.guard
+    assert InputGuard.from_json(guard.to_json()) == guard
+    flat = [torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long), False,
+            torch.zeros(1, dtype=torch.long)]
+    caches = aot.allocate_kv_caches(4)
+    meta = build_metadata([(0, 3, [0])], BS)
+    good = [*flat, *caches, *meta.tensors()]
+    assert len(good) == guard.count and guard.refusal(good) is None
+    # the step's sizes (tokens, rows, sequences, blocks) may be 0 or 1: the program was exported without specialising
+    lower = {sym: lo for sym, lo, _ in guard.ranges}
+    sizes = {i: sizes for i, _, sizes in guard.tensors}
+    for i, dim in ((0, 1), (3, 0), (len(good) - 3, 0), (len(good) - 3, 1), (len(good) - 2, 0)):
+        assert lower[sizes[i][dim]] == 0, (i, dim, guard.ranges)
+
+    def changed(i, x):
+        return [x if j == i else y for j, y in enumerate(good)]
+
+    assert "inputs" in guard.refusal(good[:-1])
+    assert "int64" in guard.refusal(changed(0, flat[0].int()))  # dtype
+    assert "differs" in guard.refusal(changed(1, torch.zeros(1, 4, dtype=torch.long)))  # ids and positions: one length
+    assert "outside the program's range" in guard.refusal(changed(0, torch.zeros(3, 3, dtype=torch.long)))  # batch
+    assert "contiguous" in guard.refusal(changed(4, caches[0].transpose(-1, -2)))
+    assert "built for" in guard.refusal(changed(2, True))  # use_cache, a constant of the program
+
+
+class _Runner:
+    def __init__(self):
+        self.loader, self.calls = self, []
+
+    def boxed_run(self, tensors):
+        self.calls.append(len(tensors))
+        return [tensors[0] + 1]
+
+
+def test_refused_inputs_run_the_fallback_built_once(caplog):
+    guard = InputGuard(count=2, tensors=((0, torch.float32, ("s0", 2)),), ranges=(("s0", 2, 8),), constants=((1, 3),))
+    made = []
+
+    def fallback():
+        made.append(1)
+        return lambda x, k: [x - 1]
+
+    step = AotStep(_Runner(), guard, torch.nn.Identity(), fallback, "loaded")
+    x = torch.zeros(4, 2)
+    assert (step(x, 3)[0] == 1).all() and step.runner.calls == [1]
+    with caplog.at_level(logging.INFO, logger="pagedattn"):
+        for refused in ((torch.zeros(9, 2), 3),  # above the range
+                        (torch.zeros(1, 2), 3),  # below it
+                        (torch.zeros(4, 3), 3),  # a static size
+                        (x, 4)):  # another constant
+            assert (step(*refused)[0] == -1).all()
+    assert made == [1] and step.runner.calls == [1]
+    assert "cannot take these inputs" in caplog.text and "outside the program's range" in caplog.text
+
+
+def test_package_key_follows_weights_options_and_code(model):
+    rm = pagedattn.rewrite(model, (), engine_example(model))
+    gm, inputs = rm.graph_module, [torch.zeros(1, 2, dtype=torch.long), False]
+    key = package_key(gm, {"size_asserts": False}, inputs)
+    assert package_key(gm, {"size_asserts": False}, inputs) == key
+    assert package_key(gm, {"size_asserts": True}, inputs) != key
+    assert package_key(gm, {"size_asserts": False}, [torch.zeros(1, 2, dtype=torch.int32), False]) != key
+    weight = next(p for p in gm.parameters() if p.dim() == 2)
+    kept = weight[0, 0].item()
+    with torch.no_grad():
+        weight[0, 0] += 1
+        try:
+            assert package_key(gm, {"size_asserts": False}, inputs) != key
+        finally:
+            weight[0, 0] = kept
+    assert package_key(gm, {"size_asserts": False}, inputs) == key
+
+
+def test_a_package_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    (tmp_path / "k.pt2").write_bytes(b"not a package")
+    built, loaded = [], []
+
+    def fake_load(path):
+        if open(path, "rb").read() == b"not a package":
+            raise RuntimeError("bad zip")
+        loaded.append(path)
+        return "runner", "guard"
+
+    def build(path):
+        built.append(path)
+        with open(path, "wb") as f:
+            f.write(b"package")
+
+    monkeypatch.setattr(aot_step, "_load", fake_load)
+    assert load_or_build("k", build, str(tmp_path)) == ("runner", "guard", "built")
+    assert sorted(os.listdir(tmp_path)) == ["k.pt2"] and built and built[0].endswith(".pt2")
+    assert load_or_build("k", build, str(tmp_path))[2] == "loaded" and len(built) == 1
+
+    def failing(path):
+        open(path, "wb").close()
+        raise RuntimeError("compiler failed")
+
+    with pytest.raises(RuntimeError, match="compiler failed"):
+        load_or_build("j", failing, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["k.pt2"]  # no half-written package left
+
+
+def test_a_step_that_cannot_be_built_is_compiled_with_torch_compile(model, monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(aot_step, "package_dir", lambda: str(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("AOTInductor cannot build this")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    rm = pagedattn.rewrite(model, (), engine_example(model))
+    with caplog.at_level(logging.INFO, logger="pagedattn"):
+        rm.compile_paged(ahead_of_time=True)
+    assert not isinstance(rm.graph_module, AotStep) and hasattr(rm.graph_module, "_orig_mod")
+    assert "AOTInductor cannot build this" in caplog.text
+
+
+def test_ahead_of_time_where_it_cannot_apply_says_why(model):
+    rm = pagedattn.rewrite(model, (), engine_example(model))
+    with pytest.raises(ValueError, match="ahead_of_time=True cannot apply: it needs a CPU step compiled by Inductor"):
+        rm.compile_paged(backend="eager", ahead_of_time=True)
