@@ -1,17 +1,14 @@
-"""A CPU serving step through AOTInductor's C++ runner against the engine's compiled step, on the same inputs.
+"""The CPU serving step compiled ahead of time (AOTInductor's C++ runner, ``pagedattn.aot_step``, PagedEngine's
+default on the CPU) against the step compiled by ``torch.compile``, on the same inputs.
 
-The engine's compiled step runs its kernels from Python: Dynamo's and AOTAutograd's wrappers, then Inductor's
-generated Python calling each kernel and operator (``generate_cpu.py --breakdown`` puts a third of a fp32 decode
-step outside the kernels). AOTInductor compiles the same paged program (``RewrittenModel.exported_program``) with
-the same Inductor options and passes (``program.paged_step_options``, freezing) into a library whose runner
-calls them from C++. This script captures the compiled step's inputs over a few real engine steps (decodes of 1,
-3, 10 and 16 requests, prefills of 150 to 1,024 tokens), runs each through both, checks the logits against each
-other and times them, alternating.
+The step compiled by ``torch.compile`` runs its kernels from Python: Dynamo's and AOTAutograd's wrappers, then
+Inductor's generated Python calling each kernel and operator. The ahead-of-time step compiles the same paged program
+with the same Inductor options and passes (``program.paged_step_options``, freezing) into a library whose runner calls
+them from C++, each call's inputs checked by its guard. This script captures the compiled step's inputs over a few
+real engine steps (decodes of 1, 3, 10 and 16 requests, prefills of 150 to 1,024 tokens), runs each through both,
+checks the logits against each other and times them, alternating.
 
     python benchmarks/aoti_step.py                  # float32 and bfloat16, llama16m
-
-Not a serving path yet: the package is built here, once per run (its compile time is printed), and a step the
-runner refuses is reported, not served.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -30,6 +26,8 @@ import generate_cpu  # noqa: E402
 
 import pagedattn  # noqa: E402
 from pagedattn import program  # noqa: E402
+from pagedattn.adapter import prepare_model  # noqa: E402
+from pagedattn.aot_step import AotStep  # noqa: E402
 from pagedattn.backends.base import use_backend  # noqa: E402
 
 
@@ -62,24 +60,20 @@ def captured_steps(engine, vocab: int, seed: int = 0) -> list[list]:
 def compare(dtype: torch.dtype, model_name: str, rounds: int) -> None:
     model = generate_cpu.build(dtype, "sdpa", model_name)
     vocab = generate_cpu.MODELS[model_name][0]["vocab_size"]
-    engine = pagedattn.PagedEngine(model, num_blocks=1000, block_size=16, max_num_tokens=1024, progress=False)
+    engine = pagedattn.PagedEngine(model, num_blocks=1000, block_size=16, max_num_tokens=1024, progress=False,
+                                   ahead_of_time=False)  # the step compiled by torch.compile
     engine.generate([[1] * n for n in (300, 7, 40, 2)], max_new_tokens=2)
     rewritten = engine.servable.step
     calls = captured_steps(engine, vocab)
-    # the compiled step's own Inductor options and passes (Dynamo's guard filter aside: no Dynamo here), with freezing
-    options = {k: v for k, v in program.paged_step_options("inductor", "cpu", freeze=True).items()
-               if k != "guard_filter_fn"}
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        exported = rewritten.exported_program
-        t1 = time.perf_counter()
-        with torch.no_grad(), program.inductor_freezing(True):
-            path = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"),
-                                                            inductor_configs=options)
-        t2 = time.perf_counter()
-        runner = torch._inductor.aoti_load_package(path)
-        t3 = time.perf_counter()
-    print(f"\n{str(dtype)[6:]}: export {t1 - t0:.1f} s, AOTInductor compile {t2 - t1:.1f} s, load {t3 - t2:.2f} s")
+    # the same model's step compiled ahead of time, as PagedEngine compiles it by default (its package built here
+    # unless an earlier run left it in Inductor's cache directory)
+    t0 = time.perf_counter()
+    aot = prepare_model(model, block_size=16, compile=True, ahead_of_time=True).step.graph_module
+    t1 = time.perf_counter()
+    if not isinstance(aot, AotStep):
+        print(f"\n{str(dtype)[6:]}: the step could not be compiled ahead of time (see pagedattn's log)")
+        return
+    print(f"\n{str(dtype)[6:]}: the ahead-of-time step {aot.source} in {t1 - t0:.1f} s (rewrite and checks included)")
     compiled, seen = rewritten.graph_module, set()
     with torch.inference_mode(), use_backend(rewritten.backend), program.inductor_freezing(True):
         for args in calls:
@@ -87,16 +81,16 @@ def compare(dtype: torch.dtype, model_name: str, rounds: int) -> None:
             if tokens in seen:
                 continue
             seen.add(tokens)
-            try:
-                ours = runner(*args)[0]
-            except Exception as e:  # reported: the runner is not a serving path yet
-                print(f"  step of {tokens:4d} tokens: the runner refused it ({str(e).splitlines()[0][:120]})")
+            why = aot.guard.refusal(args)
+            if why is not None:
+                print(f"  step of {tokens:4d} tokens: the runner does not take it ({why})")
                 continue
+            ours = aot(*args)[0]
             theirs = compiled(*args)
             theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
             times = {"runner": [], "compiled": []}
             for _ in range(rounds):
-                for name, fn in (("runner", runner), ("compiled", compiled)):
+                for name, fn in (("runner", aot), ("compiled", compiled)):
                     t0 = time.perf_counter()
                     fn(*args)
                     times[name].append(time.perf_counter() - t0)
