@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from pagedattn.aot_step import AotStep
 from pagedattn.backends import (
     AttentionBackend,
     CacheSpec,
@@ -340,7 +341,10 @@ def _compile(servable: ServableModel, ahead_of_time: Optional[bool] = None) -> S
                      str(e).splitlines()[0] if str(e) else "")
     if servable.state is not None:
         return servable
-    servable = dataclasses.replace(servable, min_step=2)
+    if not isinstance(servable.step.graph_module, AotStep):
+        # Dynamo specialises sizes of 1: padded to at least 2, every step runs one of two graphs. A step compiled
+        # ahead of time takes every size as it is (its program was exported without that specialisation)
+        servable = dataclasses.replace(servable, min_step=2)
     with no_duck_sizing():
         first_step(servable)
     return servable

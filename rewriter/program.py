@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from pagedattn.aot_step import AotStep
 from pagedattn.backends import (
     AttentionBackend,
     CacheSpec,
@@ -391,7 +392,9 @@ class RewrittenModel(nn.Module):
             check_values(flat, self.value_inputs)
             return self, self.dropin_module(*flat)
         refuse_if_unpaged(self._skipped)
-        with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
+        # freezing matters to Dynamo only: an ahead-of-time step's fallback sets it itself (~15 us a step)
+        freezing = self._freezing and not isinstance(self.graph_module, AotStep)
+        with use_backend(ctx.backend or self.backend), inductor_freezing(freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self, self.graph_module(*flat)
             return self, self.graph_module(*flat, *ctx.graph_inputs(
@@ -484,6 +487,15 @@ class RewrittenModel(nn.Module):
         def jit() -> nn.Module:
             return torch.compile(gm, backend=backend, dynamic=True, options=options)
 
+        def fallback() -> Callable:
+            # an ahead-of-time step's fallback, built on its first refused inputs: Dynamo reads freezing as it traces
+            compiled = jit()
+
+            def run(*flat):
+                with inductor_freezing(freeze):
+                    return compiled(*flat)
+            return run
+
         why_not = self._ahead_of_time_refusal(gm, backend, freeze)
         if ahead_of_time and why_not:
             raise ValueError(f"ahead_of_time=True cannot apply: {why_not}; leave it None to compile with torch.compile")
@@ -492,7 +504,7 @@ class RewrittenModel(nn.Module):
         step = None
         if ahead_of_time:
             try:
-                step = self._ahead_of_time_step(gm, options, jit)
+                step = self._ahead_of_time_step(gm, options, fallback)
             except Exception as e:  # a program AOTInductor cannot build: the step torch.compile builds serves it
                 log.debug("ahead-of-time compilation failed", exc_info=True)
                 log.info("the step is compiled with torch.compile: compiling it ahead of time failed (%s: %s)",
@@ -517,10 +529,10 @@ class RewrittenModel(nn.Module):
             return "the step has no paged attention"
         return None
 
-    def _ahead_of_time_step(self, gm: GraphModule, options: Optional[dict], jit: Callable[[], nn.Module]) -> nn.Module:
+    def _ahead_of_time_step(self, gm: GraphModule, options: Optional[dict], fallback: Callable[[], Callable]) -> nn.Module:
         """``gm`` as an :class:`~pagedattn.aot_step.AotStep`: its package loaded from disk, or exported (sizes 0 and 1
         not specialised) and compiled with ``options`` (Dynamo's guard filter aside: no Dynamo runs it) first."""
-        from pagedattn.aot_step import GUARD_METADATA, AotStep, InputGuard, load_or_build, package_key
+        from pagedattn.aot_step import GUARD_METADATA, InputGuard, load_or_build, package_key
         from pagedattn.serialization import export_paged, paged_export_inputs
 
         aot_options = {k: v for k, v in (options or {}).items() if k != "guard_filter_fn"}
@@ -538,7 +550,7 @@ class RewrittenModel(nn.Module):
         key = package_key(gm, aot_options, paged_export_inputs(self))
         runner, guard, source = load_or_build(key, build)
         log.info("the paged step runs through AOTInductor's runner (package %s, %s)", key, source)
-        return AotStep(runner, guard, gm, jit, source)
+        return AotStep(runner, guard, gm, fallback, source)
 
     def allocate_kv_caches(self, num_blocks: int, device: Optional[torch.device | str] = None,
                            dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:

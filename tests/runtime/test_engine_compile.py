@@ -8,6 +8,7 @@ import torch
 
 from pagedattn import PagedEngine
 from pagedattn.adapter import first_step
+from pagedattn.aot_step import AotStep
 from pagedattn.backends import build_metadata
 from pagedattn.runtime.shapes import graph_count, pad_packed_step
 
@@ -32,27 +33,39 @@ def compiled(llama):
 
 
 @pytest.fixture(scope="module")
+def jit_compiled(llama):
+    """The engine with its step compiled by torch.compile (``ahead_of_time=False``): padded steps, Dynamo's graphs."""
+    return PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, max_num_seqs=8, progress=False,
+                       ahead_of_time=False), ""
+
+
+@pytest.fixture(scope="module")
 def eager(llama):
     return PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, compile=False, progress=False)
 
 
 def test_default_engine_is_compiled_with_progress(compiled):
     engine, printed = compiled
-    assert engine.servable.min_step == 2
+    # compiled ahead of time on the CPU: its program takes sizes of 1 as they are, so no step is padded
+    assert isinstance(engine.model.graph_module, AotStep) and engine.servable.min_step == 0
     assert "compiling the paged step with Inductor" in printed and "done in" in printed
     assert "rewriting LlamaForCausalLM" in printed
 
 
-def test_compiled_greedy_equals_eager(compiled, eager):
-    engine, _ = compiled
+@pytest.mark.parametrize("which", ["compiled", "jit_compiled"])
+def test_compiled_greedy_equals_eager(which, eager, request):
+    engine, _ = request.getfixturevalue(which)
     ps = prompts()
     assert engine.generate(ps, max_new_tokens=6) == eager.generate(ps, max_new_tokens=6)
 
 
-def test_no_recompiles_over_many_varying_steps(compiled):
+@pytest.mark.parametrize("which", ["compiled", "jit_compiled"])
+def test_no_recompiles_over_many_varying_steps(which, request):
     # requests arrive while others run: decode-only steps at batch 1..8, prefill-only steps, chunked
-    # prompts with no logits row, mixed steps; 200 steps and not one new graph
-    engine, _ = compiled
+    # prompts with no logits row, mixed steps; 200 steps and not one new graph (the step torch.compile builds: its
+    # steps padded into two graphs compiled at start-up; the ahead-of-time step: no Dynamo graph at all)
+    engine, _ = request.getfixturevalue(which)
+    assert engine.servable.min_step == (2 if which == "jit_compiled" else 0)
     rng = random.Random(0)
     before, steps, kinds = graph_count(), 0, set()
     while steps < 200:
