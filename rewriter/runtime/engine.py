@@ -84,13 +84,14 @@ class PagedEngine:
 
     The step is compiled with Inductor by default (``compile=None``: a packed step on CPU or CUDA
     that is not compiled already; ``True`` also compiles the row steps of models with recurrent
-    state; ``False`` runs it eager). Compiling happens here, before the first request: steps are
-    padded to sizes of at least 2 (single-token steps excepted: they have a graph of their own) so
-    that every step runs one of the two graphs compiled at start-up (``pagedattn.runtime.shapes``),
-    and a second start of the same model reuses Inductor's on-disk caches. On the CPU the step is compiled ahead of
-    time (``ahead_of_time=None``: where it applies; ``False``: with ``torch.compile``): AOTInductor's runner, its
-    package kept on disk and loaded by a later start (``RewrittenModel.compile_paged``). ``progress`` (default on) prints
-    each start-up stage (rewriting, compiling, checking) and its time on stderr.
+    state; ``False`` runs it eager). Compiling happens here, before the first request. On the CPU the step is
+    compiled ahead of time (``ahead_of_time=None``: where it applies; ``False``: with ``torch.compile``):
+    AOTInductor's runner over one program for every step size, its package kept on disk and loaded by a later start
+    (``RewrittenModel.compile_paged``). A step compiled by ``torch.compile`` is padded to sizes of at least 2
+    (single-token steps excepted: they have a graph of their own) so that every step runs one of the two graphs
+    compiled at start-up (``pagedattn.runtime.shapes``), and a second start of the same model reuses Inductor's
+    on-disk caches. ``progress`` (default on) prints each start-up stage (rewriting, compiling, checking) and its
+    time on stderr.
 
     When the cache runs out of blocks the newest running request is preempted.
     ``preemption_mode="recompute"`` (the default) drops its blocks and recomputes its tokens later;
