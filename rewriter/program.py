@@ -520,7 +520,7 @@ class RewrittenModel(nn.Module):
         if backend != "inductor" or self.target != "cpu" or not freeze:
             return "it needs a CPU step compiled by Inductor with freezing"
         if not isinstance(gm, GraphModule) or self.example_inputs is None:
-            return "the step has no traced graph and example inputs to export"
+            return "the step has no traced graph and example inputs to export (a program loaded from disk has none)"
         if self.cross_writer is not None or self.num_cross_sites:
             return "the step has cross-attention, whose writer runs apart from it"
         if self.static_sizes:
