@@ -42,7 +42,8 @@ from torch.fx import GraphModule
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "AotUnsupported"]
+__all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "AotUnsupported", "program_inputs",
+           "hinted_inputs"]
 
 # the package format's version: bump when what a package holds, or how it is keyed, changes
 SCHEMA = "pagedattn-aot-step/1"
@@ -72,18 +73,10 @@ class InputGuard:
     def of(cls, program: torch.export.ExportedProgram) -> "InputGuard":
         """The guard of an exported program's user inputs (raises :class:`AotUnsupported` for an input whose size is
         an expression of symbols, or a non-tensor input whose value JSON cannot hold)."""
-        from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
-
-        nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-        specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        values = program_inputs(program)
         tensors, constants, symbols = [], [], set()
-        for i, spec in enumerate(specs):
-            if isinstance(spec.arg, ConstantArgument):
-                val, name = spec.arg.value, spec.arg.name
-            elif isinstance(spec.arg, TensorArgument):
-                val, name = nodes[spec.arg.name].meta.get("val"), spec.arg.name
-            else:
-                raise AotUnsupported(f"input {i} is a {type(spec.arg).__name__}, which the package cannot record")
+        for i, val in enumerate(values):
+            name = f"input {i}"
             if isinstance(val, torch.Tensor):
                 sizes = []
                 for d in val.shape:
@@ -93,12 +86,12 @@ class InputGuard:
                         sizes.append(str(d.node.expr))
                         symbols.add(d.node.expr)
                     else:
-                        raise AotUnsupported(f"input {name!r} has a size {d} that is not one symbol")
+                        raise AotUnsupported(f"{name} has a size {d} that is not one symbol")
                 tensors.append((i, val.dtype, tuple(sizes)))
             elif val is None or isinstance(val, (bool, int, float, str)):
                 constants.append((i, val))
             else:
-                raise AotUnsupported(f"input {name!r} is a {type(val).__name__}, which the package cannot record")
+                raise AotUnsupported(f"{name} is a {type(val).__name__}, which the package cannot record")
         ranges = []
         for sym in sorted(symbols, key=str):
             vr = program.range_constraints.get(sym)
@@ -106,7 +99,7 @@ class InputGuard:
             upper = _finite(vr.upper) if vr is not None else None
             lower = 0 if lower is None else max(lower, 0)
             ranges.append((str(sym), lower, upper))
-        return cls(len(specs), tuple(tensors), tuple(ranges), tuple(constants))
+        return cls(len(values), tuple(tensors), tuple(ranges), tuple(constants))
 
     def to_json(self) -> str:
         return json.dumps({"count": self.count, "ranges": self.ranges, "constants": self.constants,
@@ -157,6 +150,39 @@ class InputGuard:
             if type(flat[i]) is not type(value) or flat[i] != value:
                 return f"input {i} is {flat[i]!r}, the program was built for {value!r}"
         return None
+
+
+def program_inputs(program: torch.export.ExportedProgram) -> list:
+    """An exported program's user inputs in order: each tensor input's fake value (its symbolic sizes), each non-tensor
+    input's value (raises :class:`AotUnsupported` for an input of another kind, e.g. a symbolic integer)."""
+    from torch.export.graph_signature import ConstantArgument, InputKind, TensorArgument
+
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    out = []
+    for i, spec in enumerate(s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT):
+        if isinstance(spec.arg, ConstantArgument):
+            out.append(spec.arg.value)
+        elif isinstance(spec.arg, TensorArgument):
+            out.append(nodes[spec.arg.name].meta.get("val"))
+        else:
+            raise AotUnsupported(f"input {i} is a {type(spec.arg).__name__}, which the package cannot record")
+    return out
+
+
+def hinted_inputs(program: torch.export.ExportedProgram) -> tuple:
+    """Inputs for AOTInductor to compile ``program`` with where it has none (a program loaded from disk: saving drops
+    them): zeros of each tensor input's sizes at their hints (the sizes it was exported at), and the non-tensor inputs'
+    values. AOTInductor reads their sizes and dtypes; it does not run the program on them."""
+    out = []
+    for i, val in enumerate(program_inputs(program)):
+        if not isinstance(val, torch.Tensor):
+            out.append(val)
+            continue
+        sizes = [d.node.hint if isinstance(d, torch.SymInt) else d for d in val.shape]
+        if any(not isinstance(d, int) for d in sizes):
+            raise AotUnsupported(f"input {i}'s sizes have no hints to compile with")
+        out.append(torch.zeros(sizes, dtype=val.dtype))
+    return tuple(out)
 
 
 def _finite(bound) -> Optional[int]:
@@ -252,24 +278,29 @@ def _option_text(value) -> str:
     return f"{type(value).__qualname__}({uuid()})" if callable(uuid) else repr(value)
 
 
-def package_key(gm: nn.Module, options: dict, inputs: list) -> str:
+def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -> str:
     """The key of the package built from ``gm`` with Inductor ``options`` over export ``inputs``: the graph's code
     and every tensor it reads (parameters, buffers, constants: their bytes, since freezing makes them part of the
-    package), the options (a pass by its ``uuid()``), the inputs' dtypes, ranks and non-tensor values, the versions of
-    torch and of pagedattn's sources, and the host's architecture and vector ISA."""
+    package), the options (a pass by its ``uuid()``), the inputs' dtypes, ranks and non-tensor values, how the program
+    is had (``program``: exported here, or as saved), the versions of torch and of pagedattn's sources, and the host's
+    architecture and vector ISA."""
     h = hashlib.sha256()
-    for part in (SCHEMA, torch.__version__, _code_digest(), _host()):
+    for part in (SCHEMA, torch.__version__, _code_digest(), _host(), program):
         h.update(part.encode() + b"\0")
     for name, module in sorted(gm.named_modules(), key=lambda x: x[0]):
         code = module.code if isinstance(module, GraphModule) else repr(module)
         h.update(f"module {name} {type(module).__qualname__}\0{code}\0".encode())
     tensors: dict[str, torch.Tensor] = dict(gm.named_parameters(remove_duplicate=False))
     tensors.update(gm.named_buffers(remove_duplicate=False))
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target not in tensors:
-            value = _attr(gm, node.target)
-            if isinstance(value, torch.Tensor):
-                tensors[node.target] = value
+    for prefix, module in gm.named_modules():
+        if not isinstance(module, GraphModule):
+            continue
+        for node in module.graph.nodes:
+            name = f"{prefix}.{node.target}" if prefix else node.target
+            if node.op == "get_attr" and name not in tensors:
+                value = _attr(module, node.target)
+                if isinstance(value, torch.Tensor):
+                    tensors[name] = value
     for name in sorted(tensors):
         _tensor_digest(h, name, tensors[name])
     for name in sorted(options):

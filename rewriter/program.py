@@ -441,7 +441,8 @@ class RewrittenModel(nn.Module):
         (:mod:`pagedattn.aot_step`): the step's kernels are called without Python (a CPU decode step 6-30 % faster),
         and a later start of the same model, weights and options loads the package instead of compiling again.
         Inputs outside what the package's program takes, and a package that cannot be built, run the step compiled
-        with ``torch.compile``. ``None`` (default): on where it applies (a CPU step compiled with Inductor's freezing,
+        with ``torch.compile``. A program loaded from disk is compiled as saved (its sizes at least 2: the engine pads
+        its steps). ``None`` (default): on where it applies (a CPU step compiled with Inductor's freezing,
         without cross-attention or sizes fixed by tracing), unless the environment sets
         ``PAGEDATTN_AHEAD_OF_TIME=0``; ``True`` where it does not apply is an error naming why.
 
@@ -519,8 +520,8 @@ class RewrittenModel(nn.Module):
         """Why this step cannot be compiled ahead of time, or None where it can."""
         if backend != "inductor" or self.target != "cpu" or not freeze:
             return "it needs a CPU step compiled by Inductor with freezing"
-        if not isinstance(gm, GraphModule) or self.example_inputs is None:
-            return "the step has no traced graph and example inputs to export (a program loaded from disk has none)"
+        if self._saved_program(gm) is None and (not isinstance(gm, GraphModule) or self.example_inputs is None):
+            return "the step has no traced graph and example inputs to export"
         if self.cross_writer is not None or self.num_cross_sites:
             return "the step has cross-attention, whose writer runs apart from it"
         if self.static_sizes:
@@ -529,10 +530,25 @@ class RewrittenModel(nn.Module):
             return "the step has no paged attention"
         return None
 
-    def _ahead_of_time_step(self, gm: GraphModule, options: Optional[dict], fallback: Callable[[], Callable]) -> nn.Module:
+    def _saved_program(self, gm: nn.Module) -> Optional[torch.export.ExportedProgram]:
+        """The exported program a step loaded from disk (``pagedattn.load``) runs, where ``gm`` is that step as loaded."""
+        if self.example_inputs is None and self._exported is not None and not isinstance(gm, GraphModule):
+            return self._exported
+        return None
+
+    def _ahead_of_time_step(self, gm: nn.Module, options: Optional[dict], fallback: Callable[[], Callable]) -> nn.Module:
         """``gm`` as an :class:`~pagedattn.aot_step.AotStep`: its package loaded from disk, or exported (sizes 0 and 1
-        not specialised) and compiled with ``options`` (Dynamo's guard filter aside: no Dynamo runs it) first."""
-        from pagedattn.aot_step import GUARD_METADATA, InputGuard, load_or_build, package_key
+        not specialised) and compiled with ``options`` (Dynamo's guard filter aside: no Dynamo runs it) first. A
+        program loaded from disk is compiled as it was saved: its sizes are at least 2 (``min_sizes``), as the engine
+        pads its steps."""
+        from pagedattn.aot_step import (
+            GUARD_METADATA,
+            InputGuard,
+            hinted_inputs,
+            load_or_build,
+            package_key,
+            program_inputs,
+        )
         from pagedattn.serialization import export_paged, paged_export_inputs
 
         aot_options = {k: v for k, v in (options or {}).items() if k != "guard_filter_fn"}
@@ -540,14 +556,25 @@ class RewrittenModel(nn.Module):
         native_ops.paged_ops()
         native_ops.linear_op()
 
+        saved = self._saved_program(gm)
+
         def build(path: str) -> None:
-            program = export_paged(self, gm, size_oblivious=True)
+            program = saved if saved is not None else export_paged(self, gm, size_oblivious=True)
             guard = InputGuard.of(program)
             configs = {**aot_options, "aot_inductor.metadata": {GUARD_METADATA: guard.to_json()}}
-            with torch.no_grad(), inductor_freezing(True), quiet_tracing():
-                torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+            kept = program.example_inputs
+            if kept is None:  # saving drops them: inputs at the sizes it was exported at
+                program.example_inputs = (hinted_inputs(program), {})
+            try:
+                with torch.no_grad(), inductor_freezing(True), quiet_tracing():
+                    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=configs)
+            finally:
+                program.example_inputs = kept
 
-        key = package_key(gm, aot_options, paged_export_inputs(self))
+        if saved is not None:
+            key = package_key(gm, aot_options, program_inputs(saved), program="saved")
+        else:
+            key = package_key(gm, aot_options, paged_export_inputs(self), program="traced, sizes 0 and 1 not specialised")
         runner, guard, source = load_or_build(key, build)
         log.info("the paged step runs through AOTInductor's runner (package %s, %s)", key, source)
         return AotStep(runner, guard, gm, fallback, source)

@@ -222,3 +222,21 @@ def test_ahead_of_time_where_it_cannot_apply_says_why(model):
     rm = pagedattn.rewrite(model, (), engine_example(model))
     with pytest.raises(ValueError, match="ahead_of_time=True cannot apply: it needs a CPU step compiled by Inductor"):
         rm.compile_paged(backend="eager", ahead_of_time=True)
+
+
+def test_a_program_loaded_from_disk_is_compiled_as_saved_and_served_padded(model, packages, tmp_path):
+    # no example inputs to export again: its saved program is compiled as it is, sizes of at least 2, so the engine
+    # pads every step (single tokens too) as it does running the program eagerly
+    path = str(tmp_path / "step.pt2")
+    pagedattn.rewrite(model, (), engine_example(model)).save(path)
+    ps = prompts()
+    ref = hf_generate(model, ps, 6)
+    for source in ("built", "loaded"):
+        engine = pagedattn.PagedEngine(pagedattn.load(path), block_size=BS, num_blocks=96, max_num_tokens=24,
+                                       progress=False)
+        step = engine.model.graph_module
+        assert isinstance(step, AotStep) and step.source == source
+        assert engine.servable.min_step == 2 and engine.servable.pad_single_token
+        assert min(lower for _, lower, _ in step.guard.ranges) == 2
+        assert engine.generate(ps, max_new_tokens=6) == ref
+        assert step._fallback is None  # every padded step in the runner
