@@ -24,10 +24,12 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
-    """Packages in a directory of this module's own: its first build is cold, the later ones load it."""
+    """Packages in a directory of this module's own: its first build is cold, the later ones load it. The ahead-of-time
+    step is the default here, as outside the tests (the suite's conftest turns it off elsewhere)."""
     directory = tmp_path_factory.mktemp("aot_steps")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(aot_step, "package_dir", lambda: str(directory))
+        mp.setenv("PAGEDATTN_AHEAD_OF_TIME", "1")
         yield directory
 
 
@@ -92,6 +94,17 @@ def test_engine_tokens_equal_hugging_face_and_a_second_start_loads_the_package(m
     assert engine.model.graph_module.source == "loaded"  # built by the fixture above: same model and options
     assert engine.generate(ps, max_new_tokens=8) == ref
     assert graph_count() == before  # no Dynamo graph: the runner serves every step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gpt2", "gpt_neox", "phi", "opt", "falcon", "gemma2"])
+def test_architectures_through_the_ahead_of_time_step_generate_like_hugging_face(arch, packages):
+    m = tiny_model(arch)
+    ps = prompts()
+    engine = pagedattn.PagedEngine(m, block_size=BS, num_blocks=96, max_num_tokens=24, progress=False)
+    assert isinstance(engine.model.graph_module, AotStep)
+    assert engine.generate(ps, max_new_tokens=8) == hf_generate(m, ps, 8)
+    assert engine.model.graph_module._fallback is None
 
 
 def test_the_environment_turns_it_off(model, packages, monkeypatch):

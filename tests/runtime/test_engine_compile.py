@@ -22,12 +22,13 @@ def llama():
 
 @pytest.fixture(scope="module")
 def compiled(llama):
-    """A default engine (compiled at start-up) and what start-up printed."""
+    """A default engine (compiled at start-up; ahead of time, as outside the tests) and what start-up printed."""
     import contextlib
     import io
 
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDATTN_AHEAD_OF_TIME", "1")
         engine = PagedEngine(llama, block_size=4, num_blocks=96, max_num_tokens=24, max_num_seqs=8)
     return engine, err.getvalue()
 
