@@ -346,7 +346,7 @@ def _compile(servable: ServableModel, ahead_of_time: Optional[bool] = None) -> S
         # Dynamo specialises sizes of 1: padded to at least 2, every step runs one of two graphs. A step compiled
         # ahead of time takes every size as it is (its program was exported without that specialisation)
         servable = dataclasses.replace(servable, min_step=2)
-    elif step.min_sizes > 1:  # a program loaded from disk, compiled as saved: sizes of at least 2, as run eagerly
+    elif step.min_sizes > 1:  # a file saved before programs took sizes of 1, compiled as saved: padded, as run eagerly
         servable = dataclasses.replace(servable, min_step=step.min_sizes, pad_single_token=True)
     with no_duck_sizing():
         first_step(servable)

@@ -441,10 +441,10 @@ class RewrittenModel(nn.Module):
         (:mod:`pagedattn.aot_step`): the step's kernels are called without Python (a CPU decode step 6-30 % faster),
         and a later start of the same model, weights and options loads the package instead of compiling again.
         Inputs outside what the package's program takes, and a package that cannot be built, run the step compiled
-        with ``torch.compile``. A program loaded from disk is compiled as saved (its sizes at least 2: the engine pads
-        its steps). ``None`` (default): on where it applies (a CPU step compiled with Inductor's freezing,
-        without cross-attention or sizes fixed by tracing), unless the environment sets
-        ``PAGEDATTN_AHEAD_OF_TIME=0``; ``True`` where it does not apply is an error naming why.
+        with ``torch.compile``. A program loaded from disk is compiled as saved. ``None`` (default): on where it
+        applies (a CPU step compiled with Inductor's freezing, without cross-attention or sizes fixed by tracing),
+        unless the environment sets ``PAGEDATTN_AHEAD_OF_TIME=0``; ``True`` where it does not apply is an error naming
+        why.
 
         ``freeze``: Inductor's freezing (``torch._inductor.config.freezing``): the weights become constants of
         the compiled graph, which on the CPU repacks the linear layers' weights once for oneDNN
@@ -539,8 +539,8 @@ class RewrittenModel(nn.Module):
     def _ahead_of_time_step(self, gm: nn.Module, options: Optional[dict], fallback: Callable[[], Callable]) -> nn.Module:
         """``gm`` as an :class:`~pagedattn.aot_step.AotStep`: its package loaded from disk, or exported (sizes 0 and 1
         not specialised) and compiled with ``options`` (Dynamo's guard filter aside: no Dynamo runs it) first. A
-        program loaded from disk is compiled as it was saved: its sizes are at least 2 (``min_sizes``), as the engine
-        pads its steps."""
+        program loaded from disk is compiled as it was saved (a file saved before ``save`` exported sizes 0 and 1
+        unspecialised takes sizes of at least 2, ``min_sizes``: the engine pads its steps)."""
         from pagedattn.aot_step import (
             GUARD_METADATA,
             InputGuard,
@@ -591,11 +591,13 @@ class RewrittenModel(nn.Module):
 
     @property
     def exported_program(self) -> torch.export.ExportedProgram:
-        """The paged graph as a ``torch.export`` program (inputs: model inputs, caches, metadata)."""
+        """The paged graph as a ``torch.export`` program (inputs: model inputs, caches, metadata), exported without
+        specialising sizes 0 and 1 (``export_paged(size_oblivious=True)``): it takes a step of one token, sequence,
+        block or row as it is."""
         if self._exported is None:
             from pagedattn.serialization import export_paged
 
-            self._exported = export_paged(self)
+            self._exported = export_paged(self, size_oblivious=True)
         return self._exported
 
     def save(self, path: str) -> None:

@@ -22,7 +22,7 @@ from pagedattn.tracing import fake_tensor_cache_for, quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["save", "load", "export_paged", "paged_export_inputs", "example_paged_inputs", "example_sequences"]
+__all__ = ["save", "load", "export_paged", "paged_export_inputs", "least_sizes", "example_paged_inputs", "example_sequences"]
 
 _INFO_FILE = "pagedattn.json"
 
@@ -83,9 +83,25 @@ def load(path: str, backend: "str | AttentionBackend | None" = None) -> Rewritte
         load_treespec(info.get("out_spec"), f"{path} (out_spec)"), report, specs,
         get_backend(backend if backend is not None else target), block_size, info=model_info)
     model.value_inputs = values
-    model.min_sizes = 2  # export_paged's example has every dynamic size >= 2
+    model.min_sizes = least_sizes(ep)
     model._exported = ep
     return model
+
+
+def least_sizes(program: torch.export.ExportedProgram) -> int:
+    """The size every dynamic size of a saved program's inputs must reach (what a step is padded to): 0 for a program
+    exported without specialising sizes 0 and 1 (``export_paged(size_oblivious=True)``), 2 for one exported with (files
+    saved before; a size of 1 was specialised away there)."""
+    from pagedattn.aot_step import program_inputs
+
+    least = 0
+    for val in program_inputs(program):
+        for d in getattr(val, "shape", ()):
+            if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                vr = program.range_constraints.get(d.node.expr)
+                if vr is not None and vr.lower.is_number and int(vr.lower) > least:
+                    least = int(vr.lower)
+    return least if least > 1 else 0
 
 
 def _dump_spec(spec) -> Optional[str]:

@@ -237,19 +237,29 @@ def test_ahead_of_time_where_it_cannot_apply_says_why(model):
         rm.compile_paged(backend="eager", ahead_of_time=True)
 
 
-def test_a_program_loaded_from_disk_is_compiled_as_saved_and_served_padded(model, packages, tmp_path):
-    # no example inputs to export again: its saved program is compiled as it is, sizes of at least 2, so the engine
-    # pads every step (single tokens too) as it does running the program eagerly
+@pytest.mark.parametrize("exported", ["size_oblivious", "specialised"])
+def test_a_program_loaded_from_disk_is_compiled_as_saved(exported, model, packages, tmp_path):
+    # no example inputs to export again: the saved program is compiled as it is. Saved now, it takes sizes of 1 and
+    # steps run unpadded; a file saved before (export specialised sizes of 1 away) takes sizes of at least 2, and the
+    # engine pads every step to them, single tokens too, as it does running such a program eagerly
+    from pagedattn.serialization import export_paged
+
     path = str(tmp_path / "step.pt2")
-    pagedattn.rewrite(model, (), engine_example(model)).save(path)
+    rm = pagedattn.rewrite(model, (), engine_example(model))
+    if exported == "specialised":
+        rm._exported = export_paged(rm)  # as files saved before this were exported
+    rm.save(path)
+    least = 2 if exported == "specialised" else 0
     ps = prompts()
     ref = hf_generate(model, ps, 6)
     for source in ("built", "loaded"):
-        engine = pagedattn.PagedEngine(pagedattn.load(path), block_size=BS, num_blocks=96, max_num_tokens=24,
-                                       progress=False)
+        loaded = pagedattn.load(path)
+        assert loaded.min_sizes == least
+        engine = pagedattn.PagedEngine(loaded, block_size=BS, num_blocks=96, max_num_tokens=24, progress=False)
         step = engine.model.graph_module
         assert isinstance(step, AotStep) and step.source == source
-        assert engine.servable.min_step == 2 and engine.servable.pad_single_token
-        assert min(lower for _, lower, _ in step.guard.ranges) == 2
+        assert engine.servable.min_step == least and engine.servable.pad_single_token == bool(least)
+        assert min(lower for _, lower, _ in step.guard.ranges) == (2 if least else 0)
         assert engine.generate(ps, max_new_tokens=6) == ref
-        assert step._fallback is None  # every padded step in the runner
+        assert engine.generate(ps[:1], max_new_tokens=6) == ref[:1]  # one sequence: single-token steps
+        assert step._fallback is None  # every step in the runner
