@@ -267,9 +267,8 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
         with stages.stage("compiling the paged step with Inductor (a first start takes a while; later starts "
                           "reuse what it left on disk)"):
             servable = _compile(servable, ahead_of_time)
-    elif isinstance(servable.step, RewrittenModel) and servable.step.min_sizes > 1:
-        # an exported program run eagerly checks its inputs' sizes as traced: pad every step up to them
-        servable = dataclasses.replace(servable, min_step=servable.step.min_sizes, pad_single_token=True)
+    elif isinstance(servable.step, RewrittenModel):
+        servable = _padded_to_min_sizes(servable)
     if servable.state is None:
         with stages.stage("checking packed and chunked steps against each other"):
             check_packing(servable)
@@ -322,6 +321,13 @@ def _eager_writes_for(step: RewrittenModel, backend: AttentionBackend) -> None:
         run_pipeline(step.graph_module, PassContext(), (FunctionalCacheWrites("copy_back"),))
 
 
+def _padded_to_min_sizes(servable: ServableModel) -> ServableModel:
+    """A program that checks its inputs' sizes as exported (``RewrittenModel.min_sizes``, a file saved before programs
+    took sizes of 1) gets every step padded up to them, single-token ones too; other servables as they are."""
+    least = servable.step.min_sizes
+    return dataclasses.replace(servable, min_step=least, pad_single_token=True) if least > 1 else servable
+
+
 def _compile(servable: ServableModel, ahead_of_time: Optional[bool] = None) -> ServableModel:
     """Compile the servable's step(s) and run a first step (Inductor compiles lazily, on first call)."""
     if not isinstance(servable.step, RewrittenModel):
@@ -341,13 +347,12 @@ def _compile(servable: ServableModel, ahead_of_time: Optional[bool] = None) -> S
                      str(e).splitlines()[0] if str(e) else "")
     if servable.state is not None:
         return servable
-    step = servable.step
-    if not isinstance(step.graph_module, AotStep):
+    if not isinstance(servable.step.graph_module, AotStep):
         # Dynamo specialises sizes of 1: padded to at least 2, every step runs one of two graphs. A step compiled
-        # ahead of time takes every size as it is (its program was exported without that specialisation)
+        # ahead of time takes every size its program takes (a file saved before programs took sizes of 1 does not)
         servable = dataclasses.replace(servable, min_step=2)
-    elif step.min_sizes > 1:  # a file saved before programs took sizes of 1, compiled as saved: padded, as run eagerly
-        servable = dataclasses.replace(servable, min_step=step.min_sizes, pad_single_token=True)
+    else:
+        servable = _padded_to_min_sizes(servable)
     with no_duck_sizing():
         first_step(servable)
     return servable

@@ -5,7 +5,7 @@ A step compiled with ``torch.compile`` runs its kernels from Python: Dynamo's gu
 Inductor's generated Python calling each kernel (on the CPU a third of a small model's fp32 decode step,
 ``benchmarks/generate_cpu.py --breakdown``). AOTInductor compiles the same program, with the same Inductor options
 and passes (``program.paged_step_options``) and freezing, into a shared library whose runner calls the kernels from
-C++ (``benchmarks/aoti_step.py``: decode steps 0.69-0.94x the compiled step's time). Its package is kept in
+C++ (``benchmarks/aoti_step.py``: decode steps 0.70-0.93x the compiled step's time). Its package is kept in
 Inductor's cache directory under a key of everything it is built from (:func:`package_key`), so a later start loads
 it instead of tracing, exporting and compiling again.
 
@@ -281,7 +281,7 @@ def _option_text(value) -> str:
 def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -> str:
     """The key of the package built from ``gm`` with Inductor ``options`` over export ``inputs``: the graph's code
     and every tensor it reads (parameters, buffers, constants: their bytes, since freezing makes them part of the
-    package), the options (a pass by its ``uuid()``), the inputs' dtypes, ranks and non-tensor values, how the program
+    package), the options (a pass by its ``uuid()``), the inputs' dtypes, sizes and non-tensor values, how the program
     is had (``program``: exported here, or as saved), the versions of torch and of pagedattn's sources, and the host's
     architecture and vector ISA."""
     h = hashlib.sha256()
@@ -305,8 +305,8 @@ def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -
         _tensor_digest(h, name, tensors[name])
     for name in sorted(options):
         h.update(f"option {name}={_option_text(options[name])}\0".encode())
-    for x in inputs:
-        desc = f"tensor {x.dtype} {x.dim()}" if isinstance(x, torch.Tensor) else f"value {x!r}"
+    for x in inputs:  # sizes too: a size the program fixes makes a package whose guard refuses other sizes
+        desc = f"tensor {x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"value {x!r}"
         h.update(desc.encode() + b"\0")
     return h.hexdigest()[:40]
 

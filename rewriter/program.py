@@ -392,9 +392,7 @@ class RewrittenModel(nn.Module):
             check_values(flat, self.value_inputs)
             return self, self.dropin_module(*flat)
         refuse_if_unpaged(self._skipped)
-        # freezing matters to Dynamo only: an ahead-of-time step's fallback sets it itself (~15 us a step)
-        freezing = self._freezing and not isinstance(self.graph_module, AotStep)
-        with use_backend(ctx.backend or self.backend), inductor_freezing(freezing):
+        with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self, self.graph_module(*flat)
             return self, self.graph_module(*flat, *ctx.graph_inputs(
@@ -438,7 +436,7 @@ class RewrittenModel(nn.Module):
         """Compile the paged graph (dynamic shapes: one compilation serves every batch shape).
 
         ``ahead_of_time``: compile the step with AOTInductor into a package run by its C++ runner, kept on disk
-        (:mod:`pagedattn.aot_step`): the step's kernels are called without Python (a CPU decode step 6-30 % faster),
+        (:mod:`pagedattn.aot_step`): the step's kernels are called without Python (a CPU decode step 7-30 % faster),
         and a later start of the same model, weights and options loads the package instead of compiling again.
         Inputs outside what the package's program takes, and a package that cannot be built, run the step compiled
         with ``torch.compile``. A program loaded from disk is compiled as saved. ``None`` (default): on where it
@@ -513,7 +511,8 @@ class RewrittenModel(nn.Module):
         self.graph_module = step if step is not None else jit()
         if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
             self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True, options=options)
-        self._freezing = freeze
+        # freezing matters to Dynamo only, as it traces: an ahead-of-time step's fallback sets it itself (~15 us a step)
+        self._freezing = freeze and step is None
         return self
 
     def _ahead_of_time_refusal(self, gm: nn.Module, backend: str, freeze: bool) -> Optional[str]:

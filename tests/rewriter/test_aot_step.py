@@ -55,6 +55,8 @@ def test_step_is_the_runner_and_its_package_is_kept(served, packages):
     assert [p.suffix for p in packages.iterdir()] == [".pt2"]  # the package, no temporary file left
 
 
+LONG = list(range(8, 60))  # 52 blocks: 208 tokens, far past the export's example (two sequences of a few tokens)
+
 STEPS = (  # (sequences as (cached tokens, new tokens, block numbers), rows whose logits are read)
     ([(0, 1, [0])], [0]),  # one sequence, one token, one block, one row: every size 1
     ([(1, 1, [0])], [0]),  # its decode
@@ -62,16 +64,17 @@ STEPS = (  # (sequences as (cached tokens, new tokens, block numbers), rows whos
     ([(2, 1, [0]), (6, 1, [1, 2]), (0, 3, [3])], [0, 1, 4]),  # decodes beside a prompt
     ([(3, 1, [0]), (7, 1, [1, 2])], [0, 1]),  # decodes alone
     ([(4, 9, [0, 1, 2, 3])], [2, 8]),  # a long prompt after its cached tokens, two rows
+    ([(0, 150, LONG)], [149]),  # a prompt of 150 tokens over 38 blocks
+    ([(150, 1, LONG), (13, 1, [0, 1, 2, 3])], [0, 1]),  # its decode, a 38-block table beside a 4-block one
+    ([(151, 48, LONG)], [0, 47]),  # a chunk at an offset, to 199 tokens
+    ([(199, 1, LONG)], [0]),  # one decode at a long context
 )
 
 
-def test_logits_equal_the_eager_step_at_every_size(served, model):
-    # unpadded (min_step 1): the runner takes steps of one sequence, one block and one row as they are
-    aot, eager = served
-    aot = dataclasses.replace(aot, min_step=1)
-    caches = {"aot": aot.allocate_kv_caches(8), "eager": eager.allocate_kv_caches(8)}
+def _same_logits_at_every_step(aot, eager, vocab: int, tolerance: dict, cache_tolerance: dict) -> None:
+    """``STEPS`` through both servables on caches of their own: the logits, then the caches, alike."""
+    caches = {"aot": aot.allocate_kv_caches(LONG[-1] + 1), "eager": eager.allocate_kv_caches(LONG[-1] + 1)}
     g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
     for seqs, rows in STEPS:
         n = sum(new for _, new, _ in seqs)
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -79,10 +82,29 @@ def test_logits_equal_the_eager_step_at_every_size(served, model):
         meta = build_metadata(seqs, BS)
         ours = aot.run_packed(caches["aot"], meta, ids, pos, rows)
         theirs = eager.run_packed(caches["eager"], meta, ids, pos, rows)
-        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(ours, theirs, **tolerance)
     for a, b in zip(caches["aot"], caches["eager"]):  # the writes too
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, **cache_tolerance)
     assert aot.step.graph_module._fallback is None  # every step ran in the runner
+
+
+def test_logits_equal_the_eager_step_at_every_size(served, model):
+    # unpadded (min_step 1): the runner takes steps of one sequence, one block and one row as they are, and contexts,
+    # tables and offsets far past the sizes it was exported at
+    aot, eager = served
+    _same_logits_at_every_step(dataclasses.replace(aot, min_step=1), eager, model.config.vocab_size,
+                               dict(atol=2e-4, rtol=1e-4), dict(atol=2e-5, rtol=1e-5))
+
+
+@pytest.mark.slow
+def test_bfloat16_logits_equal_the_eager_step_to_its_rounding(packages):
+    m = tiny_model("llama").to(torch.bfloat16)
+    set_validation(True)
+    aot = prepare_model(m, block_size=BS, compile=True, ahead_of_time=True)
+    assert isinstance(aot.step.graph_module, AotStep)
+    eager = prepare_model(m, block_size=BS, compile=False)
+    _same_logits_at_every_step(dataclasses.replace(aot, min_step=1), eager, m.config.vocab_size,
+                               dict(atol=3e-2, rtol=2e-2), dict(atol=3e-2, rtol=2e-2))
 
 
 def test_engine_tokens_equal_hugging_face_and_a_second_start_loads_the_package(model, packages):
