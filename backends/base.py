@@ -322,7 +322,11 @@ _ACTIVE: contextvars.ContextVar[Optional[AttentionBackend]] = contextvars.Contex
 
 @contextlib.contextmanager
 def use_backend(backend: Optional[AttentionBackend]) -> Iterator[None]:
-    """Run the paged ops inside with ``backend`` for tensors on its device type (``None``: the defaults)."""
+    """Run the paged ops inside with ``backend`` for tensors on its device type (``None``: the defaults). Inside a
+    ``use_backend`` of the same backend it does nothing: a serving loop binds its backend once, not once a step."""
+    if backend is not None and _ACTIVE.get() is backend:
+        yield
+        return
     token = _ACTIVE.set(backend)
     # the C++ stand-ins of the paged ops (native_ops) run a call themselves only under a backend they stand in for
     was = native_ops.bind_backend(backend)

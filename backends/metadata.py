@@ -209,8 +209,14 @@ def _build_metadata(rows: list, block_size: int, device: torch.device | str,
             )
         if n == 1:  # a decode: no generator per sequence
             slots.append(table[ctx // block_size] * block_size + ctx % block_size)
-        else:
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + n))
+        else:  # a run of slots per block, not a Python expression per token
+            p, end = ctx, ctx + n
+            while p < end:
+                block, offset = divmod(p, block_size)
+                take = min(block_size - offset, end - p)
+                first = table[block] * block_size + offset
+                slots.extend(range(first, first + take))
+                p += take
         lens.append(ctx + n)
         start += n
         starts.append(start)

@@ -211,6 +211,9 @@ def print_roofline(name, rec, seconds, shape, machine):
     n, stepped, limit, _ = table["all"]
     print(f"  workload: limit {limit:.3f} s, engine {seconds:.3f} s wall ({stepped:.3f} s in steps): "
           f"{limit / seconds:.0%} of the roofline ({seconds / limit:.2f}x the limit)")
+    seq = roofline.sequential_limit(rec.steps, shape, machine)
+    print(f"  with each step's matmuls and attention one after the other (as the CPU step runs them, no overlap): "
+          f"limit {seq:.3f} s, the engine at {seq / seconds:.0%} of it")
     return limit
 
 
@@ -341,10 +344,12 @@ def main(argv=None) -> None:
                                           max_num_tokens=1024, max_num_seqs=64, progress=False,
                                           compile=False if a.eager else None)
             print("  step kinds (synthetic steps through a fresh engine, per step):")
-            for row in roofline.step_kinds(kinds, shape, machine, vocab=vocab):
-                print(row)
+            with kinds.bound():  # the backend bound once for the steps, as generate's loop binds it
+                for row in roofline.step_kinds(kinds, shape, machine, vocab=vocab):
+                    print(row)
         if a.breakdown:
-            print(roofline.decode_breakdown(engine, vocab=vocab, batch=a.prompts))
+            with engine.bound():
+                print(roofline.decode_breakdown(engine, vocab=vocab, batch=a.prompts))
         if a.startup:
             cold, warm = startup_times(a.model, dname)
             print(f"  engine start in a fresh process (defaults): cold {cold:.1f} s (empty Inductor cache), "

@@ -139,6 +139,7 @@ class StepCost:
     kv_read_bytes: int
     kv_write_bytes: int
     flops: int
+    attention_flops: int = 0  # of ``flops``: the attention's (query, key) products; the rest are the matmuls'
 
     @property
     def bytes(self) -> int:
@@ -148,9 +149,20 @@ class StepCost:
         """Seconds the step takes at best: whichever of moving its bytes and doing its FLOPs is slower."""
         return max(self.bytes / machine.copy_bytes_per_s, self.flops / machine.matmul_flops_per_s)
 
+    def sequential_limit_s(self, machine: Machine) -> float:
+        """Seconds the step takes at best where its matmuls and its attention run one after the other, as the CPU
+        step's kernels do: the matmuls' limit (their weights, their FLOPs) plus the attention's (the K/V it reads
+        and writes, its FLOPs). At least :meth:`limit_s`; above it where one part is bound by FLOPs and the other
+        by bytes (a decode step's matmuls at a few dozen rows, its attention over long contexts), which only
+        running the two at once would hide."""
+        bw, rate = machine.copy_bytes_per_s, machine.matmul_flops_per_s
+        return (max(self.weight_bytes / bw, (self.flops - self.attention_flops) / rate) +
+                max((self.kv_read_bytes + self.kv_write_bytes) / bw, self.attention_flops / rate))
+
     def __add__(self, other: "StepCost") -> "StepCost":
         return StepCost(self.weight_bytes + other.weight_bytes, self.kv_read_bytes + other.kv_read_bytes,
-                        self.kv_write_bytes + other.kv_write_bytes, self.flops + other.flops)
+                        self.kv_write_bytes + other.kv_write_bytes, self.flops + other.flops,
+                        self.attention_flops + other.attention_flops)
 
 
 ZERO = StepCost(0, 0, 0, 0)
@@ -162,11 +174,11 @@ def step_cost(shape: ModelShape, chunks: Sequence[StepChunk]) -> StepCost:
     rows = sum(1 for *_, done in chunks if done)
     kv_per_token = 2 * shape.kv_heads * shape.head_size * shape.cache_element_bytes * shape.layers
     pairs = sum(n * c + n * (n + 1) // 2 for c, n, _ in chunks)  # causal (query, key) pairs
-    flops = 2 * shape.body_params * tokens + 2 * shape.head_params * rows + \
-        4 * shape.heads * shape.head_size * pairs * shape.layers
+    attention = 4 * shape.heads * shape.head_size * pairs * shape.layers
+    flops = 2 * shape.body_params * tokens + 2 * shape.head_params * rows + attention
     embedding_rows = tokens * shape.hidden * shape.weight_element_bytes
     return StepCost(shape.weight_bytes + embedding_rows, kv_per_token * sum(c for c, _, _ in chunks),
-                    kv_per_token * tokens, flops)
+                    kv_per_token * tokens, flops, attention)
 
 
 def padded_batch_cost(shape: ModelShape, prompt_lens: Sequence[int], new_tokens: int) -> StepCost:
@@ -224,8 +236,9 @@ class StepRecorder:
         call_with_frame_room(self._run)
 
     def _run(self) -> None:
-        while self.engine.has_unfinished():
-            self.step()
+        with self.engine.bound():  # the backend bound once for the loop, as generate's loop binds it
+            while self.engine.has_unfinished():
+                self.step()
 
 
 def summarise(steps: Iterable[TimedStep], shape: ModelShape, machine: Machine) -> dict[str, tuple]:
@@ -240,6 +253,12 @@ def summarise(steps: Iterable[TimedStep], shape: ModelShape, machine: Machine) -
             row[2] += cost.limit_s(machine)
             row[3] = row[3] + cost
     return {k: tuple(v) for k, v in out.items()}
+
+
+def sequential_limit(steps: Iterable[TimedStep], shape: ModelShape, machine: Machine) -> float:
+    """Seconds ``steps`` take at best with each step's matmuls and attention one after the other
+    (:meth:`StepCost.sequential_limit_s`, summed over the steps)."""
+    return sum(step_cost(shape, s.chunks).sequential_limit_s(machine) for s in steps)
 
 
 def format_cost_row(name: str, steps: int, seconds: float, limit: float, cost: StepCost) -> str:

@@ -9,6 +9,7 @@ and checking that packed, chunked and batched steps reproduce the model before a
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import inspect
@@ -107,13 +108,13 @@ class ServableModel:
         """Keyword inputs of a packed ``[1, T]`` step; ``rows`` are the token rows whose logits are needed,
         ``token_types`` the tokens' types for a model that takes them (``values``; default: none inside a span)."""
         dev = self.device
-        kwargs = {"input_ids": torch.tensor([list(ids)], device=dev)}
+        kwargs = {"input_ids": _long_tensor(ids, dev).view(1, -1)}
         if "position_ids" in self.input_names:
-            kwargs["position_ids"] = torch.tensor([list(pos)], device=dev)
+            kwargs["position_ids"] = _long_tensor(pos, dev).view(1, -1)
         if "use_cache" in self.input_names:
             kwargs["use_cache"] = False
         if "logits_to_keep" in self.input_names:
-            kwargs["logits_to_keep"] = torch.tensor(list(rows), dtype=torch.long, device=dev)
+            kwargs["logits_to_keep"] = _long_tensor(rows, dev)
         # last, as example_inputs orders them: the traced program takes keyword inputs in that order
         spec = self.values
         if spec is not None and spec.kind == "runs" and spec.input in self.input_names:
@@ -178,6 +179,14 @@ class ServableModel:
             for i, row in zip(group, logits):
                 out[i] = row
         return out
+
+
+def _long_tensor(values: Sequence[int], device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``: through an array's buffer on the CPU (``torch.tensor`` on a list
+    costs ~0.1 us an element, ~0.23 ms for a 1,000-token step's ids and positions, against ~0.02 ms)."""
+    if not len(values) or torch.device(device).type != "cpu":  # frombuffer takes no empty buffer
+        return torch.tensor(list(values), dtype=torch.long, device=device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)  # the tensor keeps the array alive
 
 
 def step_values(spec: position_mod.ValueSpec, values: Optional[torch.Tensor], num_seqs: int,

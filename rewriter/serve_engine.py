@@ -125,14 +125,15 @@ class EngineCore:
         return call_with_frame_room(self._run)  # one frame-stack chunk for every step, as engine.generate's loop
 
     def _run(self) -> Gauges:
-        while True:
-            if not self._take(block=self._idle()):
-                break
-            if self._idle():
-                self._flush()
-                continue
-            self._step()
-        self._abort_all()
+        with self.engine.bound():
+            while True:
+                if not self._take(block=self._idle()):
+                    break
+                if self._idle():
+                    self._flush()
+                    continue
+                self._step()
+            self._abort_all()
         return self.gauges()
 
     def gauges(self) -> Gauges:

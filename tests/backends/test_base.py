@@ -2,6 +2,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedattn.backends import (
     AttentionMetadata,
@@ -16,6 +18,20 @@ from pagedattn.backends.params import params_schema
 from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
 from ..support import make_batch
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 3, 5, 16, 32]),
+       seqs=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 90), st.integers(0, 2)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_every_slot_is_its_tokens_block_entry(block_size, seqs, seed):
+    # slot of the token at position p: table[p // block_size] * block_size + p % block_size, for chunks that start
+    # and end anywhere in a block (build_metadata writes them a block's run at a time)
+    g = torch.Generator().manual_seed(seed)
+    rows = [(ctx, n, torch.randperm(1000, generator=g)[:-(-(ctx + n) // block_size) + extra].tolist())
+            for ctx, n, extra in seqs]
+    want = [t[p // block_size] * block_size + p % block_size for ctx, n, t in rows for p in range(ctx, ctx + n)]
+    assert build_metadata(rows, block_size).slot_mapping.tolist() == want
 
 
 def test_build_metadata_fields():

@@ -233,6 +233,37 @@ def test_the_stand_ins_run_decodes_as_the_python_path_does(dtype, site, python_c
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_binding_inside_one_of_the_same_backend_binds_nothing(python_calls, monkeypatch):
+    # a serving loop binds its backend once (PagedEngine.bound): the steps' own bindings inside it tell the C++ ops
+    # nothing, and the stand-ins run natively inside them and after them; another backend still binds and restores
+    from pagedattn.backends import native_ops, use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    binds = []
+    real = native_ops.bind_backend
+    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or real(backend))
+    backend = SdpaCpuBackend()
+    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params = batch_params(b, 0.125)
+    with use_backend(backend):
+        for _ in range(2):
+            with use_backend(backend):
+                before = len(python_calls)
+                _native_paged(b, params)
+                assert len(python_calls) == before
+        before = len(python_calls)
+        _native_paged(b, params)
+        assert len(python_calls) == before  # still bound
+        with use_backend(None):  # the defaults: the Python ops
+            before = len(python_calls)
+            _native_paged(b, params)
+            assert len(python_calls) > before
+        before = len(python_calls)
+        _native_paged(b, params)
+        assert len(python_calls) == before  # bound again as it was
+    assert binds == [backend, None]
+
+
 def _case(kind):
     """A step, its parameters and a description of why the stand-ins leave it to the Python op."""
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend

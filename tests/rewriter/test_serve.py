@@ -370,6 +370,9 @@ class _SlowEngine:
     def length_limit(self):
         return None
 
+    def bound(self):
+        return contextlib.nullcontext()
+
     def add_request(self, prompt, params):
         rid = next(self.ids)
         self.requests[rid] = ([], params.max_new_tokens)

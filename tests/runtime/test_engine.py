@@ -205,3 +205,23 @@ def test_steps_run_with_frame_room(models, monkeypatch):
         engine.step()
         calls += 1
     assert calls >= 2 and len(spacers) == 1 + calls
+
+
+def test_generate_binds_its_backend_once(models, monkeypatch):
+    # a loop of steps binds the backend once (PagedEngine.bound), not once a step; a step called on its own binds it
+    # itself; the tokens are the same either way
+    from pagedattn.backends import native_ops
+
+    _, ref, rewritten = models("mistral")
+    engine = PagedEngine(rewritten, compile=False)
+    binds = []
+    real = native_ops.bind_backend
+    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or real(backend))
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
+    assert binds == [engine.backend] and engine.stats["steps"] > 1
+    engine.add_request(prompts()[0], max_new_tokens=2)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert len(binds) == 1 + steps
