@@ -18,7 +18,9 @@ A step's limit is ``max(bytes / copy bandwidth, FLOPs / matmul rate)``:
 
 Used by ``benchmarks/generate_cpu.py`` and ``benchmarks/attention_cuda.py`` (``measure_machine`` takes a
 device). The time a runner takes, divided into the summed limit of the steps it ran, is its fraction of
-the roofline (1.0 = at the limit).
+the roofline (1.0 = at the limit). ``generate_cpu.py`` also prints each step's limit with its matmuls and its
+attention one after the other (:meth:`StepCost.sequential_limit_s`): what kernels that run in turn, as the CPU
+step's do, could reach at best; the gap between the two limits is what overlapping them could win.
 
     python benchmarks/roofline.py          # print this machine's copy bandwidth and matmul rate
 """
