@@ -300,8 +300,8 @@ def test_the_cpu_backend_warms_onednns_sizes_for_reduced_precision_steps_only():
     assert sizes == tuple(sorted({onednn_rows(m) for m in range(65, 1025)})) and len(sizes) == 32
     assert sizes[0] == 72 and sizes[-1] == 1024
     assert backend.warm_step_sizes(1024, torch.float16) == sizes
-    # float32 calls go unpadded, each size built by its first step (on a Xeon that cost nothing; on a 2-core EPYC
-    # +0.6-2.7 ms a call, benchmarks/RESULTS.md 2026-11-28)
+    # float32 calls go unpadded, each size built by its first step (taken to cost nothing; on a 2-core EPYC, Zen 4,
+    # +0.6-2.7 ms a call: benchmarks/RESULTS.md, 2026-11-28)
     assert backend.warm_step_sizes(1024, torch.float32) == ()
     assert backend.warm_step_sizes(64, torch.bfloat16) == ()  # no call that large
 
