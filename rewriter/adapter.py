@@ -181,10 +181,10 @@ class ServableModel:
         return out
 
 
-def _long_tensor(values: Sequence[int], device) -> torch.Tensor:
+def _long_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``: through an array's buffer on the CPU (``torch.tensor`` on a list
     costs ~0.1 us an element, ~0.23 ms for a 1,000-token step's ids and positions, against ~0.03 ms)."""
-    if not len(values) or torch.device(device).type != "cpu":  # frombuffer takes no empty buffer
+    if not len(values) or device.type != "cpu":  # frombuffer takes no empty buffer
         return torch.tensor(list(values), dtype=torch.long, device=device)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)  # the tensor keeps the array alive
 

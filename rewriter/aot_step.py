@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import platform
 from typing import Any, Callable, Optional
@@ -39,6 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.fx import GraphModule
+
+from pagedattn.report import first_line
 
 log = logging.getLogger("pagedattn")
 
@@ -298,7 +301,7 @@ def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -
         for node in module.graph.nodes:
             name = f"{prefix}.{node.target}" if prefix else node.target
             if node.op == "get_attr" and name not in tensors:
-                value = _attr(module, node.target)
+                value = operator.attrgetter(node.target)(module)
                 if isinstance(value, torch.Tensor):
                     tensors[name] = value
     for name in sorted(tensors):
@@ -310,12 +313,6 @@ def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -
         h.update(desc.encode() + b"\0")
     return h.hexdigest()[:40]
 
-
-def _attr(gm: nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def load_or_build(key: str, build: Callable[[str], None], directory: Optional[str] = None) -> tuple[Any, InputGuard, str]:
@@ -329,7 +326,7 @@ def load_or_build(key: str, build: Callable[[str], None], directory: Optional[st
             runner, guard = _load(path)
             return runner, guard, "loaded"
         except Exception as e:  # a truncated or foreign file: built again below
-            log.info("the cached step package %s did not load (%s): building it again", path, _first_line(e))
+            log.info("the cached step package %s did not load (%s: %s): building it again", path, type(e).__name__, first_line(e))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{key}.{os.getpid()}.tmp.pt2")
     try:
@@ -349,7 +346,3 @@ def _load(path: str) -> tuple[Any, InputGuard]:
         raise ValueError("the package has no input guard")
     return runner, InputGuard.from_json(text)
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedattn.report import first_line
+
 log = logging.getLogger("pagedattn")
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -96,12 +98,12 @@ def _load_hf(path: str, dtype: Optional[torch.dtype], attn_implementation: Optio
         if "Unrecognized configuration class" in str(e):
             raise CheckpointError(f"{path} holds a {type(config).__name__} model, which has no causal-LM class: "
                                   "rewrite-model serves causal language models") from e
-        raise CheckpointError(f"could not load the weights in {path}: {_first_line(e)}") from e
+        raise CheckpointError(f"could not load the weights in {path}: {first_line(e)}") from e
     except Exception as e:  # corrupt or truncated weight files surface as many error types
         mismatch = _shape_mismatch(path, config)
         if mismatch:
             raise CheckpointError(f"could not load the weights in {path}: {mismatch}") from e
-        raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {_first_line(e)}; "
+        raise CheckpointError(f"could not load the weights in {path}: {type(e).__name__}: {first_line(e)}; "
                               "the files may be corrupt or truncated, re-save the checkpoint") from e
     return Checkpoint("hf", path, model=model.eval(), tokenizer=load_tokenizer(path), config=config)
 
@@ -182,7 +184,7 @@ def load_tokenizer(path: str):
     except Exception as e:  # a model without a usable tokenizer still rewrites: token ids in and out
         import logging
 
-        logging.getLogger("pagedattn").warning("tokenizer in %s not loaded (%s); token ids only", path, _first_line(e))
+        logging.getLogger("pagedattn").warning("tokenizer in %s not loaded (%s); token ids only", path, first_line(e))
         return None
 
 
@@ -197,12 +199,9 @@ def _load_pt2(path: str) -> Checkpoint:
         raise CheckpointError(f"refusing to load {path}: {e}") from e
     except Exception as e:
         raise CheckpointError(f"could not read {path} as a torch.export program: {type(e).__name__}: "
-                              f"{_first_line(e)}") from e
+                              f"{first_line(e)}") from e
     if extra["pagedattn.json"]:
         raise CheckpointError(f"{path} is already a pagedattn program: use `rewrite-model run` or `inspect` on its folder")
     return Checkpoint("pt2", path, program=ep)
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__

@@ -27,6 +27,7 @@ from pagedattn.backends.native_ops import NativePagedOps
 from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
+from pagedattn.report import first_line
 from pagedattn.runtime.context import current_context, refuse_if_unpaged
 from pagedattn.tracing import copy_graph_module, fits_static_sizes, quiet_tracing, uncompiled
 
@@ -507,7 +508,7 @@ class RewrittenModel(nn.Module):
             except Exception as e:  # a program AOTInductor cannot build: the step torch.compile builds serves it
                 log.debug("ahead-of-time compilation failed", exc_info=True)
                 log.info("the step is compiled with torch.compile: compiling it ahead of time failed (%s: %s)",
-                         type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
+                         type(e).__name__, first_line(e)[:300])
         self.graph_module = step if step is not None else jit()
         if self.cross_writer is not None:  # an encoder-decoder's cross-attention K/V projections, once per request
             self.cross_writer = torch.compile(self.cross_writer, backend=backend, dynamic=True, options=options)

@@ -1,4 +1,4 @@
-"""Human-readable views of a rewrite report."""
+"""Human-readable views of a rewrite report, and of an error in one line."""
 
 from __future__ import annotations
 
@@ -23,3 +23,9 @@ def fmt_cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def first_line(e: BaseException) -> str:
+    """An error's message in one line: its first (the type's name where it has none)."""
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__

@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedattn.report import first_line
 from pagedattn.runtime.engine import PagedEngine
 from pagedattn.runtime.scheduler import SamplingParams
 from pagedattn.serve_engine import (
@@ -228,7 +229,7 @@ def chat_prompt_ids(messages: Any, tokenizer, template: Optional[str] = None) ->
         text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as e:  # templates raise their own errors (e.g. roles that must alternate)
-        raise ApiError(400, f"the chat template rejected the messages: {_first_line(e)}", "messages") from e
+        raise ApiError(400, f"the chat template rejected the messages: {first_line(e)}", "messages") from e
     # the template writes any special tokens (BOS) itself
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -859,10 +860,6 @@ async def _gather(pieces: AsyncIterator[_Piece]) -> tuple[str, list[int], str]:
 # ----------------------------------------------------------------------------- the app
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
-
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     """One line for pydantic's first complaint: invalid JSON, or a field of the wrong type."""
@@ -908,7 +905,7 @@ def create_app(engine: PagedEngine | EngineProcess, tokenizer, config: ServeConf
             try:
                 json.loads(await request.body())
             except ValueError as e:
-                message = f"the request body is not valid JSON ({_first_line(e)})"
+                message = f"the request body is not valid JSON ({first_line(e)})"
         metrics.rejected.labels("400").inc()
         return ApiError(400, message, param).response()
 
@@ -920,7 +917,7 @@ def create_app(engine: PagedEngine | EngineProcess, tokenizer, config: ServeConf
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):
         log.exception("request failed")
-        return ApiError(500, f"internal error: {type(exc).__name__}: {_first_line(exc)}").response()
+        return ApiError(500, f"internal error: {type(exc).__name__}: {first_line(exc)}").response()
 
     @app.get("/health")
     async def health():

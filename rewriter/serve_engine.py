@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from pagedattn.report import first_line
 from pagedattn.runtime.frames import call_with_frame_room
 
 log = logging.getLogger("pagedattn.serve")
@@ -93,10 +94,6 @@ def engine_info(engine) -> EngineInfo:
     return EngineInfo(engine.num_blocks, engine.block_size, engine.scheduler.max_num_seqs, max_model_len(engine),
                       os.getpid(), s2s is not None, len(s2s.spec.decoder_prompt) if s2s is not None else 0)
 
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
 
 
 # ----------------------------------------------------------------------------- the core
@@ -188,7 +185,7 @@ class EngineCore:
             try:
                 eid = self.engine.add_request(prompt, params)
             except ValueError as e:
-                why = _first_line(e).split(": ", 1)[-1]
+                why = first_line(e).split(": ", 1)[-1]
         if why is not None:
             self._entries.append((cid, [], None, (400, why, param)))
             return
@@ -211,7 +208,7 @@ class EngineCore:
             self._progress()
         except Exception as e:  # never let one bad step end the loop: fail what is in flight, go on
             log.exception("engine step failed")
-            self._fail_all(f"the engine failed: {type(e).__name__}: {_first_line(e)}")
+            self._fail_all(f"the engine failed: {type(e).__name__}: {first_line(e)}")
         self._flush()
 
     def _progress(self) -> None:
@@ -294,7 +291,7 @@ def _engine_main(factory: Callable[[], Any], commands, outputs) -> None:
     try:
         engine = factory()
     except BaseException as e:  # noqa: BLE001 -- whatever it is, the server reports it and exits
-        emit(("failed", f"{type(e).__name__}: {_first_line(e)}"))
+        emit(("failed", f"{type(e).__name__}: {first_line(e)}"))
         return
     core = EngineCore(engine, emit)
     threading.Thread(target=_read_commands, args=(commands, core), name="pagedattn-engine-commands",

@@ -187,41 +187,24 @@ def test_inductor_compiled_engine_matches_hf(llama):
     assert engine.generate(prompts(), max_new_tokens=6) == _first(ref, 6)
 
 
-def test_steps_run_with_frame_room(models, monkeypatch):
-    # generate runs all its steps inside one spacer frame, a step called on its own gets one of its own: the
-    # steps' cost never depends on how deep the caller's stack is (pagedattn.runtime.frames)
+def test_generate_runs_its_steps_in_one_frame_and_one_binding(models, monkeypatch):
+    # generate runs all its steps inside one spacer frame (pagedattn.runtime.frames: the steps' cost never depends on
+    # how deep the caller's stack is) and with the backend bound once (PagedEngine.bound, not once a step); a step
+    # called on its own gets a frame and a binding of its own; the tokens are the same either way
+    from pagedattn.backends import native_ops
     from pagedattn.runtime import frames
 
     _, ref, rewritten = models("mistral")
     engine = PagedEngine(rewritten, compile=False)
-    spacers = []
-    spacer = frames._spacer
+    spacers, binds = [], []
+    spacer, bind = frames._spacer, native_ops.bind_backend
     monkeypatch.setattr(frames, "_spacer", lambda fn: spacers.append(fn) or spacer(fn))
+    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or bind(backend))
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
-    assert len(spacers) == 1
+    assert len(spacers) == 1 and binds == [engine.backend] and engine.stats["steps"] > 1
     engine.add_request(prompts()[0], max_new_tokens=2)
     calls = 0
     while engine.has_unfinished():
         engine.step()
         calls += 1
-    assert calls >= 2 and len(spacers) == 1 + calls
-
-
-def test_generate_binds_its_backend_once(models, monkeypatch):
-    # a loop of steps binds the backend once (PagedEngine.bound), not once a step; a step called on its own binds it
-    # itself; the tokens are the same either way
-    from pagedattn.backends import native_ops
-
-    _, ref, rewritten = models("mistral")
-    engine = PagedEngine(rewritten, compile=False)
-    binds = []
-    real = native_ops.bind_backend
-    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or real(backend))
-    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
-    assert binds == [engine.backend] and engine.stats["steps"] > 1
-    engine.add_request(prompts()[0], max_new_tokens=2)
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    assert len(binds) == 1 + steps
+    assert calls >= 2 and len(spacers) == 1 + calls and len(binds) == 1 + calls
