@@ -16,6 +16,7 @@ import inspect
 import itertools
 import logging
 import math
+import operator
 import sys
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from pagedattn.backends import (
 from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.classify_mask import FIXED_LENGTH
-from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.program import ModelInfo, PagedCall, RewrittenModel
 from pagedattn.runtime.context import paged_context, step_mode
 from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
@@ -125,14 +126,24 @@ class ServableModel:
             kwargs[spec.input] = torch.zeros(1, dtype=torch.long, device=dev)  # unused: the masks read the values
         return kwargs
 
+    def packed_call(self, caches: Sequence[torch.Tensor]) -> Optional[PagedCall]:
+        """The packed step bound to ``caches``, for :meth:`run_packed`'s ``call``: its logits alone, with what does not
+        change between steps checked once (:meth:`RewrittenModel.paged_call`). None where steps take more than
+        caches and metadata (an encoder-decoder, per-request mask values) or the step is no rewritten program."""
+        if self.seq2seq is not None or self.values is not None or not isinstance(self.step, RewrittenModel):
+            return None
+        return self.step.paged_call(caches, self.backend, output="logits")
+
     def run_packed(self, caches: Sequence[torch.Tensor], meta, ids: Sequence[int], pos: Sequence[int],
                    rows: Sequence[int], cross=None, values: Optional[torch.Tensor] = None,
-                   token_types: Optional[Sequence[int]] = None, writable: bool = True) -> torch.Tensor:
+                   token_types: Optional[Sequence[int]] = None, writable: bool = True,
+                   call: Optional[PagedCall] = None) -> torch.Tensor:
         """One packed step; ``[len(rows), V]`` logits of the given token rows (``cross``: an encoder-decoder's
         ``CrossMetadata``, one row per sequence of ``meta``). A model whose masks read per-request values
         (``self.values``) takes each sequence's, ``values [S, count]`` (default: no span), and the tokens'
         types (``token_types``, default: none inside a span). ``writable=False``: the logits may be an inference
-        tensor (the CPU step runs in inference mode), which a caller that only reads them takes without a copy."""
+        tensor (the CPU step runs in inference mode), which a caller that only reads them takes without a copy.
+        ``call``: :meth:`packed_call`'s for these ``caches``, which a serving loop makes once."""
         num_rows = len(rows)
         if self.min_step > 1:
             meta, ids, pos, rows = pad_packed_step(meta, ids, pos, rows, self.min_step,
@@ -143,6 +154,12 @@ class ServableModel:
             kwargs = self.seq2seq.step_inputs(ids, pos, self.device)
         else:
             kwargs = self.packed_inputs(ids, pos, rows, token_types)
+        if call is not None and cross is None and len(caches) == len(call.caches) and \
+                all(map(operator.is_, caches, call.caches)):
+            with step_mode(self.device):
+                out = call(kwargs, meta)
+            logits = _row_logits(out, "logits_to_keep" in kwargs, rows)[:num_rows]
+            return logits.clone() if writable and logits.is_inference() else logits
         if self.values is not None:
             values = step_values(self.values, values, meta.num_seqs, self.device)
         at = getattr(self.step, "output_index", None)

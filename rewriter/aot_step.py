@@ -27,6 +27,7 @@ Inductor's cache directory and are as trusted as it is.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -35,7 +36,7 @@ import logging
 import operator
 import os
 import platform
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -122,31 +123,50 @@ class InputGuard:
                    tuple((int(i), v) for i, v in d["constants"]))
 
     @functools.cached_property
-    def _checks(self) -> tuple:
-        """The tensor checks with symbols numbered, for :meth:`refusal`'s loop."""
-        index = {s: k for k, (s, _, _) in enumerate(self.ranges)}
-        return tuple((i, dtype, tuple(s if isinstance(s, int) else -1 - index[s] for s in sizes))
-                     for i, dtype, sizes in self.tensors)
+    def _plan(self) -> tuple:
+        """What :meth:`refusal` checks: per tensor input ``(position, dtype, number of dimensions, static sizes as
+        (dimension, size), compared symbols as (dimension, k))``; the compared symbols' bounds ``(k, symbol, lower,
+        upper)`` where their range has some; the number of compared symbols. A symbol is compared where another size
+        names it too or its range bounds it: a size is never negative, so a symbol named once with the range
+        ``[0, inf)`` holds whatever size comes."""
+        uses = collections.Counter(s for _, _, sizes in self.tensors for s in sizes if isinstance(s, str))
+        ranges = {s: (lower, upper) for s, lower, upper in self.ranges}
+
+        def bounded(sym: str) -> bool:
+            lower, upper = ranges.get(sym, (0, None))
+            return lower > 0 or upper is not None
+
+        compared = sorted(s for s in uses if uses[s] > 1 or bounded(s))
+        index = {s: k for k, s in enumerate(compared)}
+        checks = tuple((i, dtype, len(sizes), tuple((d, s) for d, s in enumerate(sizes) if isinstance(s, int)),
+                        tuple((d, index[s]) for d, s in enumerate(sizes) if isinstance(s, str) and s in index))
+                       for i, dtype, sizes in self.tensors)
+        bounds = tuple((index[s], s, *ranges[s]) for s in compared if bounded(s))
+        return checks, bounds, len(compared)
 
     def refusal(self, flat) -> Optional[str]:
-        """Why the program cannot take these inputs, or None where it can."""
+        """Why the program cannot take these inputs, or None where it can. Runs before every step: each check is
+        one the program needs, and sizes nothing constrains are not looked at."""
         if len(flat) != self.count:
             return f"{len(flat)} inputs, the program takes {self.count}"
-        seen: list = [None] * len(self.ranges)
-        for i, dtype, sizes in self._checks:
+        checks, bounds, num_compared = self._plan
+        seen: list = [None] * num_compared
+        for i, dtype, ndim, static, symbols in checks:
             t = flat[i]
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(sizes) or not t.is_contiguous() \
-                    or t.device.type != "cpu":
-                return f"input {i} is not a contiguous CPU tensor of {dtype} with {len(sizes)} dimensions"
-            for d, s in zip(t.shape, sizes):
-                if s >= 0:
-                    if d != s:
-                        return f"input {i} has sizes {tuple(t.shape)}, the program fixed one to {s}"
-                elif seen[-1 - s] is None:
-                    seen[-1 - s] = d
-                elif seen[-1 - s] != d:
-                    return f"input {i}'s size {d} differs from another input's that the program takes as equal"
-        for (sym, lower, upper), d in zip(self.ranges, seen):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != ndim or not t.is_cpu or \
+                    not t.is_contiguous():
+                return f"input {i} is not a contiguous CPU tensor of {dtype} with {ndim} dimensions"
+            shape = t.shape
+            for d, s in static:
+                if shape[d] != s:
+                    return f"input {i} has sizes {tuple(shape)}, the program fixed one to {s}"
+            for d, k in symbols:
+                if seen[k] is None:
+                    seen[k] = shape[d]
+                elif seen[k] != shape[d]:
+                    return f"input {i}'s size {shape[d]} differs from another input's that the program takes as equal"
+        for k, sym, lower, upper in bounds:
+            d = seen[k]
             if d is not None and (d < lower or (upper is not None and d > upper)):
                 return f"size {d} outside the program's range [{lower}, {upper}] for {sym}"
         for i, value in self.constants:
@@ -216,6 +236,11 @@ class AotStep(nn.Module):
             return getattr(super().__getattr__("_orig_mod"), name)
 
     def forward(self, *flat) -> list:
+        return self.run(flat)
+
+    def run(self, flat: Sequence) -> list:
+        """``forward`` on a sequence of the inputs, without a module call's hooks around it (a serving loop's
+        :class:`~pagedattn.program.PagedCall` calls this)."""
         why = self.guard.refusal(flat)
         if why is None:
             # the loader's own call: AOTICompiledModel.__call__ parses its input and output specs on every call

@@ -91,25 +91,42 @@ def paged_context(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata
         _CURRENT.reset(token)
 
 
+def cache_block_size(kv_caches: Sequence[torch.Tensor], backend: Optional[AttentionBackend] = None) -> Optional[int]:
+    """The block size of ``kv_caches`` as their backends (``backend`` for its device type) read them; None where no
+    backend reads any of them. Caches of different block sizes are a ValueError: no metadata fits them all."""
+    sizes = {size for _, size in _block_sizes(kv_caches, backend)}
+    if len(sizes) > 1:
+        raise ValueError(f"the KV caches have blocks of different sizes ({sorted(sizes)}): one step's metadata "
+                         "cannot address them all")
+    return next(iter(sizes), None)
+
+
 def _check_block_size(kv_caches: Sequence[torch.Tensor], metadata: AttentionMetadata,
                       backend: Optional[AttentionBackend]) -> None:
     """Slots and block tables mean nothing for a cache of another block size: refuse, never misread."""
+    for i, block_size in _block_sizes(kv_caches, backend):
+        if block_size != metadata.block_size:
+            raise ValueError(f"KV cache {i} has blocks of {block_size} tokens but the metadata was built for "
+                             f"{metadata.block_size}; build it with build_metadata(..., block_size={block_size})")
+
+
+def _block_sizes(kv_caches: Sequence[torch.Tensor], backend: Optional[AttentionBackend]) -> list[tuple[int, int]]:
+    """(index, block size) of each cache a backend reads (others: the op itself will say what is wrong)."""
     by_type: dict = {}  # a step's caches share a device: one backend lookup
+    out = []
     for i, cache in enumerate(kv_caches):
         kind = cache.device.type
         if kind not in by_type:
             by_type[kind] = backend if backend is not None and backend.device_type == kind else \
                 _backend_or_none(cache.device)
         b = by_type[kind]
-        if b is None:  # no backend for this device: the op itself will say so
+        if b is None:  # no backend for this device
             continue
         try:
-            block_size = b.cache_geometry(cache)[1]
-        except (ValueError, NotImplementedError):  # not a cache of that backend's layout: the op will say so
+            out.append((i, b.cache_geometry(cache)[1]))
+        except (ValueError, NotImplementedError):  # not a cache of that backend's layout
             continue
-        if block_size != metadata.block_size:
-            raise ValueError(f"KV cache {i} has blocks of {block_size} tokens but the metadata was built for "
-                             f"{metadata.block_size}; build it with build_metadata(..., block_size={block_size})")
+    return out
 
 
 def _backend_or_none(device: torch.device) -> Optional[AttentionBackend]:

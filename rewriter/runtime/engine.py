@@ -185,6 +185,8 @@ class PagedEngine:
         self.scheduler = Scheduler(self.blocks, max_num_tokens, max_num_seqs, preemption_mode,
                                    max_chunk=1 if sv.token_steps else None)
         self._pad = self.backend.step_padder(max_num_tokens, max_num_seqs, self.num_blocks)
+        # packed steps on these caches, bound once (a device that pads its steps moves their metadata: the full path)
+        self._packed_call = sv.packed_call(self.kv_caches) if self._pad is None and sv.state is None else None
         self._warm(max_num_tokens, progress)
         self.decode_graphs = self._decode_graphs(cuda_graphs, max_num_seqs)
         self._length_limit = self._limit_from_report()  # the report does not change: read it once
@@ -650,7 +652,8 @@ class PagedEngine:
             cross = pad_cross(cross, meta.num_seqs, 1 << (width - 1).bit_length()).to(self.device)
         t1 = time.perf_counter()
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
-                                          token_types=types or None, writable=False)  # only read: no copy
+                                          token_types=types or None, writable=False,  # only read: no copy
+                                          call=self._packed_call)
         return logits[:num_rows], num_tokens, t1  # [R, V]
 
     def _through_graphs(self, plan: list[ScheduledChunk], ids: Optional[DeviceTokens] = None,

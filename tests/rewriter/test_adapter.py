@@ -5,6 +5,8 @@ A compiled model served (its caches from its own graphs, not another model's) is
 tests/runtime/test_engine.py::test_compiled_model_through_engine.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -106,6 +108,47 @@ def test_prepare_a_hugging_face_model():
     with torch.no_grad():
         want = [m(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1] for p in (a, b)]
     torch.testing.assert_close(got, torch.stack(want), atol=2e-5, rtol=1e-4)
+
+
+def test_a_packed_call_gives_what_the_paged_context_gives():
+    """The step bound once to its caches (``packed_call``) computes what the call through ``paged_context`` does,
+    writes the same K/V, and refuses what the context would: other caches, metadata of another block size, inputs
+    in another order."""
+    m = tiny_model("llama")
+    sv = prepare_model(m, target="cpu", block_size=8)
+    a, b = [5, 9, 3, 11, 2], [7, 1, 4]
+    meta = build_metadata([(0, len(a), [0]), (0, len(b), [2])], 8)
+    ids, pos, rows = a + b, list(range(len(a))) + list(range(len(b))), [len(a) - 1, len(a) + len(b) - 1]
+    out = {}
+    for how in ("context", "call"):
+        caches = sv.allocate_kv_caches(4)
+        call = sv.packed_call(caches) if how == "call" else None
+        assert how == "context" or call is not None
+        out[how] = sv.run_packed(caches, meta, ids, pos, rows, call=call), caches
+    torch.testing.assert_close(out["call"][0], out["context"][0], rtol=0, atol=0)
+    for x, y in zip(out["call"][1], out["context"][1]):
+        assert torch.equal(x, y)
+    caches = sv.allocate_kv_caches(4)
+    call = sv.packed_call(caches)
+    other = sv.allocate_kv_caches(4)  # a call made for other caches: the step runs through the context
+    torch.testing.assert_close(sv.run_packed(other, meta, ids, pos, rows, call=call), out["context"][0], rtol=0, atol=0)
+    assert all(not c.any() for c in caches)
+    kwargs = sv.packed_inputs(ids, pos, rows)
+    with pytest.raises(ValueError, match="blocks of 8 tokens"):
+        call(kwargs, build_metadata([(0, len(a), [0, 1]), (0, len(b), [2])], 4))
+    with pytest.raises(TypeError, match="keyword inputs"):
+        call(dict(reversed(list(kwargs.items()))), meta)
+    with pytest.raises(ValueError, match="2 attention sites but 1 KV caches"):
+        sv.step.paged_call(caches[:1])
+
+
+def test_no_packed_call_where_a_step_takes_more_than_caches_and_metadata(llama):
+    rm = llama[2]
+    sv = prepare_model(rm)
+    assert sv.packed_call(sv.allocate_kv_caches(4)) is not None
+    assert rm.paged_call(sv.allocate_kv_caches(4), output="no such output") is None
+    with_values = dataclasses.replace(sv, values=object())  # masks reading per-request values: the context's path
+    assert with_values.packed_call(sv.allocate_kv_caches(4)) is None
 
 
 def test_prepare_a_rewritten_model(llama):

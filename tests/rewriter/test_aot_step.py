@@ -162,6 +162,24 @@ def test_guard_refuses_what_the_program_does_not_take(served):
     assert "built for" in guard.refusal(changed(2, True))  # use_cache, a constant of the program
 
 
+def test_guard_compares_the_sizes_the_program_constrains():
+    guard = InputGuard(count=3, tensors=((0, torch.float32, ("s0", "s1")), (1, torch.int64, ("s0",)),
+                                         (2, torch.float32, ("s2", 4))),
+                       ranges=(("s0", 0, None), ("s1", 0, None), ("s2", 2, 8)))
+    ok = [torch.zeros(5, 7), torch.zeros(5, dtype=torch.long), torch.zeros(3, 4)]
+    assert guard.refusal(ok) is None
+    assert guard.refusal([torch.zeros(5, 1000), *ok[1:]]) is None  # s1: one size names it, no bound: any size
+    assert guard.refusal([torch.zeros(0, 7), torch.zeros(0, dtype=torch.long), ok[2]]) is None
+    assert "differs" in guard.refusal([ok[0], torch.zeros(6, dtype=torch.long), ok[2]])  # s0 twice: equal
+    assert "range [2, 8]" in guard.refusal([*ok[:2], torch.zeros(9, 4)])  # s2 named once, but bounded
+    assert "range [2, 8]" in guard.refusal([*ok[:2], torch.zeros(1, 4)])
+    assert "fixed one to 4" in guard.refusal([*ok[:2], torch.zeros(3, 5)])
+    assert "contiguous CPU tensor" in guard.refusal([torch.zeros(7, 5).t(), *ok[1:]])
+    assert "contiguous CPU tensor" in guard.refusal([ok[0], ok[1].int(), ok[2]])
+    assert "contiguous CPU tensor" in guard.refusal([ok[0], ok[1], torch.zeros(3, 4, 1)])
+    assert "contiguous CPU tensor" in guard.refusal([ok[0], 5, ok[2]])
+
+
 class _Runner:
     def __init__(self):
         self.loader, self.calls = self, []

@@ -1,7 +1,8 @@
 import pytest
+import torch
 
 from pagedattn.backends import build_metadata, get_backend
-from pagedattn.runtime.context import current_context, paged_context
+from pagedattn.runtime.context import cache_block_size, current_context, paged_context
 
 
 def _cache(block_size):
@@ -29,3 +30,10 @@ def test_wrong_number_of_caches():
     meta = build_metadata([(0, 3, [1])], block_size=16)
     with paged_context([_cache(16)], meta) as ctx, pytest.raises(ValueError, match="one cache per site"):
         ctx.graph_inputs(2)
+
+
+def test_the_block_size_of_caches():
+    assert cache_block_size([_cache(8), _cache(8)]) == 8
+    assert cache_block_size([torch.zeros(3)]) is None  # no backend reads it as a cache: the op will say why
+    with pytest.raises(ValueError, match=r"different sizes \(\[8, 16\]\)"):
+        cache_block_size([_cache(16), _cache(8)])
