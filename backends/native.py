@@ -510,13 +510,17 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
 def argmax_rows(lib: ctypes.CDLL, logits: Tensor) -> Optional[list[int]]:
     """Each row's argmax of ``logits [R, V]``, as ``torch.argmax`` gives it (the first maximum; a row's first NaN
     where it holds one), read in the logits' own dtype; None where the tensor does not suit the kernel as it is (not
-    a CPU matrix of a dtype it reads with contiguous rows): then the caller takes torch's."""
-    if not (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in DTYPE_CODES
-            and logits.shape[1] > 0 and (logits.stride(1) == 1 or logits.shape[1] == 1)):
+    a CPU matrix of a dtype it reads with contiguous rows): then the caller takes torch's. The answer is written into
+    an array's buffer, not a tensor's (a decode step's call costs ~2x its kernel in Python around it, and each piece
+    of that is slow after a step's kernels have left the interpreter's data out of cache)."""
+    code = DTYPE_CODES.get(logits.dtype)
+    if code is None or not logits.is_cpu or logits.dim() != 2:
         return None
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    if lib.pagedattn_argmax_rows(logits.data_ptr(), DTYPE_CODES[logits.dtype], logits.shape[0], logits.shape[1],
-                                 logits.stride(0), out.data_ptr()):
+    rows, cols = logits.shape
+    if cols <= 0 or (logits.stride(1) != 1 and cols != 1):
+        return None
+    out = array.array("q", bytes(8 * rows))
+    if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), out.buffer_info()[0]):
         return None
     return out.tolist()
 
