@@ -35,8 +35,8 @@ from pagedattn.tracing import copy_graph_module, fits_static_sizes, quiet_tracin
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["RewrittenModel", "PagedCall", "ModelInfo", "check_positions", "check_padding", "check_values", "paged_step_options",
-           "ahead_of_time_default"]
+__all__ = ["RewrittenModel", "PagedCall", "ModelInfo", "check_positions", "check_padding", "check_values",
+           "paged_step_options", "ahead_of_time_default"]
 
 
 class ModelInfo:
