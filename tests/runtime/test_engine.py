@@ -187,6 +187,21 @@ def test_inductor_compiled_engine_matches_hf(llama):
     assert engine.generate(prompts(), max_new_tokens=6) == _first(ref, 6)
 
 
+def test_a_serving_loop_runs_its_packed_steps_through_the_call_bound_to_its_caches(models, monkeypatch):
+    # the engine binds its packed step to its caches once (ServableModel.packed_call): no step enters paged_context,
+    # and the tokens are the model's
+    from pagedattn import adapter
+
+    _, ref, rewritten = models("mistral")
+    engine = PagedEngine(rewritten, compile=False)
+    assert engine._packed_call is not None
+    entered = []
+    context = adapter.paged_context
+    monkeypatch.setattr(adapter, "paged_context", lambda *a, **k: entered.append(1) or context(*a, **k))
+    assert engine.generate(prompts(), max_new_tokens=NEW) == ref
+    assert not entered and engine.stats["steps"] > 1
+
+
 def test_generate_runs_its_steps_in_one_frame_and_one_binding(models, monkeypatch):
     # generate runs all its steps inside one spacer frame (pagedattn.runtime.frames: the steps' cost never depends on
     # how deep the caller's stack is) and with the backend bound once (PagedEngine.bound, not once a step); a step
