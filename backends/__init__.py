@@ -9,7 +9,6 @@ from pagedattn.backends import ops  # noqa: F401  (defines torch.ops.pagedattn.*
 from pagedattn.backends.base import (
     AttentionBackend,
     active_backend,
-    backend_bound,
     get_backend,
     register_backend,
     use_backend,
@@ -39,7 +38,6 @@ __all__ = [
     "METADATA_FIELDS",
     "SequenceSpec",
     "active_backend",
-    "backend_bound",
     "build_cross_metadata",
     "build_metadata",
     "cross_slot_mapping",

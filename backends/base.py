@@ -40,7 +40,6 @@ __all__ = [
     "register_backend",
     "use_backend",
     "active_backend",
-    "backend_bound",
     "argmax_rows",
     "argmax_tokens",
 ]
@@ -337,11 +336,6 @@ def use_backend(backend: Optional[AttentionBackend]) -> Iterator[None]:
         _ACTIVE.reset(token)
         if was is not None:
             native_ops.restore_backend(was)
-
-
-def backend_bound(backend: AttentionBackend) -> bool:
-    """Whether the innermost ``use_backend`` is ``backend``'s (a ``use_backend(backend)`` inside would do nothing)."""
-    return _ACTIVE.get() is backend
 
 
 def active_backend(device: torch.device) -> AttentionBackend:

@@ -157,15 +157,15 @@ class ServableModel:
         if call is not None and cross is None and len(caches) == len(call.caches) and \
                 all(map(operator.is_, caches, call.caches)):
             with step_mode(self.device):
-                out = call(kwargs, meta)
-            logits = _first_rows(_row_logits(out, "logits_to_keep" in kwargs, rows), num_rows)
-            return logits.clone() if writable and logits.is_inference() else logits
-        if self.values is not None:
-            values = step_values(self.values, values, meta.num_seqs, self.device)
-        at = getattr(self.step, "output_index", None)
-        at = at("logits") if at is not None else None
-        with step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross, position_values=values):
-            out = self.step(**kwargs) if at is None else self.step.forward_flat(**kwargs)[at]  # the logits alone
+                out = call(kwargs, meta)  # the logits alone
+        else:
+            if self.values is not None:
+                values = step_values(self.values, values, meta.num_seqs, self.device)
+            at = getattr(self.step, "output_index", None)
+            at = at("logits") if at is not None else None
+            with step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross,
+                                                       position_values=values):
+                out = self.step(**kwargs) if at is None else self.step.forward_flat(**kwargs)[at]  # the logits alone
         logits = _first_rows(_row_logits(out, "logits_to_keep" in kwargs, rows), num_rows)
         return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
 

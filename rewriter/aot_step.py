@@ -339,7 +339,6 @@ def package_key(gm: nn.Module, options: dict, inputs: list, program: str = "") -
     return h.hexdigest()[:40]
 
 
-
 def load_or_build(key: str, build: Callable[[str], None], directory: Optional[str] = None) -> tuple[Any, InputGuard, str]:
     """The runner and input guard of the package ``key``: loaded from ``directory`` (default :func:`package_dir`), or
     built there first by ``build(path)`` (which writes a package whose metadata holds the guard). Returns
@@ -370,4 +369,3 @@ def _load(path: str) -> tuple[Any, InputGuard]:
     if text is None:
         raise ValueError("the package has no input guard")
     return runner, InputGuard.from_json(text)
-

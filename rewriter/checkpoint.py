@@ -203,5 +203,3 @@ def _load_pt2(path: str) -> Checkpoint:
     if extra["pagedattn.json"]:
         raise CheckpointError(f"{path} is already a pagedattn program: use `rewrite-model run` or `inspect` on its folder")
     return Checkpoint("pt2", path, program=ep)
-
-

@@ -17,7 +17,6 @@ from pagedattn.backends import (
     AttentionBackend,
     AttentionMetadata,
     CacheSpec,
-    backend_bound,
     get_backend,
     native_ops,
     position_mod,
@@ -266,12 +265,8 @@ class PagedCall:
         program = self.program
         step = program.graph_module  # read at each call: compiling the program again replaces it
         flat = [*inputs.values(), *self.caches, *metadata.tensors()]
-        run = step.run if isinstance(step, AotStep) else lambda xs: step(*xs)
-        if backend_bound(self.backend) and not program._freezing:  # a serving loop's steps: nothing to bind
-            out = run(flat)
-        else:
-            with use_backend(self.backend), inductor_freezing(program._freezing):
-                out = run(flat)
+        with use_backend(self.backend), inductor_freezing(program._freezing):  # in a serving loop: bound already
+            out = step.run(flat) if isinstance(step, AotStep) else step(*flat)
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return out if self.output is None else out[self.output]
 

@@ -331,7 +331,6 @@ class TextStream:
         return out
 
 
-
 def _decoder(tokenizer):
     """``ids -> text`` without special tokens. A fast tokenizer's own ``tokenizers`` backend when transformers
     would not change its output (no clean-up of spaces): transformers' ``decode`` wrapper costs several times
@@ -858,7 +857,6 @@ async def _gather(pieces: AsyncIterator[_Piece]) -> tuple[str, list[int], str]:
 
 
 # ----------------------------------------------------------------------------- the app
-
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:

@@ -95,7 +95,6 @@ def engine_info(engine) -> EngineInfo:
                       os.getpid(), s2s is not None, len(s2s.spec.decoder_prompt) if s2s is not None else 0)
 
 
-
 # ----------------------------------------------------------------------------- the core
 
 

@@ -654,7 +654,8 @@ class PagedEngine:
         logits = self.servable.run_packed(self.kv_caches, meta, ids, pos, rows, cross=cross, values=values,
                                           token_types=types or None, writable=False,  # only read: no copy
                                           call=self._packed_call)
-        return (logits if logits.shape[0] == num_rows else logits[:num_rows]), num_tokens, t1  # [R, V]
+        # [R, V]: a padded step's (self._pad) padding rows cut off
+        return (logits if logits.shape[0] == num_rows else logits[:num_rows]), num_tokens, t1
 
     def _through_graphs(self, plan: list[ScheduledChunk], ids: Optional[DeviceTokens] = None,
                         copy: bool = True) -> Optional[torch.Tensor]:
