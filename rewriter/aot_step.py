@@ -21,6 +21,9 @@ What the runner computes is the program's for every input it takes:
   step compiled with ``torch.compile`` instead (built on first need), so the step serves every input the compiled
   step would.
 
+A CPU package's model runs in AOTInductor's container runner with its constants copied to 64-byte-aligned memory
+(:func:`load_cpu_package`): AOTInductor's package loader leaves each of them 16 bytes into a cache line.
+
 Loading a package runs its code (a shared library), as Inductor loads the kernels it caches: the packages live in
 Inductor's cache directory and are as trusted as it is.
 """
@@ -36,6 +39,9 @@ import logging
 import operator
 import os
 import platform
+import shutil
+import tempfile
+import zipfile
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -46,7 +52,8 @@ from pagedattn.report import first_line
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "AotUnsupported", "program_inputs",
+__all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "CpuPackage", "load_cpu_package",
+           "data_address", "CONSTANT_ALIGNMENT", "AotUnsupported", "program_inputs",
            "hinted_inputs"]
 
 # the package format's version: bump when what a package holds, or how it is keyed, changes
@@ -364,8 +371,85 @@ def load_or_build(key: str, build: Callable[[str], None], directory: Optional[st
 
 
 def _load(path: str) -> tuple[Any, InputGuard]:
-    runner = torch._inductor.aoti_load_package(path)
+    try:
+        runner = load_cpu_package(path)
+    except Exception as e:  # the package loader's turn: it loads what it can, or says why not
+        log.debug("the package %s did not load through the container runner (%s: %s)", path, type(e).__name__,
+                  first_line(e))
+        runner = None
+    runner = runner or torch._inductor.aoti_load_package(path)
     text = runner.get_metadata().get(GUARD_METADATA)
     if text is None:
         raise ValueError("the package has no input guard")
     return runner, InputGuard.from_json(text)
+
+
+# ---------------------------------------------------------------------- constants aligned for vector loads
+
+# AOTInductor's loader copies a CPU package's constants into one malloc'd blob at offsets of 64 bytes, but glibc puts
+# a blob that large 16 bytes past a page boundary: every frozen weight starts 16 bytes into a cache line, and each
+# 64-byte vector load of it spans two lines (benchmarks/RESULTS.md: llama16m's float32 decode steps ~0.93x once
+# aligned)
+CONSTANT_ALIGNMENT = 64
+_MODEL_DIR = "data/aotinductor/model/"
+
+
+class CpuPackage:
+    """A CPU package's model run by AOTInductor's container runner, its constants in memory aligned to
+    :data:`CONSTANT_ALIGNMENT` bytes (see :func:`load_cpu_package`); it answers what :class:`AotStep` asks of
+    AOTInductor's package loader (``loader.boxed_run``, ``get_metadata``)."""
+
+    def __init__(self, runner, metadata: dict[str, str], constants: dict[str, torch.Tensor]):
+        self._runner, self._metadata = runner, dict(metadata)
+        self._constants = constants  # the runner reads these tensors in place: they live as long as it does
+        self.loader = self
+
+    def boxed_run(self, tensors: list) -> list:
+        return self._runner.run(tensors)
+
+    def get_metadata(self) -> dict[str, str]:
+        return dict(self._metadata)
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The tensors the runner reads, by the model's constant names."""
+        return dict(self._constants)
+
+
+def data_address(t: torch.Tensor) -> int:
+    """Where ``t``'s data starts, a oneDNN tensor's included."""
+    return torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr()
+
+
+def load_cpu_package(path: str) -> Optional[CpuPackage]:
+    """The model of the CPU package at ``path`` (one shared library holding its constants) run by AOTInductor's
+    container runner, every constant copied into memory of its own (as torch allocates it: 64-byte aligned) and the
+    runner's blob freed; None where the package is of another kind or this torch has no such runner (the caller then
+    loads it with AOTInductor's package loader). The copies are the package's constants byte for byte."""
+    make = getattr(torch._C._aoti, "AOTIModelContainerRunnerCpu", None)
+    if make is None:
+        return None
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        members = {n.split(_MODEL_DIR, 1)[1]: n for n in names if _MODEL_DIR in n}
+        libs = [name for name in members if name.endswith(".so") and "/" not in name]
+        if len(libs) != 1 or any("data/weights/" in n or "data/constants/" in n for n in names):
+            return None  # weights beside the library, or several models: the package loader's to load
+        stem = libs[0][:-len(".so")]
+        if f"{stem}_metadata.json" not in members:
+            return None
+        metadata = json.loads(z.read(members[f"{stem}_metadata.json"]))
+        with tempfile.TemporaryDirectory() as d:
+            for name in (f"{stem}.so", f"{stem}.json"):  # the library, and how it calls operators outside it
+                if name in members:
+                    with z.open(members[name]) as src, open(os.path.join(d, name), "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+            runner = make(os.path.join(d, f"{stem}.so"), 1)  # loaded: the files may go
+    names_of = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+    constants = {names_of.get(fqn, fqn): t.clone() for fqn, t in runner.extract_constants_map(False).items()}
+    if set(constants) != set(names_of.values()):
+        return None
+    # the copies into the spare set, read in place; it becomes the one runs read, and the first set's blob is freed
+    runner.update_constant_buffer(constants, True, False, True)
+    runner.swap_constant_buffer()
+    runner.free_inactive_constant_buffer()
+    return CpuPackage(runner, metadata, constants)

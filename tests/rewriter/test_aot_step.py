@@ -6,6 +6,7 @@ that cannot be built or loaded handled."""
 import dataclasses
 import logging
 import os
+import zipfile
 
 import pytest
 import torch
@@ -86,6 +87,56 @@ def _same_logits_at_every_step(aot, eager, vocab: int, tolerance: dict, cache_to
     for a, b in zip(caches["aot"], caches["eager"]):  # the writes too
         torch.testing.assert_close(a, b, **cache_tolerance)
     assert aot.step.graph_module._fallback is None  # every step ran in the runner
+
+
+def _steps_through(servable, vocab: int) -> tuple[list, list]:
+    """``STEPS`` through ``servable`` on caches of its own: each step's logits, and the caches after them."""
+    caches = servable.allocate_kv_caches(LONG[-1] + 1)
+    g = torch.Generator().manual_seed(0)
+    logits = []
+    for seqs, rows in STEPS:
+        n = sum(new for _, new, _ in seqs)
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        pos = [p for ctx, new, _ in seqs for p in range(ctx, ctx + new)]
+        logits.append(servable.run_packed(caches, build_metadata(seqs, BS), ids, pos, rows))
+    return logits, caches
+
+
+def test_a_cpu_package_runs_from_aligned_constants_as_the_package_loader_runs_it(served, model, packages):
+    aot, _ = served
+    step = aot.step.graph_module
+    assert isinstance(step.runner, aot_step.CpuPackage)
+    constants = step.runner.constants()
+    assert constants and all(aot_step.data_address(t) % aot_step.CONSTANT_ALIGNMENT == 0 for t in constants.values())
+    assert any(t.is_mkldnn for t in constants.values())  # frozen linear weights, packed for oneDNN
+    path = next(p for p in packages.iterdir() if p.suffix == ".pt2" and
+                aot_step.load_cpu_package(str(p)).get_metadata() == step.runner.get_metadata())
+    unpadded = dataclasses.replace(aot, min_step=1)
+    ours = _steps_through(unpadded, model.config.vocab_size)
+    runner = step.runner
+    step.runner = torch._inductor.aoti_load_package(str(path))  # its constants where AOTInductor's loader puts them
+    try:
+        theirs = _steps_through(unpadded, model.config.vocab_size)
+    finally:
+        step.runner = runner
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        assert torch.equal(a, b)  # the same bytes read by the same code
+
+
+def test_packages_of_other_kinds_are_left_to_the_package_loader(tmp_path):
+    def package(*names):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.pt2"
+        with zipfile.ZipFile(path, "w") as z:
+            for name in names:
+                z.writestr(name, b"{}" if name.endswith(".json") else b"")
+        return str(path)
+
+    model_dir = "k/data/aotinductor/model/"
+    assert aot_step.load_cpu_package(package(model_dir + "m.cpp")) is None  # no library
+    assert aot_step.load_cpu_package(package(model_dir + "a.so", model_dir + "b.so")) is None  # two
+    assert aot_step.load_cpu_package(package(model_dir + "m.so", model_dir + "m_metadata.json",
+                                             "k/data/weights/w")) is None  # weights beside it
+    assert aot_step.load_cpu_package(package(model_dir + "m.so")) is None  # no metadata
 
 
 def test_logits_equal_the_eager_step_at_every_size(served, model):
