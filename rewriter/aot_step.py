@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from pagedattn.backends import huge_pages
 from pagedattn.report import first_line
 
 log = logging.getLogger("pagedattn")
@@ -448,6 +449,8 @@ def load_cpu_package(path: str) -> Optional[CpuPackage]:
     constants = {names_of.get(fqn, fqn): t.clone() for fqn, t in runner.extract_constants_map(False).items()}
     if set(constants) != set(names_of.values()):
         return None
+    for t in constants.values():  # a decode step streams its weights: fewer TLB misses on huge pages
+        huge_pages.advise_huge_pages(t)
     # the copies into the spare set, read in place; it becomes the one runs read, and the first set's blob is freed
     runner.update_constant_buffer(constants, True, False, True)
     runner.swap_constant_buffer()
