@@ -402,7 +402,7 @@ class CpuPackage:
 
     def __init__(self, runner, metadata: dict[str, str], constants: dict[str, torch.Tensor]):
         self._runner, self._metadata = runner, dict(metadata)
-        self._constants = constants  # the runner reads these tensors in place: they live as long as it does
+        self._constants = constants  # the runner reads these tensors in place
         self.loader = self
 
     def boxed_run(self, tensors: list) -> list:
@@ -425,7 +425,17 @@ def load_cpu_package(path: str) -> Optional[CpuPackage]:
     """The model of the CPU package at ``path`` (one shared library holding its constants) run by AOTInductor's
     container runner, every constant copied into memory of its own (as torch allocates it: 64-byte aligned) and the
     runner's blob freed; None where the package is of another kind or this torch has no such runner (the caller then
-    loads it with AOTInductor's package loader). The copies are the package's constants byte for byte."""
+    loads it with AOTInductor's package loader). The copies are the package's constants byte for byte.
+
+    AOTInductor keeps a reference of its own to constants it is handed (``user_managed``) and never drops it, so the
+    copies stay in memory until the process ends: a process loads each package once, and every step that uses it
+    shares that one (the file's path, modification time and size name it)."""
+    status = os.stat(path)
+    return _load_cpu_package(os.path.realpath(path), status.st_mtime_ns, status.st_size)
+
+
+@functools.lru_cache(maxsize=None)  # see load_cpu_package: a second load would hold the constants twice, for good
+def _load_cpu_package(path: str, mtime_ns: int, size: int) -> Optional[CpuPackage]:
     make = getattr(torch._C._aoti, "AOTIModelContainerRunnerCpu", None)
     if make is None:
         return None

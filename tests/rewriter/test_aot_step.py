@@ -121,6 +121,8 @@ def test_a_cpu_package_runs_from_aligned_constants_as_the_package_loader_runs_it
         step.runner = runner
     for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         assert torch.equal(a, b)  # the same bytes read by the same code
+    # AOTInductor holds the constants it is handed for good: a package is loaded once a process, then shared
+    assert aot_step.load_cpu_package(str(path)) is aot_step.load_cpu_package(str(path))
 
 
 def test_packages_of_other_kinds_are_left_to_the_package_loader(tmp_path):
