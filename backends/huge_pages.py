@@ -2,8 +2,8 @@
 
 A decode step streams its weights and its sequences' K/V from memory. With 4 KiB pages every page is a TLB miss, and
 under a hypervisor each miss walks two page tables; the hardware's prefetchers also stop at page boundaries. On a
-2-vCPU EPYC VM a 256 MiB copy ran at 31-34 GB/s on 4 KiB pages and 56-60 GB/s on 2 MiB ones, and llama34m's bf16
-decode steps took 0.90x the time with its weights and caches on huge pages (``benchmarks/RESULTS.md``).
+2-vCPU EPYC VM a 256 MiB copy ran at 31-34 GB/s on 4 KiB pages and 56-60 GB/s on 2 MiB ones, and decode steps took
+0.90-0.99x the time with the weights and caches on huge pages (llama16m, llama34m; ``benchmarks/RESULTS.md``).
 
 Linux only, and only where the kernel agrees: ``madvise(MADV_HUGEPAGE)`` asks for huge pages on the buffer's whole
 2 MiB-aligned stretches (honoured where transparent huge pages are ``madvise`` or ``always``), and ``MADV_COLLAPSE``
