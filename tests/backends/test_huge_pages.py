@@ -1,6 +1,8 @@
 """Huge pages under a CPU step's long-lived buffers (``pagedattn.backends.huge_pages``): asked for and collapsed where
 Linux allows them, contents unchanged, buffers without a whole huge page and a switched-off process left alone."""
 
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -11,9 +13,17 @@ from pagedattn.backends import huge_pages
 from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
 MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-needs_thp = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not MODE.exists() or "[never]" in MODE.read_text(),
-    reason="needs Linux with transparent huge pages not turned off")
+
+
+def _collapses() -> bool:
+    """Linux 6.1 or later (``MADV_COLLAPSE``) with transparent huge pages not turned off."""
+    if not sys.platform.startswith("linux") or not MODE.exists() or "[never]" in MODE.read_text():
+        return False
+    version = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    return version >= (6, 1)
+
+
+needs_thp = pytest.mark.skipif(not _collapses(), reason="needs Linux 6.1+ with transparent huge pages not turned off")
 
 
 def huge_bytes(t: torch.Tensor) -> int:
