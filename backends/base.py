@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from pagedattn.backends import native_ops
+from pagedattn.backends import huge_pages, native_ops
 from pagedattn.backends.metadata import (
     AttentionMetadata,
     check_attend_cheap,
@@ -70,7 +70,10 @@ class AttentionBackend:
         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
     ) -> torch.Tensor:
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-        return torch.zeros(shape, dtype=dtype, device=device or self.device_type)
+        device = torch.device(device or self.device_type)
+        if device.type == "cpu":  # a decode step reads K/V from all over the cache: fewer TLB misses on huge pages
+            return huge_pages.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def allocate_kv_caches(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int,
                            dtype: Optional[torch.dtype] = None,

@@ -56,30 +56,41 @@ def buffer_span(t: Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def advise_huge_pages(t: Tensor, collapse: bool = True) -> int:
-    """Ask for huge pages under ``t``'s buffer (a CPU tensor): its 2 MiB-aligned stretches are advised, and with
-    ``collapse`` the pages already touched are made huge now. Returns the bytes the kernel took the advice for (0:
-    none, where the buffer has no whole huge page, this is not Linux, it is turned off, or the kernel refused)."""
-    if t.device.type != "cpu" or not enabled():
-        return 0
-    madvise = _madvise()
+def _stretch(t: Tensor) -> Optional[tuple[int, int]]:
+    """``(start, bytes)`` of the whole huge pages inside ``t``'s buffer where it may be advised, else None."""
+    if t.device.type != "cpu" or not enabled() or _madvise() is None:
+        return None
     address, size = buffer_span(t)
     lo, hi = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + size) // HUGE_PAGE * HUGE_PAGE
-    if madvise is None or hi <= lo:
+    return (lo, hi - lo) if hi > lo else None
+
+
+def _advise(stretch: tuple[int, int], advice: int) -> bool:
+    if _madvise()(*stretch, advice) == 0:
+        return True
+    log.debug("pagedattn: madvise(%d) refused: %s", advice, os.strerror(ctypes.get_errno()))
+    return False
+
+
+def advise_huge_pages(t: Tensor) -> int:
+    """Ask for huge pages under ``t``'s buffer (a CPU tensor): its 2 MiB-aligned stretches are advised, and the pages
+    already touched are made huge now (where the kernel has no free huge page, or predates 6.1, later or never).
+    Returns the bytes the kernel took the advice for (0: none, where the buffer has no whole huge page, this is not
+    Linux, it is turned off, or the kernel refused)."""
+    stretch = _stretch(t)
+    if stretch is None or not _advise(stretch, _MADV_HUGEPAGE):
         return 0
-    if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-        log.debug("pagedattn: no huge pages (madvise: %s)", os.strerror(ctypes.get_errno()))
-        return 0
-    if collapse and madvise(lo, hi - lo, _MADV_COLLAPSE) != 0:  # a kernel before 6.1, or no huge page free now
-        log.debug("pagedattn: pages not collapsed now (madvise: %s)", os.strerror(ctypes.get_errno()))
-    return hi - lo
+    _advise(stretch, _MADV_COLLAPSE)
+    return stretch[1]
 
 
 def zeros(shape, dtype: torch.dtype) -> Tensor:
     """A CPU tensor of zeros whose pages are asked to be huge before they are first touched (a fresh buffer then
     faults in huge pages, with no copy); any already touched are collapsed."""
     t = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(t, collapse=False)
+    stretch = _stretch(t)
+    advised = stretch is not None and _advise(stretch, _MADV_HUGEPAGE)
     t.zero_()
-    advise_huge_pages(t)
+    if advised:
+        _advise(stretch, _MADV_COLLAPSE)
     return t

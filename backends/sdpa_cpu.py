@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedattn.backends import huge_pages, native, reference
+from pagedattn.backends import native, reference
 from pagedattn.backends.base import SplitKVBackend, register_backend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
@@ -147,12 +147,6 @@ class SdpaCpuBackend(SplitKVBackend):
     prepares_calls = True
 
     # --- the cache
-
-    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32, device=None):
-        if torch.device(device or self.device_type).type != "cpu":
-            return super().allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, device)
-        # a decode step reads K/V from all over the cache: on huge pages it takes fewer TLB misses (huge_pages)
-        return huge_pages.zeros(self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype)
 
     def write(self, key, value, kv_cache, slot_mapping):
         # the native kernel's write: one call, where the generic one costs a host sync and two index_copy_

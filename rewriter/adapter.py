@@ -40,7 +40,7 @@ from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.classify_mask import FIXED_LENGTH
 from pagedattn.program import ModelInfo, PagedCall, RewrittenModel
 from pagedattn.runtime.context import paged_context, step_mode
-from pagedattn.runtime.shapes import no_duck_sizing, pad_cross, pad_packed_step
+from pagedattn.runtime.shapes import first_rows, no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
 from pagedattn.tracing import uncompiled, without_hf_cache
@@ -166,7 +166,7 @@ class ServableModel:
             with step_mode(self.device), paged_context(caches, meta, self.backend, cross=cross,
                                                        position_values=values):
                 out = self.step(**kwargs) if at is None else self.step.forward_flat(**kwargs)[at]  # the logits alone
-        logits = _first_rows(_row_logits(out, "logits_to_keep" in kwargs, rows), num_rows)
+        logits = first_rows(_row_logits(out, "logits_to_keep" in kwargs, rows), num_rows)
         return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
 
     # --- row steps (recurrent state)
@@ -214,11 +214,6 @@ def step_values(spec: position_mod.ValueSpec, values: Optional[torch.Tensor], nu
     rest = position_mod.default_values(spec, num_seqs - have)
     out = rest if values is None else torch.cat((values.to("cpu", torch.long), rest))
     return out.to(device)
-
-
-def _first_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x[:n]``, or ``x`` itself where it has ``n`` rows (a view costs ~1.5 us, several a decode step's Python)."""
-    return x if x.shape[0] == n else x[:n]
 
 
 def _row_logits(out, kept: bool, rows: Sequence[int]) -> torch.Tensor:

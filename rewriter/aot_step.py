@@ -54,8 +54,7 @@ from pagedattn.report import first_line
 log = logging.getLogger("pagedattn")
 
 __all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "CpuPackage", "load_cpu_package",
-           "data_address", "CONSTANT_ALIGNMENT", "AotUnsupported", "program_inputs",
-           "hinted_inputs"]
+           "AotUnsupported", "program_inputs", "hinted_inputs"]
 
 # the package format's version: bump when what a package holds, or how it is keyed, changes
 SCHEMA = "pagedattn-aot-step/1"
@@ -391,13 +390,12 @@ def _load(path: str) -> tuple[Any, InputGuard]:
 # a blob that large 16 bytes past a page boundary: every frozen weight starts 16 bytes into a cache line, and each
 # 64-byte vector load of it spans two lines (benchmarks/RESULTS.md: llama16m's float32 decode steps ~0.93x once
 # aligned)
-CONSTANT_ALIGNMENT = 64
 _MODEL_DIR = "data/aotinductor/model/"
 
 
 class CpuPackage:
-    """A CPU package's model run by AOTInductor's container runner, its constants in memory aligned to
-    :data:`CONSTANT_ALIGNMENT` bytes (see :func:`load_cpu_package`); it answers what :class:`AotStep` asks of
+    """A CPU package's model run by AOTInductor's container runner, its constants in 64-byte-aligned memory (see
+    :func:`load_cpu_package`); it answers what :class:`AotStep` asks of
     AOTInductor's package loader (``loader.boxed_run``, ``get_metadata``)."""
 
     def __init__(self, runner, metadata: dict[str, str], constants: dict[str, torch.Tensor]):
@@ -414,11 +412,6 @@ class CpuPackage:
     def constants(self) -> dict[str, torch.Tensor]:
         """The tensors the runner reads, by the model's constant names."""
         return dict(self._constants)
-
-
-def data_address(t: torch.Tensor) -> int:
-    """Where ``t``'s data starts, a oneDNN tensor's included."""
-    return torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr()
 
 
 def load_cpu_package(path: str) -> Optional[CpuPackage]:

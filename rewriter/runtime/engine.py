@@ -18,7 +18,7 @@ from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs, DeviceTokens
 from pagedattn.runtime.frames import call_with_frame_room
 from pagedattn.runtime.scheduler import PreemptionConfig, Request, SamplingParams, ScheduledChunk, Scheduler
-from pagedattn.runtime.shapes import pad_cross
+from pagedattn.runtime.shapes import first_rows, pad_cross
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import encoder_key
 
@@ -655,7 +655,7 @@ class PagedEngine:
                                           token_types=types or None, writable=False,  # only read: no copy
                                           call=self._packed_call)
         # [R, V]: a padded step's (self._pad) padding rows cut off
-        return (logits if logits.shape[0] == num_rows else logits[:num_rows]), num_tokens, t1
+        return first_rows(logits, num_rows), num_tokens, t1
 
     def _through_graphs(self, plan: list[ScheduledChunk], ids: Optional[DeviceTokens] = None,
                         copy: bool = True) -> Optional[torch.Tensor]:
