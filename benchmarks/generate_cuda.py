@@ -170,6 +170,43 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
     print(split_step(engine, steps=20))
     while engine.has_unfinished():
         engine.step()
+    engine.collect()
+    for label in ("first", "second"):
+        print(prefix_hit_step(engine, batch, context, g, label))
+
+
+def prefix_hit_step(engine, batch: int, context: int, g: torch.Generator, label: str, top: int = 12) -> str:
+    """One step of ``batch`` requests whose prompts' full blocks are in the prefix cache (each goes on with the
+    tokens after its last full block), profiled: the kind of step that took 0.4-0.6 s the first time in a process
+    (benchmarks/RESULTS.md) against ~50 ms after. Its wall time, then its costliest host operations and kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [torch.randint(1, 32000, (context + 1 + i % 15,), generator=g).tolist() for i in range(batch)]
+    for p in prompts:  # fills the prefix cache with these prompts' blocks
+        engine.add_request(p, max_new_tokens=1)
+    while engine.has_unfinished():
+        engine.step()
+    engine.collect()
+    for p in prompts:
+        engine.add_request(p, max_new_tokens=2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = step_wall(engine, 1)
+    while engine.has_unfinished():
+        engine.step()
+    engine.collect()
+    host: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    for e in prof.events():
+        into = gpu if e.device_type == DeviceType.CUDA else host
+        into[e.name] = into.get(e.name, 0.0) + (e.time_range.elapsed_us() if into is gpu else e.self_cpu_time_total)
+    rows = [f"{label} prefix-hit step ({batch} sequences, {context}+ cached tokens each): {wall * 1e3:.1f} ms wall "
+            f"(profiled), kernels {sum(gpu.values()) / 1e3:.1f} ms"]
+    for title, table in (("host, self time", host), ("kernels", gpu)):
+        rows.append(f"  {title}:")
+        rows += [f"    {us / 1e3:8.2f} ms  {name[:100]}" for name, us in sorted(table.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(rows)
 
 
 def step_wall(engine, steps: int) -> float:
