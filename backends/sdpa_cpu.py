@@ -241,6 +241,8 @@ class SdpaCpuBackend(SplitKVBackend):
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
             self._one(out, query, s, k, v, 0, params)
+        if rest and lib is not None:
+            rest = _rest_native(lib, out, query, kv_cache, metadata.block_tables, rest, params)
         for s in rest:
             k0, k, v = self._gather_one(kv_cache, metadata.block_tables[s.index], s, params)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
@@ -653,6 +655,67 @@ def _chunk_by_sdpa(out: Tensor, query: Tensor, s: _Seq, k: Tensor, v: Tensor, sc
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)  # [1, Hq, n, D]
     out[s.start:s.start + n] = o[0].transpose(0, 1).to(out.dtype)
+
+
+@dataclass(frozen=True)
+class _RestBatch:
+    """Chunks over cached keys attended by one native prefill call: their blocks gathered by one index into rows
+    ``[sum of blocks * block size, Hkv, D]``, each chunk's keys one run of them (``items``: ``native.prefill``'s)."""
+
+    index: Tensor  # [blocks]: the chunks' blocks, chunk after chunk, from the block of each one's first visible key
+    items: Tensor  # [n, 6] int64
+
+
+# a batch's gathered K and V at most (the per-chunk path gathers one chunk at a time; a batch stays near that)
+_REST_BATCH_BYTES = 32 << 20
+
+
+def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, row_bytes: int, dtype: torch.dtype,
+               params: AttentionParams) -> tuple[tuple, tuple]:
+    """``(batches, others)``: the chunks the native prefill takes in batches (:class:`_RestBatch`, at most
+    :data:`_REST_BATCH_BYTES` of K and V gathered each, a longer chunk alone) and those left to the per-chunk path
+    (SDPA's where it pays). Fixed by the step's metadata and the site's window, so memoised for the step's layers."""
+    plans = _step_plans(block_tables)
+    key = ("rest", block_tables._version, rest, block_size, row_bytes, dtype, params.window, params.causal)
+    if key in plans:
+        return plans[key]
+    batches, others, blocks, items, rows = [], [], [], [], 0
+    tables = None
+    for s in rest:
+        first = reference.earliest_visible_key(s.context_len, params) // block_size
+        k0 = first * block_size
+        if k0 == 0 and s.context_len and params.causal and sdpa_chunk_pays(dtype, s.q_len, s.kv_len, params):
+            others.append(s)
+            continue
+        n = -(-s.kv_len // block_size) - first
+        if items and (rows + n * block_size) * row_bytes > _REST_BATCH_BYTES:
+            batches.append(_RestBatch(torch.cat(blocks), torch.tensor(items, dtype=torch.int64)))
+            blocks, items, rows = [], [], 0
+        if tables is None:
+            tables = block_tables.long()
+        blocks.append(tables[s.index, first:first + n])
+        items.append((s.start, s.q_len, s.context_len, rows, s.kv_len - k0, k0))
+        rows += n * block_size
+    if items:
+        batches.append(_RestBatch(torch.cat(blocks), torch.tensor(items, dtype=torch.int64)))
+    plans[key] = (tuple(batches), tuple(others))
+    return plans[key]
+
+
+def _rest_native(lib, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables: Tensor, rest: tuple,
+                 params: AttentionParams) -> tuple:
+    """Attend the chunks over cached keys that the native prefill takes, a batch of them a call (one gather and one
+    call where the per-chunk path makes one of each a chunk); returns the chunks left to the per-chunk path."""
+    _, bs, hkv, d = kv_cache.shape[1:]
+    row_bytes = 2 * hkv * d * kv_cache.element_size()
+    batches, others = _rest_plan(block_tables, rest, bs, row_bytes, query.dtype, params)
+    for b in batches:
+        k = kv_cache[0].index_select(0, b.index).flatten(0, 1)  # [rows, Hkv, D]
+        v = kv_cache[1].index_select(0, b.index).flatten(0, 1)
+        if not native.prefill_usable(query, k, v, params.num_kv_heads):
+            return rest  # the same for every batch (layouts and dtypes): the first one is asked, before any call
+        _prefill(lib, out, query, k, v, b.items, params)
+    return others
 
 
 def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams):

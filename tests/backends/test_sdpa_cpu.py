@@ -453,3 +453,35 @@ def test_long_prompts_and_chunks_take_sdpa_in_bfloat16_with_amx(monkeypatch, cas
         assert sorted(seen["native"]) == sorted(native + [64, n + 8])
     else:
         assert seen["sdpa"] == seen["chunk"] == [] and sorted(seen["native"]) == sorted(native + [64, n, n + 8, n + 37])
+
+
+@pytest.mark.parametrize("decode_path", ["native"], indirect=True)
+@pytest.mark.parametrize("batch_bytes", [None, 1], ids=["one_batch", "a_batch_each"])
+@pytest.mark.parametrize("kw", [{}, {"window": 20}, {"causal": False}], ids=["causal", "window", "bidirectional"])
+def test_chunks_over_cached_keys_share_native_calls(monkeypatch, batch_bytes, kw):
+    # chunks after cached keys (prefix-cache hits, chunked prefills) go to the native prefill in batches, one gather
+    # and one call a batch, each chunk's keys a run of the gathered rows (from a window's block on): the reference's
+    # result, whether the chunks share one batch or the budget puts each in its own; fresh prompts keep their call
+    from pagedattn.backends import sdpa_cpu
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(sdpa_cpu, "_REST_BATCH_BYTES", batch_bytes)
+    calls = []
+    prefill = sdpa_cpu._prefill
+    monkeypatch.setattr(sdpa_cpu, "_prefill", lambda *a: calls.append(a[5][:, 1].tolist()) or prefill(*a))
+    chunks = [(16, 20), (47, 3), (100, 16), (5, 9)]
+    b = make_batch([(0, 12), (30, 1)] + chunks, num_heads=8, num_kv_heads=2, dtype=torch.float32)
+    _check(b, torch.float32, **kw)
+    fresh, rest = calls[0], calls[1:]
+    assert fresh == [12]
+    assert rest == ([[20, 3, 16, 9]] if batch_bytes is None else [[20], [3], [16], [9]])
+
+
+@pytest.mark.parametrize("decode_path", ["native"], indirect=True)
+def test_sites_with_other_windows_over_one_steps_chunks_take_their_own_batches():
+    # the batches are memoised for the step's layers by the site's window too: a windowed layer's batch gathers from
+    # its window's first block, so a global layer after it over the same metadata must not take that batch (it would
+    # miss the keys before); each agrees with the reference
+    b = make_batch([(40, 7), (64, 30), (3, 2)], num_heads=4, num_kv_heads=2, dtype=torch.float32)
+    for window in (9, 0, 9):
+        _check(b, torch.float32, window=window)
