@@ -114,7 +114,7 @@ class _LinearArgs(ctypes.Structure):
 
 
 class _PrefillArgs(ctypes.Structure):
-    """``prefill_args`` of ``csrc/paged_prefill.c``, field for field."""
+    """``prefill_args`` of ``csrc/pagedattn_abi.h``, field for field."""
 
     _fields_ = [
         ("query", ctypes.c_void_p), ("q_row", ctypes.c_int64), ("q_head", ctypes.c_int64),

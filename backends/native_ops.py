@@ -8,10 +8,12 @@ On llama16m bf16 (16 requests, 2-core EPYC) a decode step calls 25 linears; the 
 against ~8 us for this one (``benchmarks/RESULTS.md``).
 
 ``pagedattn_native::write_kv_cache`` and ``pagedattn_native::paged_attention`` take the paged ops' arguments and give
-their results: a call runs ``csrc/paged_decode.c``'s write or decode kernel from C++ when it is one the Python path
-would send there with no further work (the bound backend is the plain :class:`SdpaCpuBackend`: :func:`use_backend`
-tells the C++ side per thread; every check passes; every sequence has one new token; no tensor parameters or
-position program), and otherwise goes to the ``pagedattn::`` op unchanged, which then does what it always does.
+their results: a call runs ``csrc/paged_decode.c``'s write or decode kernel and ``csrc/paged_prefill.c``'s prefill
+kernel from C++ when it is one the Python path would send there with no further work (the bound backend is the plain
+:class:`SdpaCpuBackend`: :func:`use_backend` tells the C++ side per thread; every check passes; every sequence is a
+decode or, with the step's keys given, a fresh prompt; no tensor parameters or position program; for prompts no
+soft-cap or chunks, and none that SDPA's kernel takes on this machine), and otherwise goes to the ``pagedattn::`` op
+unchanged, which then does what it always does.
 :class:`NativePagedOps` puts them in a compiled CPU step.
 
 While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
@@ -43,7 +45,7 @@ from pagedattn.backends import metadata, native
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
-           "NativePagedOps", "source_digest", "SOURCES"]
+           "bind_paged_kernels", "NativePagedOps", "source_digest", "SOURCES"]
 
 SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
 
@@ -91,7 +93,7 @@ def load() -> bool:
     address = functools.partial(_address, lib)
     ops = torch.ops.pagedattn_native
     ops.bind_linear(address("pagedattn_linear"), rows[torch.float32], rows[torch.bfloat16])
-    ops.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"))
+    bind_paged_kernels()
     from pagedattn.backends import ops  # the paged ops' own fakes (ops imports this module through base)
 
     torch.library.register_fake("pagedattn_native::linear", _fake_linear)
@@ -100,6 +102,19 @@ def load() -> bool:
     metadata.on_validation_change(_sync_validation)
     _sync_validation(metadata.validation_override())
     return True
+
+
+def bind_paged_kernels(sdpa_prefill_tokens: Optional[int] = None) -> None:
+    """Bind the paged stand-ins to the C library's write, decode and prefill kernels, leaving to the Python op the
+    steps with a fresh bfloat16 prompt of ``sdpa_prefill_tokens`` or more (None: where ``sdpa_cpu.sdpa_prefill_pays``
+    sends such prompts to SDPA's kernel on this machine; 0: none). Needs :func:`load`'s library."""
+    if sdpa_prefill_tokens is None:
+        from pagedattn.backends import sdpa_cpu  # it imports this module's package
+
+        sdpa_prefill_tokens = sdpa_cpu.sdpa_prefill_tokens()
+    address = functools.partial(_address, native.load())
+    torch.ops.pagedattn_native.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"),
+                                          address("pagedattn_prefill"), sdpa_prefill_tokens)
 
 
 def loaded() -> bool:

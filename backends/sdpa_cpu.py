@@ -633,6 +633,12 @@ def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) 
     return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
 
 
+def sdpa_prefill_tokens() -> int:
+    """The fewest tokens of a fresh bfloat16 prompt without a window that :func:`sdpa_prefill_pays` sends to SDPA's
+    kernel on this machine; 0 where it sends none (the C++ stand-ins leave such steps to the Python op)."""
+    return SDPA_PREFILL_TOKENS if _amx_tiles() else 0
+
+
 def sdpa_chunk_pays(dtype: torch.dtype, tokens: int, keys: int, params: AttentionParams) -> bool:
     """Whether a chunk of ``tokens`` queries after cached keys, ``keys`` in all (visible from the first: no window),
     runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each takes one call per

@@ -35,11 +35,14 @@ namespace {
 
 using pagedattn_native::validating;
 using decode_fn = decltype(&pagedattn_paged_decode);
+using prefill_fn = decltype(&pagedattn_prefill);
 using write_fn = decltype(&pagedattn_write_kv);
 
 constexpr size_t KEPT = 4; /* an encoder-decoder step alternates two sets of metadata */
 
 std::atomic<decode_fn> bound_decode{nullptr};
+std::atomic<prefill_fn> bound_prefill{nullptr};
+std::atomic<int64_t> sdpa_prefill_tokens{0}; /* sdpa_cpu.sdpa_prefill_pays' bound where it applies here, else 0 */
 std::atomic<write_fn> bound_write{nullptr};
 thread_local bool plain_backend = false;
 
@@ -96,15 +99,17 @@ void write_kv_cache(const c10::OperatorHandle &, torch::jit::Stack *stack) {
     python_op("pagedattn::write_kv_cache", stack);
 }
 
-/* ---- the attention's decode steps */
+/* ---- the attention: decodes, and fresh prompts beside them */
 
 struct Plan { /* what the step's metadata gives every layer */
     at::Tensor tables, seq_lens, qsl;   /* the metadata tensors themselves: the key */
     int64_t versions[3];
     int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads;
-    bool causal;
-    at::Tensor tables_i32, items, parts_start; /* int32 [S, W] contiguous; int64 [S, 4]; int64 [S + 1] */
+    bool causal, has_key;
+    at::Tensor tables_i32, items, parts_start; /* int32 [S, W] contiguous; the decodes' int64 [n, 4]; int64 [n + 1] */
     int64_t num_parts, part_keys;
+    at::Tensor fresh_items; /* the fresh prompts' int64 [f, 6] (native.prefill's items); undefined without any */
+    int64_t fresh_tiles, longest_fresh; /* their keys' tiles of 16 in all; the most queries of one */
     bool every_row; /* the items cover every query row: none to zero */
 };
 
@@ -128,7 +133,8 @@ int64_t part_keys(int64_t total, int64_t threads, int64_t block_size) {
 }
 
 /* The plan for these metadata tensors, checked as metadata.check_attend_cheap checks them; false where they fail a
-   check or are not a decode-only step (the Python op then refuses or runs them). */
+   check or a sequence is neither a decode nor (with the step's keys given) a fresh prompt, as sdpa_cpu._plan splits
+   them (the Python op then refuses or runs them). */
 bool make_plan(Plan &p) {
     const at::Tensor &tables = p.tables, &lens_t = p.seq_lens, &qsl_t = p.qsl;
     for (const at::Tensor *t : {&tables, &lens_t, &qsl_t})
@@ -141,32 +147,47 @@ bool make_plan(Plan &p) {
     const int64_t *l = lens.data_ptr<int64_t>(), *q = qsl.data_ptr<int64_t>();
     const int64_t covered = tables.size(1) * p.block_size;
     if (q[0] != 0 || q[n] > p.rows) return false;
-    std::vector<int64_t> items(4 * n), starts(n + 1, 0);
-    int64_t total = 0;
+    std::vector<int64_t> items, fresh, starts(1, 0);
+    int64_t total = 0, covered_rows = 0;
+    p.fresh_tiles = p.longest_fresh = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (q[i + 1] - q[i] != 1) return false; /* not a decode: the Python op (a prefill, or a padded sequence) */
+        const int64_t ql = q[i + 1] - q[i];
         if (l[i] < 1 || l[i] > covered || (p.max_seq_len > 0 && l[i] > p.max_seq_len)) return false;
-        const int64_t first = (p.window > 0 || p.chunk > 0) ? first_visible(l[i] - 1, p.window, p.chunk) : 0;
-        items[4 * i] = q[i], items[4 * i + 1] = i, items[4 * i + 2] = first, items[4 * i + 3] = l[i];
-        total += l[i] - first;
+        if (ql == 1) {
+            const int64_t first = (p.window > 0 || p.chunk > 0) ? first_visible(l[i] - 1, p.window, p.chunk) : 0;
+            items.insert(items.end(), {q[i], i, first, l[i]});
+            total += l[i] - first;
+        } else if (p.has_key && ql > 1 && l[i] == ql) { /* all its keys are the step's own: native.prefill's item */
+            fresh.insert(fresh.end(), {q[i], ql, 0, q[i], ql, 0});
+            p.fresh_tiles += (ql + 15) / 16;
+            p.longest_fresh = std::max(p.longest_fresh, ql);
+        } else {
+            return false; /* a chunk over cached keys or an empty run: the Python op */
+        }
+        covered_rows += ql;
     }
+    const int64_t nd = static_cast<int64_t>(items.size() / 4), nf = static_cast<int64_t>(fresh.size() / 6);
     p.part_keys = part_keys(total, p.threads, p.block_size);
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < nd; i++) {
         const int64_t keys = std::max<int64_t>(1, items[4 * i + 3] - items[4 * i + 2]);
-        starts[i + 1] = starts[i] + (keys + p.part_keys - 1) / p.part_keys;
+        starts.push_back(starts.back() + (keys + p.part_keys - 1) / p.part_keys);
     }
-    p.num_parts = starts[n];
-    p.items = at::empty({n, 4}, at::kLong);
+    p.num_parts = starts.back();
+    p.items = at::empty({nd, 4}, at::kLong);
     std::copy(items.begin(), items.end(), p.items.data_ptr<int64_t>());
-    p.parts_start = at::empty({n + 1}, at::kLong);
+    p.parts_start = at::empty({nd + 1}, at::kLong);
     std::copy(starts.begin(), starts.end(), p.parts_start.data_ptr<int64_t>());
+    if (nf) {
+        p.fresh_items = at::empty({nf, 6}, at::kLong);
+        std::copy(fresh.begin(), fresh.end(), p.fresh_items.data_ptr<int64_t>());
+    }
     p.tables_i32 = tables.to(at::kInt).contiguous();
-    p.every_row = n == p.rows;
+    p.every_row = covered_rows == p.rows;
     return true;
 }
 
 const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at::Tensor &qsl, int64_t rows,
-                      int64_t window, int64_t chunk, int64_t block_size, bool causal, int64_t max_seq_len,
+                      int64_t window, int64_t chunk, int64_t block_size, bool causal, bool has_key, int64_t max_seq_len,
                       int64_t num_kv_heads, Plan *scratch_plan) {
     const int64_t threads = at::get_num_threads();
     const bool keyed = !tables.is_inference() && !lens.is_inference() && !qsl.is_inference();
@@ -176,13 +197,13 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
             if (p.tables.is_same(tables) && p.seq_lens.is_same(lens) && p.qsl.is_same(qsl) && p.versions[0] == v[0] &&
                 p.versions[1] == v[1] && p.versions[2] == v[2] && p.rows == rows && p.window == window &&
                 p.chunk == chunk && p.block_size == block_size && p.threads == threads && p.causal == causal &&
-                p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads)
+                p.has_key == has_key && p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads)
                 return &p;
     }
     Plan p;
     p.tables = tables, p.seq_lens = lens, p.qsl = qsl;
     p.rows = rows, p.window = window, p.chunk = chunk, p.block_size = block_size, p.threads = threads;
-    p.causal = causal, p.max_seq_len = max_seq_len, p.num_kv_heads = num_kv_heads;
+    p.causal = causal, p.has_key = has_key, p.max_seq_len = max_seq_len, p.num_kv_heads = num_kv_heads;
     if (!make_plan(p)) return nullptr;
     if (!keyed) {
         *scratch_plan = std::move(p);
@@ -192,6 +213,51 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
     plans.insert(plans.begin(), std::move(p));
     if (plans.size() > KEPT) plans.pop_back();
     return &plans.front();
+}
+
+/* The plan's fresh prompts attended into out by the bound prefill kernel, as sdpa_cpu's attend sends them there in one
+   native.prefill call (its items, scale, causality, raw window and thread count); false where that path would not
+   take them (sdpa_cpu._native_prefill_lib, native.prefill_usable, sdpa_prefill_pays) or the kernel refuses: then
+   the Python op runs the whole call, out discarded. */
+bool prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+             const Plan &p, double scale, bool causal, int64_t window, int64_t chunk, double softcap, int code) {
+    prefill_fn fn = bound_prefill.load(std::memory_order_relaxed);
+    if (!fn || softcap > 0 || chunk != 0 || (!causal && window != 0)) return false;
+    const int64_t hq = query.size(1), hkv = p.num_kv_heads, d = query.size(2);
+    if (!key.device().is_cpu() || !value.device().is_cpu() || key.scalar_type() != query.scalar_type() ||
+        value.scalar_type() != query.scalar_type() || key.dim() != 3 || value.dim() != 3 || key.stride(-1) != 1 ||
+        value.stride(-1) != 1 || d % 16 || d > PAGEDATTN_PREFILL_MAX_HEAD || key.size(2) != d || value.size(2) != d ||
+        key.size(1) != hkv || value.size(1) != hkv)
+        return false;
+    const int64_t sdpa = sdpa_prefill_tokens.load(std::memory_order_relaxed);
+    if (code == 1 && window == 0 && sdpa > 0 && p.longest_fresh >= sdpa) return false; /* SDPA's kernel pays here */
+    at::Tensor scratch = at::empty({std::max<int64_t>(1, p.fresh_tiles * hkv * d * 16)}, query.options().dtype(at::kFloat));
+    const prefill_args a{query.data_ptr(),
+                         query.stride(0),
+                         query.stride(1),
+                         key.data_ptr(),
+                         key.stride(0),
+                         key.stride(1),
+                         value.data_ptr(),
+                         value.stride(0),
+                         value.stride(1),
+                         out.data_ptr(),
+                         out.stride(0),
+                         out.stride(1),
+                         p.fresh_items.data_ptr<int64_t>(),
+                         p.fresh_items.size(0),
+                         static_cast<int32_t>(hq),
+                         static_cast<int32_t>(hkv),
+                         static_cast<int32_t>(d),
+                         causal ? 1 : 0,
+                         static_cast<int32_t>(window),
+                         code,
+                         static_cast<float>(scale),
+                         scratch.data_ptr<float>(),
+                         static_cast<int32_t>(p.threads),
+                         std::min(query.size(0), out.size(0)),
+                         std::min(key.size(0), value.size(0))};
+    return fn(&a) == 0;
 }
 
 /* the attention computed here, or an undefined tensor (then the Python op) */
@@ -221,12 +287,17 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
     if (hkv != cache.size(3) || hkv <= 0 || hq % hkv || hq / hkv > PAGEDATTN_MAX_GROUP || query.size(2) != d ||
         d > PAGEDATTN_MAX_HEAD || head_v != d)
         return {};
+    const bool has_key = arg(1).isTensor() && arg(2).isTensor();
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
-                              bs, causal, max_seq_len, hkv, &local);
+                              bs, causal, has_key, max_seq_len, hkv, &local);
     if (!p) return {};
     at::Tensor out = p->every_row ? at::empty({query.size(0), hq, d}, query.options())
                                   : at::zeros({query.size(0), hq, d}, query.options());
+    if (p->fresh_items.defined() && !prefill(out, query, arg(1).toTensor(), arg(2).toTensor(), *p, scale, causal,
+                                             arg(9).toInt(), arg(15).toInt(), softcap, code))
+        return {};
+    if (p->items.size(0) == 0) return out;
     at::Tensor scratch = at::empty({p->num_parts * hq * (d + 2)}, query.options().dtype(at::kFloat));
     const int64_t esz = cache.element_size();
     const char *k = static_cast<const char *>(cache.data_ptr());
@@ -275,9 +346,11 @@ void paged_attention(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     torch::jit::push(*stack, std::move(out));
 }
 
-void bind_paged(int64_t decode, int64_t write) {
+void bind_paged(int64_t decode, int64_t write, int64_t prefill, int64_t sdpa_tokens) {
     bound_decode.store(reinterpret_cast<decode_fn>(decode));
     bound_write.store(reinterpret_cast<write_fn>(write));
+    bound_prefill.store(reinterpret_cast<prefill_fn>(prefill));
+    sdpa_prefill_tokens.store(sdpa_tokens);
 }
 
 bool set_plain_backend(bool on) {
@@ -296,7 +369,7 @@ TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
           "Tensor? alibi_slopes, int num_kv_heads, int head_size_v, Tensor? sinks=None, int chunk_size=0, "
           "int max_seq_len=0, bool positions_from_first_key=False, str position_mod=\"\", "
           "Tensor? position_tables=None, Tensor? position_data=None) -> Tensor");
-    m.def("bind_paged(int decode, int write) -> ()");
+    m.def("bind_paged(int decode, int write, int prefill, int sdpa_prefill_tokens) -> ()");
     m.def("set_plain_backend(bool on) -> bool");
 }
 

@@ -19,26 +19,6 @@
 #define PM 24  /* query rows of a unit */
 #define PCH 4  /* tiles of keys a unit's softmax takes at once: one maximum, one rescale per 64 keys */
 
-typedef struct {
-    const void *query;
-    int64_t q_row, q_head;
-    const void *key;
-    int64_t k_row, k_head;
-    const void *value;
-    int64_t v_row, v_head;
-    void *out;
-    int64_t o_row, o_head;
-    /* per item: first query row, queries, position of the first query, first key row, keys, position of the first
-     * key. A causal query at position p sees the item's keys at positions [p - window + 1, p] ([.., p] without a
-     * window); a non-causal query sees all of them */
-    const int64_t *items;
-    int64_t num_items;
-    int32_t num_heads, num_kv_heads, head_size, causal, window, dtype;
-    float scale;
-    float *scratch;  /* the transposed keys: sum over items of ceil(keys / 16) * Hkv * D * 16 floats */
-    int32_t num_threads;
-    int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
-} prefill_args;
 
 /* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi) */
 static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, int64_t *klo, int64_t *khi) {

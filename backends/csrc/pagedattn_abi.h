@@ -1,4 +1,4 @@
-/* The native library's call arguments: shared by its C sources (paged_decode.c, small_linear.c) and by the C++
+/* The native library's call arguments: shared by its C sources (paged_decode.c, paged_prefill.c, small_linear.c) and by the C++
  * operators that call it by address (linear_op.cpp, paged_ops.cpp). native.py's ctypes Structures mirror them field
  * for field. */
 #ifndef PAGEDATTN_ABI_H
@@ -8,6 +8,7 @@
 
 #define PAGEDATTN_MAX_HEAD 512 /* the decode kernel's head size bound */
 #define PAGEDATTN_MAX_GROUP 64 /* and query heads per KV head */
+#define PAGEDATTN_PREFILL_MAX_HEAD 256 /* the prefill kernel's: head sizes that are multiples of 16 up to this */
 
 #ifdef __cplusplus
 extern "C" {
@@ -64,8 +65,31 @@ typedef struct {
     int64_t w_bytes; /* the weight buffer's size: the layout's own, or the call refuses */
 } linear_args;
 
+/* paged_prefill.c: the queries of runs of sequences over their own K/V rows (not the paged cache) */
+typedef struct {
+    const void *query;
+    int64_t q_row, q_head;
+    const void *key;
+    int64_t k_row, k_head;
+    const void *value;
+    int64_t v_row, v_head;
+    void *out;
+    int64_t o_row, o_head;
+    /* per item: first query row, queries, position of the first query, first key row, keys, position of the first
+     * key. A causal query at position p sees the item's keys at positions [p - window + 1, p] ([.., p] without a
+     * window); a non-causal query sees all of them */
+    const int64_t *items;
+    int64_t num_items;
+    int32_t num_heads, num_kv_heads, head_size, causal, window, dtype;
+    float scale;
+    float *scratch;  /* the transposed keys: sum over items of ceil(keys / 16) * Hkv * D * 16 floats */
+    int32_t num_threads;
+    int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
+} prefill_args;
+
 /* 0, or the first check that failed with nothing written (see each definition) */
 int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start);
+int pagedattn_prefill(const prefill_args *a);
 int pagedattn_write_kv(const write_args *a);
 int pagedattn_linear(const linear_args *a);
 
