@@ -227,13 +227,7 @@ def split_step(engine, steps: int) -> str:
     wall = step_wall(engine, steps)
     shape = max(dg.graphs)  # the largest batch, then the widest table: the shape these steps replay
     graph, _ = dg.graphs[shape]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    replay = start.elapsed_time(end) / 1e3 / steps
+    replay = roofline.graph_replay_seconds(graph, steps)
     return (f"engine step {wall * 1e3:.2f} ms (no profiler); its graph {shape} replayed alone {replay * 1e3:.2f} ms "
             f"back to back; the rest, {(wall - replay) * 1e3:.2f} ms, is the host's part of a step (the GPU waits)")
 

@@ -88,13 +88,7 @@ def graph_seconds(calls, repeats: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats / len(calls)
+    return roofline.graph_replay_seconds(graph, repeats) / len(calls)
 
 
 def splitk_configs(m: int, n: int, k: int, sms: int):

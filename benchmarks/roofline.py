@@ -86,6 +86,18 @@ def measure_machine(dtype: torch.dtype = torch.float32, device: str = "cpu", cop
     return Machine(2 * copy_bytes / copy_s, max(rates), device, torch.get_num_threads())
 
 
+def graph_replay_seconds(graph, repeats: int) -> float:
+    """GPU seconds per replay of a captured ``torch.cuda.CUDAGraph``, ``repeats`` replays back to back timed by
+    CUDA events (the host's launches hidden behind them)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> Optional[Callable[[], torch.Tensor]]:
     """oneDNN's linear over weights packed once, as the engine's compiled CPU step runs its matmuls (Inductor's
     freezing): on some CPUs it is more than twice MKL's ``mm`` (MKL's AVX-512 paths are Intel-only; on a 2-core
