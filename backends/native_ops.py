@@ -11,9 +11,9 @@ against ~8 us for this one (``benchmarks/RESULTS.md``).
 their results: a call runs ``csrc/paged_decode.c``'s write or decode kernel and ``csrc/paged_prefill.c``'s prefill
 kernel from C++ when it is one the Python path would send there with no further work (the bound backend is the plain
 :class:`SdpaCpuBackend`: :func:`use_backend` tells the C++ side per thread; every check passes; every sequence is a
-decode or, with the step's keys given, a fresh prompt; no tensor parameters or position program; for prompts no
-soft-cap or chunks, and none that SDPA's kernel takes on this machine), and otherwise goes to the ``pagedattn::`` op
-unchanged, which then does what it always does.
+decode, a fresh prompt (with the step's keys given) or a chunk over cached keys; no tensor parameters or position
+program; for prompts and chunks no soft-cap or chunked attention, and none that SDPA's kernel takes on this machine),
+and otherwise goes to the ``pagedattn::`` op unchanged, which then does what it always does.
 :class:`NativePagedOps` puts them in a compiled CPU step.
 
 While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
@@ -104,17 +104,20 @@ def load() -> bool:
     return True
 
 
-def bind_paged_kernels(sdpa_prefill_tokens: Optional[int] = None) -> None:
+def bind_paged_kernels(sdpa_prefill_tokens: Optional[int] = None,
+                       sdpa_chunk_bounds: Optional[tuple[int, int]] = None) -> None:
     """Bind the paged stand-ins to the C library's write, decode and prefill kernels, leaving to the Python op the
-    steps with a fresh bfloat16 prompt of ``sdpa_prefill_tokens`` or more (None: where ``sdpa_cpu.sdpa_prefill_pays``
-    sends such prompts to SDPA's kernel on this machine; 0: none). Needs :func:`load`'s library."""
-    if sdpa_prefill_tokens is None:
-        from pagedattn.backends import sdpa_cpu  # it imports this module's package
+    steps that SDPA's kernel serves in part: a fresh bfloat16 prompt of ``sdpa_prefill_tokens`` or more, a bfloat16
+    chunk after cached keys of at least ``sdpa_chunk_bounds``' queries and query-key pairs (None: where
+    ``sdpa_cpu.sdpa_prefill_pays`` and ``sdpa_chunk_pays`` send such prompts and chunks to SDPA's kernel on this
+    machine; 0: none). Needs :func:`load`'s library."""
+    from pagedattn.backends import sdpa_cpu  # it imports this module's package
 
-        sdpa_prefill_tokens = sdpa_cpu.sdpa_prefill_tokens()
+    tokens = sdpa_cpu.sdpa_prefill_tokens() if sdpa_prefill_tokens is None else sdpa_prefill_tokens
+    chunk_tokens, chunk_work = sdpa_cpu.sdpa_chunk_bounds() if sdpa_chunk_bounds is None else sdpa_chunk_bounds
     address = functools.partial(_address, native.load())
     torch.ops.pagedattn_native.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"),
-                                          address("pagedattn_prefill"), sdpa_prefill_tokens)
+                                          address("pagedattn_prefill"), tokens, chunk_tokens, chunk_work)
 
 
 def loaded() -> bool:

@@ -633,6 +633,13 @@ def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) 
     return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
 
 
+def sdpa_chunk_bounds() -> tuple[int, int]:
+    """``(queries, query-key pairs)``: the least a causal chunk after cached keys needs for :func:`sdpa_chunk_pays` to
+    send it to SDPA's kernel on this machine (with a bfloat16 cache, no window, from the first key); ``(0, 0)`` where it
+    sends none (the C++ stand-ins leave such steps to the Python op)."""
+    return (SDPA_CHUNK_TOKENS, SDPA_CHUNK_WORK) if _amx_tiles() else (0, 0)
+
+
 def sdpa_prefill_tokens() -> int:
     """The fewest tokens of a fresh bfloat16 prompt without a window that :func:`sdpa_prefill_pays` sends to SDPA's
     kernel on this machine; 0 where it sends none (the C++ stand-ins leave such steps to the Python op)."""

@@ -43,6 +43,8 @@ constexpr size_t KEPT = 4; /* an encoder-decoder step alternates two sets of met
 std::atomic<decode_fn> bound_decode{nullptr};
 std::atomic<prefill_fn> bound_prefill{nullptr};
 std::atomic<int64_t> sdpa_prefill_tokens{0}; /* sdpa_cpu.sdpa_prefill_pays' bound where it applies here, else 0 */
+std::atomic<int64_t> sdpa_chunk_tokens{0}, sdpa_chunk_work{0}; /* sdpa_cpu.sdpa_chunk_pays' bounds, else 0 */
+constexpr int64_t REST_BATCH_BYTES = int64_t(32) << 20; /* sdpa_cpu._REST_BATCH_BYTES */
 std::atomic<write_fn> bound_write{nullptr};
 thread_local bool plain_backend = false;
 
@@ -99,17 +101,24 @@ void write_kv_cache(const c10::OperatorHandle &, torch::jit::Stack *stack) {
     python_op("pagedattn::write_kv_cache", stack);
 }
 
-/* ---- the attention: decodes, and fresh prompts beside them */
+/* ---- the attention: decodes, fresh prompts and chunks over cached keys */
+
+struct RestBatch { /* chunks over cached keys gathered and attended together, as sdpa_cpu._rest_plan batches them */
+    at::Tensor index, items; /* int64 [blocks]: their blocks, chunk after chunk; int64 [n, 6] (native.prefill's) */
+    int64_t tiles;           /* their keys' tiles of 16 in all */
+};
 
 struct Plan { /* what the step's metadata gives every layer */
     at::Tensor tables, seq_lens, qsl;   /* the metadata tensors themselves: the key */
     int64_t versions[3];
-    int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads;
+    int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads, num_blocks, row_bytes;
+    int code;
     bool causal, has_key;
     at::Tensor tables_i32, items, parts_start; /* int32 [S, W] contiguous; the decodes' int64 [n, 4]; int64 [n + 1] */
     int64_t num_parts, part_keys;
     at::Tensor fresh_items; /* the fresh prompts' int64 [f, 6] (native.prefill's items); undefined without any */
     int64_t fresh_tiles, longest_fresh; /* their keys' tiles of 16 in all; the most queries of one */
+    std::vector<RestBatch> rest;
     bool every_row; /* the items cover every query row: none to zero */
 };
 
@@ -133,8 +142,9 @@ int64_t part_keys(int64_t total, int64_t threads, int64_t block_size) {
 }
 
 /* The plan for these metadata tensors, checked as metadata.check_attend_cheap checks them; false where they fail a
-   check or a sequence is neither a decode nor (with the step's keys given) a fresh prompt, as sdpa_cpu._plan splits
-   them (the Python op then refuses or runs them). */
+   check, a chunk's block is not one of the cache's or SDPA's kernel takes a chunk on this machine (the Python op
+   then refuses or runs them). Sequences split as sdpa_cpu._plan splits them: decodes, fresh prompts (with the step's
+   keys given) and the rest, chunks over cached keys, batched as sdpa_cpu._rest_plan batches them. */
 bool make_plan(Plan &p) {
     const at::Tensor &tables = p.tables, &lens_t = p.seq_lens, &qsl_t = p.qsl;
     for (const at::Tensor *t : {&tables, &lens_t, &qsl_t})
@@ -147,9 +157,21 @@ bool make_plan(Plan &p) {
     const int64_t *l = lens.data_ptr<int64_t>(), *q = qsl.data_ptr<int64_t>();
     const int64_t covered = tables.size(1) * p.block_size;
     if (q[0] != 0 || q[n] > p.rows) return false;
-    std::vector<int64_t> items, fresh, starts(1, 0);
-    int64_t total = 0, covered_rows = 0;
+    std::vector<int64_t> items, fresh, starts(1, 0), rest_blocks, rest_items;
+    int64_t total = 0, covered_rows = 0, rest_rows = 0, rest_tiles = 0;
     p.fresh_tiles = p.longest_fresh = 0;
+    p.tables_i32 = tables.to(at::kInt).contiguous();
+    const int32_t *table = p.tables_i32.data_ptr<int32_t>();
+    const int64_t width = tables.size(1), ct = sdpa_chunk_tokens.load(), cw = sdpa_chunk_work.load();
+    auto close_batch = [&]() {
+        if (rest_items.empty()) return;
+        RestBatch b{at::empty({static_cast<int64_t>(rest_blocks.size())}, at::kLong),
+                    at::empty({static_cast<int64_t>(rest_items.size() / 6), 6}, at::kLong), rest_tiles};
+        std::copy(rest_blocks.begin(), rest_blocks.end(), b.index.data_ptr<int64_t>());
+        std::copy(rest_items.begin(), rest_items.end(), b.items.data_ptr<int64_t>());
+        p.rest.push_back(std::move(b));
+        rest_blocks.clear(), rest_items.clear(), rest_rows = rest_tiles = 0;
+    };
     for (int64_t i = 0; i < n; i++) {
         const int64_t ql = q[i + 1] - q[i];
         if (l[i] < 1 || l[i] > covered || (p.max_seq_len > 0 && l[i] > p.max_seq_len)) return false;
@@ -161,11 +183,27 @@ bool make_plan(Plan &p) {
             fresh.insert(fresh.end(), {q[i], ql, 0, q[i], ql, 0});
             p.fresh_tiles += (ql + 15) / 16;
             p.longest_fresh = std::max(p.longest_fresh, ql);
+        } else if (ql > 1 && p.chunk == 0) { /* a chunk over cached keys, from the block of its first visible key */
+            const int64_t context = l[i] - ql, first = first_visible(context, p.window, 0) / p.block_size;
+            const int64_t k0 = first * p.block_size, blocks = (l[i] + p.block_size - 1) / p.block_size - first;
+            if (k0 == 0 && context > 0 && p.causal && p.code == 1 && p.window == 0 && ct > 0 && ql >= ct &&
+                ql * l[i] >= cw)
+                return false; /* SDPA's kernel takes it here (sdpa_chunk_pays): the Python op */
+            if (!rest_items.empty() && (rest_rows + blocks * p.block_size) * p.row_bytes > REST_BATCH_BYTES) close_batch();
+            for (int64_t j = first; j < first + blocks; j++) {
+                const int64_t id = table[i * width + j];
+                if (id < 0 || id >= p.num_blocks) return false; /* the Python op's gather says what is wrong */
+                rest_blocks.push_back(id);
+            }
+            rest_items.insert(rest_items.end(), {q[i], ql, context, rest_rows, l[i] - k0, k0});
+            rest_rows += blocks * p.block_size;
+            rest_tiles += (l[i] - k0 + 15) / 16;
         } else {
-            return false; /* a chunk over cached keys or an empty run: the Python op */
+            return false; /* an empty run, or a chunk of a chunked site: the Python op */
         }
         covered_rows += ql;
     }
+    close_batch();
     const int64_t nd = static_cast<int64_t>(items.size() / 4), nf = static_cast<int64_t>(fresh.size() / 6);
     p.part_keys = part_keys(total, p.threads, p.block_size);
     for (int64_t i = 0; i < nd; i++) {
@@ -181,14 +219,13 @@ bool make_plan(Plan &p) {
         p.fresh_items = at::empty({nf, 6}, at::kLong);
         std::copy(fresh.begin(), fresh.end(), p.fresh_items.data_ptr<int64_t>());
     }
-    p.tables_i32 = tables.to(at::kInt).contiguous();
     p.every_row = covered_rows == p.rows;
     return true;
 }
 
 const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at::Tensor &qsl, int64_t rows,
                       int64_t window, int64_t chunk, int64_t block_size, bool causal, bool has_key, int64_t max_seq_len,
-                      int64_t num_kv_heads, Plan *scratch_plan) {
+                      int64_t num_kv_heads, int64_t num_blocks, int64_t row_bytes, int code, Plan *scratch_plan) {
     const int64_t threads = at::get_num_threads();
     const bool keyed = !tables.is_inference() && !lens.is_inference() && !qsl.is_inference();
     if (keyed) {
@@ -197,13 +234,15 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
             if (p.tables.is_same(tables) && p.seq_lens.is_same(lens) && p.qsl.is_same(qsl) && p.versions[0] == v[0] &&
                 p.versions[1] == v[1] && p.versions[2] == v[2] && p.rows == rows && p.window == window &&
                 p.chunk == chunk && p.block_size == block_size && p.threads == threads && p.causal == causal &&
-                p.has_key == has_key && p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads)
+                p.has_key == has_key && p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads &&
+                p.num_blocks == num_blocks && p.row_bytes == row_bytes && p.code == code)
                 return &p;
     }
     Plan p;
     p.tables = tables, p.seq_lens = lens, p.qsl = qsl;
     p.rows = rows, p.window = window, p.chunk = chunk, p.block_size = block_size, p.threads = threads;
     p.causal = causal, p.has_key = has_key, p.max_seq_len = max_seq_len, p.num_kv_heads = num_kv_heads;
+    p.num_blocks = num_blocks, p.row_bytes = row_bytes, p.code = code;
     if (!make_plan(p)) return nullptr;
     if (!keyed) {
         *scratch_plan = std::move(p);
@@ -215,23 +254,25 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
     return &plans.front();
 }
 
-/* The plan's fresh prompts attended into out by the bound prefill kernel, as sdpa_cpu's attend sends them there in one
-   native.prefill call (its items, scale, causality, raw window and thread count); false where that path would not
-   take them (sdpa_cpu._native_prefill_lib, native.prefill_usable, sdpa_prefill_pays) or the kernel refuses: then
-   the Python op runs the whole call, out discarded. */
-bool prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
-             const Plan &p, double scale, bool causal, int64_t window, int64_t chunk, double softcap, int code) {
-    prefill_fn fn = bound_prefill.load(std::memory_order_relaxed);
-    if (!fn || softcap > 0 || chunk != 0 || (!causal && window != 0)) return false;
-    const int64_t hq = query.size(1), hkv = p.num_kv_heads, d = query.size(2);
+/* Whether sdpa_cpu's attend sends its prompts and chunks to the native prefill kernel: no cap or chunked attention,
+   causal or no window (sdpa_cpu._native_prefill_lib), D a multiple of 16 up to the kernel's bound. */
+bool prefill_site(double softcap, bool causal, int64_t window, int64_t chunk, int64_t d) {
+    return bound_prefill.load(std::memory_order_relaxed) && softcap <= 0 && chunk == 0 && (causal || window == 0) &&
+           d % 16 == 0 && d <= PAGEDATTN_PREFILL_MAX_HEAD;
+}
+
+/* items' queries over key/value rows [T, Hkv, D] through the prefill kernel into out, as native.prefill calls it
+   (scale, causality, the site's raw window, the thread count); false where the tensors do not suit it
+   (native.prefill_usable) or the kernel refuses, nothing written. */
+bool run_prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                 const at::Tensor &items, int64_t tiles, int64_t hkv, double scale, bool causal, int64_t window,
+                 int code, int64_t threads) {
+    const int64_t hq = query.size(1), d = query.size(2);
     if (!key.device().is_cpu() || !value.device().is_cpu() || key.scalar_type() != query.scalar_type() ||
         value.scalar_type() != query.scalar_type() || key.dim() != 3 || value.dim() != 3 || key.stride(-1) != 1 ||
-        value.stride(-1) != 1 || d % 16 || d > PAGEDATTN_PREFILL_MAX_HEAD || key.size(2) != d || value.size(2) != d ||
-        key.size(1) != hkv || value.size(1) != hkv)
+        value.stride(-1) != 1 || key.size(2) != d || value.size(2) != d || key.size(1) != hkv || value.size(1) != hkv)
         return false;
-    const int64_t sdpa = sdpa_prefill_tokens.load(std::memory_order_relaxed);
-    if (code == 1 && window == 0 && sdpa > 0 && p.longest_fresh >= sdpa) return false; /* SDPA's kernel pays here */
-    at::Tensor scratch = at::empty({std::max<int64_t>(1, p.fresh_tiles * hkv * d * 16)}, query.options().dtype(at::kFloat));
+    at::Tensor scratch = at::empty({std::max<int64_t>(1, tiles * hkv * d * 16)}, query.options().dtype(at::kFloat));
     const prefill_args a{query.data_ptr(),
                          query.stride(0),
                          query.stride(1),
@@ -244,8 +285,8 @@ bool prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &k
                          out.data_ptr(),
                          out.stride(0),
                          out.stride(1),
-                         p.fresh_items.data_ptr<int64_t>(),
-                         p.fresh_items.size(0),
+                         items.data_ptr<int64_t>(),
+                         items.size(0),
                          static_cast<int32_t>(hq),
                          static_cast<int32_t>(hkv),
                          static_cast<int32_t>(d),
@@ -254,10 +295,34 @@ bool prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &k
                          code,
                          static_cast<float>(scale),
                          scratch.data_ptr<float>(),
-                         static_cast<int32_t>(p.threads),
+                         static_cast<int32_t>(threads),
                          std::min(query.size(0), out.size(0)),
                          std::min(key.size(0), value.size(0))};
-    return fn(&a) == 0;
+    return bound_prefill.load(std::memory_order_relaxed)(&a) == 0;
+}
+
+/* The plan's fresh prompts and chunks over cached keys attended into out as sdpa_cpu's attend attends them: the
+   prompts in one prefill call over the step's keys, each batch of chunks in one over its blocks gathered from the
+   cache; false where that path would not send them there or a kernel refuses (then the Python op runs the whole
+   call, out discarded). */
+bool prefills(const at::Tensor &out, const at::Tensor &query, const c10::IValue &key, const c10::IValue &value,
+              const at::Tensor &cache, const Plan &p, double scale, bool causal, int64_t window, int64_t chunk,
+              double softcap, int code) {
+    if (!prefill_site(softcap, causal, window, chunk, query.size(2))) return false;
+    if (p.fresh_items.defined()) {
+        const int64_t sdpa = sdpa_prefill_tokens.load(std::memory_order_relaxed);
+        if (code == 1 && window == 0 && sdpa > 0 && p.longest_fresh >= sdpa) return false; /* SDPA's kernel pays */
+        if (!run_prefill(out, query, key.toTensor(), value.toTensor(), p.fresh_items, p.fresh_tiles, p.num_kv_heads,
+                         scale, causal, window, code, p.threads))
+            return false;
+    }
+    for (const RestBatch &b : p.rest) {
+        const at::Tensor k = cache.select(0, 0).index_select(0, b.index).flatten(0, 1); /* [rows, Hkv, D] */
+        const at::Tensor v = cache.select(0, 1).index_select(0, b.index).flatten(0, 1);
+        if (!run_prefill(out, query, k, v, b.items, b.tiles, p.num_kv_heads, scale, causal, window, code, p.threads))
+            return false;
+    }
+    return true;
 }
 
 /* the attention computed here, or an undefined tensor (then the Python op) */
@@ -290,12 +355,13 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
     const bool has_key = arg(1).isTensor() && arg(2).isTensor();
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
-                              bs, causal, has_key, max_seq_len, hkv, &local);
+                              bs, causal, has_key, max_seq_len, hkv, cache.size(1), 2 * hkv * d * cache.element_size(),
+                              code, &local);
     if (!p) return {};
     at::Tensor out = p->every_row ? at::empty({query.size(0), hq, d}, query.options())
                                   : at::zeros({query.size(0), hq, d}, query.options());
-    if (p->fresh_items.defined() && !prefill(out, query, arg(1).toTensor(), arg(2).toTensor(), *p, scale, causal,
-                                             arg(9).toInt(), arg(15).toInt(), softcap, code))
+    if ((p->fresh_items.defined() || !p->rest.empty()) &&
+        !prefills(out, query, arg(1), arg(2), cache, *p, scale, causal, arg(9).toInt(), arg(15).toInt(), softcap, code))
         return {};
     if (p->items.size(0) == 0) return out;
     at::Tensor scratch = at::empty({p->num_parts * hq * (d + 2)}, query.options().dtype(at::kFloat));
@@ -346,11 +412,14 @@ void paged_attention(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
     torch::jit::push(*stack, std::move(out));
 }
 
-void bind_paged(int64_t decode, int64_t write, int64_t prefill, int64_t sdpa_tokens) {
+void bind_paged(int64_t decode, int64_t write, int64_t prefill, int64_t sdpa_tokens, int64_t chunk_tokens,
+                int64_t chunk_work) {
     bound_decode.store(reinterpret_cast<decode_fn>(decode));
     bound_write.store(reinterpret_cast<write_fn>(write));
     bound_prefill.store(reinterpret_cast<prefill_fn>(prefill));
     sdpa_prefill_tokens.store(sdpa_tokens);
+    sdpa_chunk_tokens.store(chunk_tokens);
+    sdpa_chunk_work.store(chunk_work);
 }
 
 bool set_plain_backend(bool on) {
@@ -369,7 +438,8 @@ TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
           "Tensor? alibi_slopes, int num_kv_heads, int head_size_v, Tensor? sinks=None, int chunk_size=0, "
           "int max_seq_len=0, bool positions_from_first_key=False, str position_mod=\"\", "
           "Tensor? position_tables=None, Tensor? position_data=None) -> Tensor");
-    m.def("bind_paged(int decode, int write, int prefill, int sdpa_prefill_tokens) -> ()");
+    m.def("bind_paged(int decode, int write, int prefill, int sdpa_prefill_tokens, int sdpa_chunk_tokens, "
+          "int sdpa_chunk_work) -> ()");
     m.def("set_plain_backend(bool on) -> bool");
 }
 

@@ -183,6 +183,14 @@ def _paged(namespace, b, params):
                                *params.args())
 
 
+def _paged_from_cache(namespace, b, params):
+    """As :func:`_paged`, the attention given no K/V (it reads the step's from the cache)."""
+    ops, m = getattr(torch.ops, namespace), b.meta
+    ops.write_kv_cache(b.key, b.value, b.kv_cache, m.slot_mapping)
+    return ops.paged_attention(b.query, None, None, b.kv_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                               *params.args())
+
+
 _native_paged = functools.partial(_paged, "pagedattn_native")
 _python_paged = functools.partial(_paged, "pagedattn")
 
@@ -268,15 +276,15 @@ def _case(kind):
     """A step, its parameters and a description of why the stand-ins leave it to the Python op."""
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-    seqs = ([(20, 1), (0, 5), (9, 3)] if kind == "cached_chunk" else [(20, 1), (0, 5), (0, 40)]
+    seqs = ([(20, 1), (0, 5), (40, 30)] if kind.startswith("chunk") else [(20, 1), (0, 5), (0, 40)]
             if kind.startswith("prompt") else [(20, 1), (33, 1)])
     b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=72 if kind == "prompt_head_72" else 64, block_size=16,
-                   dtype=torch.bfloat16 if kind == "prompt_sdpa" else torch.float32)
+                   dtype=torch.bfloat16 if kind.endswith("sdpa") else torch.float32)
     params = batch_params(b, 0.125, softcap=20.0 if kind == "prompt_softcap" else 0.0,
                           window=7 if kind == "prompt_bidirectional_window" else 0,
                           causal=kind != "prompt_bidirectional_window")
     backend = SdpaCpuBackend()
-    if kind == "prompt_chunked":
+    if kind in ("prompt_chunked", "chunk_of_a_chunked_site"):
         params = dataclasses.replace(params, chunk_size=16)
     if kind == "alibi":
         params = dataclasses.replace(params, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
@@ -291,18 +299,20 @@ def _case(kind):
     return b, params, backend
 
 
-@pytest.mark.parametrize("kind", ["cached_chunk", "prompt_softcap", "prompt_chunked", "prompt_head_72",
-                                  "prompt_bidirectional_window", "prompt_sdpa", "alibi", "sinks", "int64_tables",
-                                  "subclass", "instance_override", "validation", "no_backend_bound"])
+@pytest.mark.parametrize("kind", ["prompt_softcap", "prompt_chunked", "prompt_head_72", "prompt_bidirectional_window",
+                                  "prompt_sdpa", "chunk_of_a_chunked_site", "chunk_sdpa", "alibi", "sinks",
+                                  "int64_tables", "subclass", "instance_override", "validation", "no_backend_bound"])
 def test_what_the_stand_ins_do_not_run_goes_to_the_python_op(kind, python_calls, monkeypatch):
-    # a chunk over cached keys, and prompts the native prefill does not take (soft-cap, chunked attention, a head
-    # size it lacks, a window without causality) or that SDPA's kernel takes on this machine, go to the Python op
+    # prompts and chunks over cached keys the native prefill does not take (soft-cap, chunked attention, a head size
+    # it lacks, a window without causality) or that SDPA's kernel takes on this machine go to the Python op
     from pagedattn.backends import native_ops, sdpa_cpu
 
-    if kind == "prompt_sdpa":  # as on a CPU with AMX tiles, with a bound the step's 40-token prompt reaches
+    if kind.endswith("sdpa"):  # as on a CPU with AMX tiles, with bounds the step's 40-token prompt or chunk reaches
         monkeypatch.setattr(sdpa_cpu, "SDPA_PREFILL_TOKENS", 40)
+        monkeypatch.setattr(sdpa_cpu, "SDPA_CHUNK_TOKENS", 30)
+        monkeypatch.setattr(sdpa_cpu, "SDPA_CHUNK_WORK", 30 * 70)
         monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: True)
-        native_ops.bind_paged_kernels(40)
+        native_ops.bind_paged_kernels(40, (30, 30 * 70))
     try:
         _python_op_takes(kind, python_calls)
     finally:
@@ -327,28 +337,37 @@ def _python_op_takes(kind, python_calls):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("site", ["plain", "window", "bidirectional", "padded", "prompts_only", "long_prompt"])
+@pytest.mark.parametrize("site", ["plain", "window", "bidirectional", "padded", "prompts_only", "long_prompt",
+                                  "chunks", "chunks_window", "chunks_without_keys", "long_chunk"])
 def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype, site, python_calls):
-    # a step of fresh prompts and decodes under the plain CPU backend: its prompts through the native prefill and its
-    # decodes through the decode kernel from C++, bit for bit what the Python path gives; a prompt at least as long as
-    # SDPA_PREFILL_TOKENS too where SDPA's kernel does not pay (the bound is 0 off AMX)
+    # a step of fresh prompts, chunks over cached keys and decodes under the plain CPU backend: its prompts and chunks
+    # through the native prefill (the chunks' blocks gathered) and its decodes through the decode kernel from C++, bit
+    # for bit what the Python path gives; the step's keys not given, its sequences all go through the cache; a prompt
+    # or chunk at least as large as SDPA's bounds too where SDPA's kernel does not pay (the bounds are 0 off AMX)
     from pagedattn.backends import native_ops, sdpa_cpu, use_backend
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
     seqs = {"prompts_only": [(0, 7), (0, 33)],
-            "long_prompt": [(0, sdpa_cpu.SDPA_PREFILL_TOKENS + 3), (12, 1)]}.get(site, [(37, 1), (0, 9), (5, 1), (0, 20)])
+            "long_prompt": [(0, sdpa_cpu.SDPA_PREFILL_TOKENS + 3), (12, 1)],
+            "chunks": [(37, 1), (16, 9), (0, 12), (100, 40), (5, 2)],
+            "long_chunk": [(2048, 64), (3, 1)]}.get(site, [(37, 1), (0, 9), (5, 1), (0, 20)])
     kw = dict(num_heads=6, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype,
               pad_tokens=3 if site == "padded" else 0)
-    args = dict(scale=0.125, causal=site != "bidirectional", window=5 if site == "window" else 0)
-    native_ops.bind_paged_kernels(0)
+    if site.startswith("chunks_"):
+        seqs = [(37, 1), (16, 9), (0, 12), (100, 40), (5, 2)]
+    args = dict(scale=0.125, causal=site != "bidirectional", window=5 if site.endswith("window") else 0)
+    native_ops.bind_paged_kernels(0, (0, 0))
     try:
         outs, caches = [], []
         for run in (_native_paged, _python_paged):
             b = make_batch(seqs, **kw)
+            stand_ins = run is _native_paged
+            if site == "chunks_without_keys":  # K/V written first, then attended from the cache alone
+                run = functools.partial(_paged_from_cache, run.args[0])
             params = batch_params(b, **args)
             with use_backend(SdpaCpuBackend()):
                 before = len(python_calls)
-                if run is _native_paged:
+                if stand_ins:
                     outs.append(run(b, params))
                     assert len(python_calls) == before  # no Python kernel ran
                 else:
@@ -437,20 +456,20 @@ def test_random_decode_steps_through_the_stand_ins_are_the_python_paths(contexts
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.booleans(), st.integers(2, 90), st.integers(0, 200)), min_size=1, max_size=6),
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(2, 90), st.integers(0, 200)), min_size=1, max_size=6),
        st.sampled_from([16, 32]), st.sampled_from([(4, 4), (6, 2), (8, 1)]), st.sampled_from([32, 64, 128]),
        st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 3), st.integers(0, 2), st.integers(0, 1000))
-def test_random_steps_of_prompts_and_decodes_through_the_stand_ins_are_the_python_paths(python_calls, seqs, block_size,
-                                                                                       heads, head_size, dtype, pad,
-                                                                                       site, seed):
-    # any step of fresh prompts (2-90 tokens) and decodes (contexts 0-200) the stand-ins take, causal with or without
-    # a window or bidirectional: the cache and the output bit for bit what the Python path gives
+def test_random_steps_of_prompts_chunks_and_decodes_through_the_stand_ins_are_the_python_paths(
+        python_calls, seqs, block_size, heads, head_size, dtype, pad, site, seed):
+    # any step of fresh prompts (2-90 tokens), chunks of 2-90 tokens after 1-201 cached ones and decodes (contexts
+    # 0-200) the stand-ins take, causal with or without a window or bidirectional: the cache and the output bit for bit
+    # what the Python path gives
     from pagedattn.backends import native_ops, use_backend
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-    steps = [(0, n) if prompt else (c, 1) for prompt, n, c in seqs]
+    steps = [[(c, 1), (0, n), (c + 1, n)][kind] for kind, n, c in seqs]
     outs, caches = [], []
-    native_ops.bind_paged_kernels(0)
+    native_ops.bind_paged_kernels(0, (0, 0))
     try:
         for run in (_native_paged, _python_paged):
             b = make_batch(steps, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
