@@ -264,7 +264,7 @@ class SdpaCpuBackend(SplitKVBackend):
         or chunk's start; block 0 otherwise) to its end: ``(position of the first, K, V [Hkv, L, D])``."""
         bs = kv_cache.shape[2]
         first = reference.earliest_visible_key(s.context_len, params) // bs
-        blocks = table[first:-(-s.kv_len // bs)].long()
+        blocks = _cache_blocks(table[first:-(-s.kv_len // bs)].long(), kv_cache.shape[1])
         k0 = first * bs
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:s.kv_len - k0]  # [L, Hkv, D]
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:s.kv_len - k0]
@@ -683,13 +683,13 @@ class _RestBatch:
 _REST_BATCH_BYTES = 32 << 20
 
 
-def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, row_bytes: int, dtype: torch.dtype,
-               params: AttentionParams) -> tuple[tuple, tuple]:
+def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, num_blocks: int, row_bytes: int,
+               dtype: torch.dtype, params: AttentionParams) -> tuple[tuple, tuple]:
     """``(batches, others)``: the chunks the native prefill takes in batches (:class:`_RestBatch`, at most
     :data:`_REST_BATCH_BYTES` of K and V gathered each, a longer chunk alone) and those left to the per-chunk path
     (SDPA's where it pays). Fixed by the step's metadata and the site's window, so memoised for the step's layers."""
     plans = _step_plans(block_tables)
-    key = ("rest", block_tables._version, rest, block_size, row_bytes, dtype, params.window, params.causal)
+    key = ("rest", block_tables._version, rest, block_size, num_blocks, row_bytes, dtype, params.window, params.causal)
     if key in plans:
         return plans[key]
     batches, others, blocks, items, rows = [], [], [], [], 0
@@ -711,17 +711,28 @@ def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, row_bytes: in
         rows += n * block_size
     if items:
         batches.append(_RestBatch(torch.cat(blocks), torch.tensor(items, dtype=torch.int64)))
+    for b in batches:
+        _cache_blocks(b.index, num_blocks)
     plans[key] = (tuple(batches), tuple(others))
     return plans[key]
+
+
+def _cache_blocks(blocks: Tensor, num_blocks: int) -> Tensor:
+    """``blocks``, a gather's block ids, once each is a block of the cache; else the ValueError that says so."""
+    if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        bad = blocks[(blocks < 0) | (blocks >= num_blocks)][0]
+        raise ValueError(f"paged_attention: a block table entry is not a block of the cache: {int(bad)}, the cache "
+                         f"holds blocks 0-{num_blocks - 1}; check the block tables the step was given")
+    return blocks
 
 
 def _rest_native(lib, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables: Tensor, rest: tuple,
                  params: AttentionParams) -> tuple:
     """Attend the chunks over cached keys that the native prefill takes, a batch of them a call (one gather and one
     call where the per-chunk path makes one of each a chunk); returns the chunks left to the per-chunk path."""
-    _, bs, hkv, d = kv_cache.shape[1:]
+    nb, bs, hkv, d = kv_cache.shape[1:]
     row_bytes = 2 * hkv * d * kv_cache.element_size()
-    batches, others = _rest_plan(block_tables, rest, bs, row_bytes, query.dtype, params)
+    batches, others = _rest_plan(block_tables, rest, bs, nb, row_bytes, query.dtype, params)
     for b in batches:
         k = kv_cache[0].index_select(0, b.index).flatten(0, 1)  # [rows, Hkv, D]
         v = kv_cache[1].index_select(0, b.index).flatten(0, 1)

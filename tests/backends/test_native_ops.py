@@ -386,12 +386,14 @@ def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype,
     ("negative_slot", "negative other than -1"),
     ("seq_len", "longer than its block table"),
     ("max_seq_len", "longer than"),
+    ("chunk_block", "not a block of the cache"),
 ])
 def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
     from pagedattn.backends import use_backend
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    b = make_batch([(20, 1), (33, 1)] + ([(40, 30)] if bad == "chunk_block" else []), num_heads=4, num_kv_heads=2,
+                   head_size=64, block_size=16)
     params = batch_params(b, 0.125)
     m = b.meta
     with use_backend(SdpaCpuBackend()):
@@ -403,14 +405,17 @@ def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
                 torch.ops.pagedattn_native.write_kv_cache(b.key, b.value, b.kv_cache, slots)
             assert torch.equal(b.kv_cache, before)
             return
-        lens = m.seq_lens.clone()
+        lens, tables = m.seq_lens.clone(), m.block_tables.clone()
         if bad == "seq_len":
             lens[1] = m.block_tables.shape[1] * 16 + 1
+        elif bad == "chunk_block":
+            tables[2, 1] = b.kv_cache.shape[1]  # one past the cache's last block
         else:
             params = dataclasses.replace(params, max_seq_len=30)
-        with pytest.raises(ValueError, match=match):
-            torch.ops.pagedattn_native.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, lens,
-                                                       m.query_start_loc, *params.args())
+        for op in (torch.ops.pagedattn_native, torch.ops.pagedattn):
+            with pytest.raises(ValueError, match=match):
+                op.paged_attention(b.query, b.key, b.value, b.kv_cache, tables, lens, m.query_start_loc,
+                                   *params.args())
 
 
 def test_the_stand_ins_fakes_give_the_ops_shapes():
