@@ -1,17 +1,19 @@
 /* pagedattn_native::write_kv_cache and pagedattn_native::paged_attention: pagedattn's paged ops with their CPU
-   fast paths in C++, for a compiled CPU step's decodes.
+   fast paths in C++, for a compiled CPU step.
 
    Each takes the same arguments as the pagedattn:: op of its name and gives the same result. A call runs here only
-   when everything about it is what the Python path would send to the native kernels with no further work: the
-   bound backend is the plain CPU one (native_ops.py sets that flag per thread, from use_backend), validation is
-   off, the tensors have the kernels' layouts, every check passes and (attention) every sequence has one new token
-   and the site has no tensor parameters (ALiBi, sinks) or position program. Any other call, and any call a kernel
-   refuses, goes to the pagedattn:: op, boxed as it came: its Python kernel then does what it always does,
-   refusals and their messages included. The kernels are paged_decode.c's, bound by address (native_ops.py).
+   when everything about it is what the Python path (sdpa_cpu) would send to the native kernels with no further
+   work: the bound backend is the plain CPU one (native_ops.py sets that flag per thread, from use_backend),
+   validation is off, the tensors have the kernels' layouts, every check passes, the site has no tensor parameters
+   (ALiBi, sinks) or position program, and (attention) every sequence is a decode, a fresh prompt or a chunk over
+   cached keys, the last two only where the native prefill takes them and SDPA's kernel would not (no soft-cap or
+   chunked attention; sdpa_cpu's AMX bounds, bound by native_ops.py). Any other call, and any call a kernel refuses,
+   goes to the pagedattn:: op, boxed as it came: its Python kernel then does what it always does, refusals and their
+   messages included. The kernels are paged_decode.c's and paged_prefill.c's, bound by address (native_ops.py).
 
    A step calls the attention once per layer with the same metadata tensors: what a call derives from them (the
-   checks, the decode items, the int32 block tables) is kept per thread for the next calls, keyed by the tensors
-   themselves and their versions, as backends/ops.py keeps its prepared calls. */
+   checks, the decode and prefill items, the chunks' gathers, the int32 block tables) is kept per thread for the next
+   calls, keyed by the tensors themselves and their versions, as backends/ops.py keeps its prepared calls. */
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
