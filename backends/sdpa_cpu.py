@@ -447,6 +447,7 @@ def _build_decode_plan(kv_cache: Tensor, block_tables: Tensor, seqs: tuple[_Seq,
     cols = (first_t[:, None] + steps).clamp_(max=block_tables.shape[1] - 1)
     blocks = block_tables[torch.tensor(seq_rows, device=dev)[:, None], cols].long()  # [I, n_max]
     keep = steps < torch.tensor(padded, device=dev)[:, None]  # [I, n_max]
+    _cache_blocks(blocks[keep], nb)
     # one index per group, in [chunk, K|V, block] order, over the cache seen as 2 * nb blocks
     flat_cache = kv_cache.stride(0) == nb * kv_cache.stride(1)
     if flat_cache:

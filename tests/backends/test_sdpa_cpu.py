@@ -487,14 +487,16 @@ def test_sites_with_other_windows_over_one_steps_chunks_take_their_own_batches()
         _check(b, torch.float32, window=window)
 
 
-def test_a_chunks_block_outside_the_cache_is_one_clear_error():
-    # a chunk over cached keys gathers its blocks by index: with validation off (the serving path: its full checks
-    # name the entry too), an entry past the cache's blocks is refused by name, on the native path (batched gathers)
-    # and on SDPA's (a gather a chunk), not an IndexError from deep in the gather
+@pytest.mark.parametrize("row", [0, 1], ids=["decode", "chunk"])
+def test_a_block_outside_the_cache_is_one_clear_error(row):
+    # decodes and chunks over cached keys gather their blocks by index: with validation off (the serving path: its
+    # full checks name the entry too), an entry past the cache's blocks is refused by name, on the native path (its
+    # decode kernel; batched chunk gathers) and on SDPA's (its decode groups; a gather a chunk), not an IndexError
+    # from deep in a gather
     from pagedattn.backends import set_validation
 
     b = make_batch([(20, 1), (40, 30)], num_heads=4, num_kv_heads=2, dtype=torch.float32)
-    b.meta.block_tables[1, 1] = b.kv_cache.shape[1]
+    b.meta.block_tables[row, 1] = b.kv_cache.shape[1]
     set_validation(False)
     try:
         with pytest.raises(ValueError, match="not a block of the cache"):
