@@ -105,19 +105,22 @@ def load() -> bool:
 
 
 def bind_paged_kernels(sdpa_prefill_tokens: Optional[int] = None,
-                       sdpa_chunk_bounds: Optional[tuple[int, int]] = None) -> None:
+                       sdpa_chunk_bounds: Optional[tuple[int, int]] = None,
+                       rest_batch_bytes: Optional[int] = None) -> None:
     """Bind the paged stand-ins to the C library's write, decode and prefill kernels, leaving to the Python op the
     steps that SDPA's kernel serves in part: a fresh bfloat16 prompt of ``sdpa_prefill_tokens`` or more, a bfloat16
     chunk after cached keys of at least ``sdpa_chunk_bounds``' queries and query-key pairs (None: where
     ``sdpa_cpu.sdpa_prefill_pays`` and ``sdpa_chunk_pays`` send such prompts and chunks to SDPA's kernel on this
-    machine; 0: none). Needs :func:`load`'s library."""
+    machine; 0: none). Chunks over cached keys are gathered in batches of at most ``rest_batch_bytes`` of K/V (None:
+    ``sdpa_cpu.REST_BATCH_BYTES``, as the Python path batches them). Needs :func:`load`'s library."""
     from pagedattn.backends import sdpa_cpu  # it imports this module's package
 
     tokens = sdpa_cpu.sdpa_prefill_tokens() if sdpa_prefill_tokens is None else sdpa_prefill_tokens
     chunk_tokens, chunk_work = sdpa_cpu.sdpa_chunk_bounds() if sdpa_chunk_bounds is None else sdpa_chunk_bounds
+    batch = sdpa_cpu.REST_BATCH_BYTES if rest_batch_bytes is None else rest_batch_bytes
     address = functools.partial(_address, native.load())
     torch.ops.pagedattn_native.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"),
-                                          address("pagedattn_prefill"), tokens, chunk_tokens, chunk_work)
+                                          address("pagedattn_prefill"), tokens, chunk_tokens, chunk_work, batch)
 
 
 def loaded() -> bool:

@@ -680,14 +680,14 @@ class _RestBatch:
     items: Tensor  # [n, 6] int64
 
 
-# a batch's gathered K and V at most (the per-chunk path gathers one chunk at a time; a batch stays near that)
-_REST_BATCH_BYTES = 32 << 20
+# the K and V a batch of chunks over cached keys gathers at most (the C++ stand-ins are bound to it, native_ops)
+REST_BATCH_BYTES = 32 << 20
 
 
 def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, num_blocks: int, row_bytes: int,
                dtype: torch.dtype, params: AttentionParams) -> tuple[tuple, tuple]:
     """``(batches, others)``: the chunks the native prefill takes in batches (:class:`_RestBatch`, at most
-    :data:`_REST_BATCH_BYTES` of K and V gathered each, a longer chunk alone) and those left to the per-chunk path
+    :data:`REST_BATCH_BYTES` of K and V gathered each, a longer chunk alone) and those left to the per-chunk path
     (SDPA's where it pays). Fixed by the step's metadata and the site's window, so memoised for the step's layers."""
     plans = _step_plans(block_tables)
     key = ("rest", block_tables._version, rest, block_size, num_blocks, row_bytes, dtype, params.window, params.causal)
@@ -702,7 +702,7 @@ def _rest_plan(block_tables: Tensor, rest: tuple, block_size: int, num_blocks: i
             others.append(s)
             continue
         n = -(-s.kv_len // block_size) - first
-        if items and (rows + n * block_size) * row_bytes > _REST_BATCH_BYTES:
+        if items and (rows + n * block_size) * row_bytes > REST_BATCH_BYTES:
             batches.append(_RestBatch(torch.cat(blocks), torch.tensor(items, dtype=torch.int64)))
             blocks, items, rows = [], [], 0
         if tables is None:

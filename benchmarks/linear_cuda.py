@@ -92,7 +92,8 @@ def graph_seconds(calls, repeats: int = 20) -> float:
 
 
 def splitk_configs(m: int, n: int, k: int, sms: int):
-    """The grid searched: tiles, stages, warps, and the splits of K that give between one and four waves."""
+    """The grid searched: tiles, stages, warps, and the splits of K that give half a wave to four waves of programs
+    (one split whatever the count)."""
     for bn, bk, stages, warps in itertools.product((64, 128), (64, 128), (3, 4), (4,)):
         n_tiles, k_blocks = -(-n // bn), -(-k // bk)
         for split in (1, 2, 4, 8, 16):

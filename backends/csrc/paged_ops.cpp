@@ -46,7 +46,7 @@ std::atomic<decode_fn> bound_decode{nullptr};
 std::atomic<prefill_fn> bound_prefill{nullptr};
 std::atomic<int64_t> sdpa_prefill_tokens{0}; /* sdpa_cpu.sdpa_prefill_pays' bound where it applies here, else 0 */
 std::atomic<int64_t> sdpa_chunk_tokens{0}, sdpa_chunk_work{0}; /* sdpa_cpu.sdpa_chunk_pays' bounds, else 0 */
-constexpr int64_t REST_BATCH_BYTES = int64_t(32) << 20; /* sdpa_cpu._REST_BATCH_BYTES */
+std::atomic<int64_t> rest_batch_bytes{1}; /* sdpa_cpu.REST_BATCH_BYTES: the K/V a batch of chunks gathers at most */
 std::atomic<write_fn> bound_write{nullptr};
 thread_local bool plain_backend = false;
 
@@ -113,14 +113,15 @@ struct RestBatch { /* chunks over cached keys gathered and attended together, as
 struct Plan { /* what the step's metadata gives every layer */
     at::Tensor tables, seq_lens, qsl;   /* the metadata tensors themselves: the key */
     int64_t versions[3];
-    int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads, num_blocks, row_bytes;
-    int code;
+    int64_t rows, window, chunk, block_size, threads, max_seq_len, num_kv_heads, num_blocks, row_bytes, batch_bytes;
     bool causal, has_key;
     at::Tensor tables_i32, items, parts_start; /* int32 [S, W] contiguous; the decodes' int64 [n, 4]; int64 [n + 1] */
     int64_t num_parts, part_keys;
     at::Tensor fresh_items; /* the fresh prompts' int64 [f, 6] (native.prefill's items); undefined without any */
     int64_t fresh_tiles, longest_fresh; /* their keys' tiles of 16 in all; the most queries of one */
     std::vector<RestBatch> rest;
+    std::vector<int64_t> from_first; /* per chunk whose keys run from the first after cached ones: queries, query-key
+                                        pairs (what sdpa_chunk_pays weighs, at the call: its bounds may be rebound) */
     bool every_row; /* the items cover every query row: none to zero */
 };
 
@@ -144,8 +145,7 @@ int64_t part_keys(int64_t total, int64_t threads, int64_t block_size) {
 }
 
 /* The plan for these metadata tensors, checked as metadata.check_attend_cheap checks them; false where they fail a
-   check, a chunk's block is not one of the cache's or SDPA's kernel takes a chunk on this machine (the Python op
-   then refuses or runs them). Sequences split as sdpa_cpu._plan splits them: decodes, fresh prompts (with the step's
+   check or a chunk's block is not one of the cache's (the Python op then refuses or runs them). Sequences split as sdpa_cpu._plan splits them: decodes, fresh prompts (with the step's
    keys given) and the rest, chunks over cached keys, batched as sdpa_cpu._rest_plan batches them. */
 bool make_plan(Plan &p) {
     const at::Tensor &tables = p.tables, &lens_t = p.seq_lens, &qsl_t = p.qsl;
@@ -164,7 +164,7 @@ bool make_plan(Plan &p) {
     p.fresh_tiles = p.longest_fresh = 0;
     p.tables_i32 = tables.to(at::kInt).contiguous();
     const int32_t *table = p.tables_i32.data_ptr<int32_t>();
-    const int64_t width = tables.size(1), ct = sdpa_chunk_tokens.load(), cw = sdpa_chunk_work.load();
+    const int64_t width = tables.size(1);
     auto close_batch = [&]() {
         if (rest_items.empty()) return;
         RestBatch b{at::empty({static_cast<int64_t>(rest_blocks.size())}, at::kLong),
@@ -188,10 +188,8 @@ bool make_plan(Plan &p) {
         } else if (ql > 1 && p.chunk == 0) { /* a chunk over cached keys, from the block of its first visible key */
             const int64_t context = l[i] - ql, first = first_visible(context, p.window, 0) / p.block_size;
             const int64_t k0 = first * p.block_size, blocks = (l[i] + p.block_size - 1) / p.block_size - first;
-            if (k0 == 0 && context > 0 && p.causal && p.code == 1 && p.window == 0 && ct > 0 && ql >= ct &&
-                ql * l[i] >= cw)
-                return false; /* SDPA's kernel takes it here (sdpa_chunk_pays): the Python op */
-            if (!rest_items.empty() && (rest_rows + blocks * p.block_size) * p.row_bytes > REST_BATCH_BYTES) close_batch();
+            if (k0 == 0 && context > 0) p.from_first.insert(p.from_first.end(), {ql, ql * l[i]});
+            if (!rest_items.empty() && (rest_rows + blocks * p.block_size) * p.row_bytes > p.batch_bytes) close_batch();
             for (int64_t j = first; j < first + blocks; j++) {
                 const int64_t id = table[i * width + j];
                 if (id < 0 || id >= p.num_blocks) return false; /* the Python op's gather says what is wrong */
@@ -227,8 +225,8 @@ bool make_plan(Plan &p) {
 
 const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at::Tensor &qsl, int64_t rows,
                       int64_t window, int64_t chunk, int64_t block_size, bool causal, bool has_key, int64_t max_seq_len,
-                      int64_t num_kv_heads, int64_t num_blocks, int64_t row_bytes, int code, Plan *scratch_plan) {
-    const int64_t threads = at::get_num_threads();
+                      int64_t num_kv_heads, int64_t num_blocks, int64_t row_bytes, Plan *scratch_plan) {
+    const int64_t threads = at::get_num_threads(), batch_bytes = rest_batch_bytes.load(std::memory_order_relaxed);
     const bool keyed = !tables.is_inference() && !lens.is_inference() && !qsl.is_inference();
     if (keyed) {
         const int64_t v[3] = {version(tables), version(lens), version(qsl)};
@@ -237,14 +235,14 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
                 p.versions[1] == v[1] && p.versions[2] == v[2] && p.rows == rows && p.window == window &&
                 p.chunk == chunk && p.block_size == block_size && p.threads == threads && p.causal == causal &&
                 p.has_key == has_key && p.max_seq_len == max_seq_len && p.num_kv_heads == num_kv_heads &&
-                p.num_blocks == num_blocks && p.row_bytes == row_bytes && p.code == code)
+                p.num_blocks == num_blocks && p.row_bytes == row_bytes && p.batch_bytes == batch_bytes)
                 return &p;
     }
     Plan p;
     p.tables = tables, p.seq_lens = lens, p.qsl = qsl;
     p.rows = rows, p.window = window, p.chunk = chunk, p.block_size = block_size, p.threads = threads;
     p.causal = causal, p.has_key = has_key, p.max_seq_len = max_seq_len, p.num_kv_heads = num_kv_heads;
-    p.num_blocks = num_blocks, p.row_bytes = row_bytes, p.code = code;
+    p.num_blocks = num_blocks, p.row_bytes = row_bytes, p.batch_bytes = batch_bytes;
     if (!make_plan(p)) return nullptr;
     if (!keyed) {
         *scratch_plan = std::move(p);
@@ -259,16 +257,28 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
 /* Whether sdpa_cpu's attend sends its prompts and chunks to the native prefill kernel: no cap or chunked attention,
    causal or no window (sdpa_cpu._native_prefill_lib), D a multiple of 16 up to the kernel's bound. */
 bool prefill_site(double softcap, bool causal, int64_t window, int64_t chunk, int64_t d) {
-    return bound_prefill.load(std::memory_order_relaxed) && softcap <= 0 && chunk == 0 && (causal || window == 0) &&
-           d % 16 == 0 && d <= PAGEDATTN_PREFILL_MAX_HEAD;
+    return softcap <= 0 && chunk == 0 && (causal || window == 0) && d % 16 == 0 && d <= PAGEDATTN_PREFILL_MAX_HEAD;
+}
+
+/* Whether sdpa_cpu sends some of the plan's prompts or chunks to SDPA's kernel on this machine (sdpa_prefill_pays,
+   sdpa_chunk_pays: bfloat16, no window; a chunk causal, its keys from the first). */
+bool sdpa_takes_some(const Plan &p, bool causal, int64_t window, int code) {
+    if (code != 1 || window != 0) return false;
+    const int64_t tokens = sdpa_prefill_tokens.load(std::memory_order_relaxed);
+    if (p.fresh_items.defined() && tokens > 0 && p.longest_fresh >= tokens) return true;
+    const int64_t ct = sdpa_chunk_tokens.load(std::memory_order_relaxed), cw = sdpa_chunk_work.load(std::memory_order_relaxed);
+    if (!causal || ct <= 0) return false;
+    for (size_t i = 0; i < p.from_first.size(); i += 2)
+        if (p.from_first[i] >= ct && p.from_first[i + 1] >= cw) return true;
+    return false;
 }
 
 /* items' queries over key/value rows [T, Hkv, D] through the prefill kernel into out, as native.prefill calls it
    (scale, causality, the site's raw window, the thread count); false where the tensors do not suit it
    (native.prefill_usable) or the kernel refuses, nothing written. */
-bool run_prefill(const at::Tensor &out, const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
-                 const at::Tensor &items, int64_t tiles, int64_t hkv, double scale, bool causal, int64_t window,
-                 int code, int64_t threads) {
+bool run_prefill(prefill_fn fn, const at::Tensor &out, const at::Tensor &query, const at::Tensor &key,
+                 const at::Tensor &value, const at::Tensor &items, int64_t tiles, int64_t hkv, double scale, bool causal,
+                 int64_t window, int code, int64_t threads) {
     const int64_t hq = query.size(1), d = query.size(2);
     if (!key.device().is_cpu() || !value.device().is_cpu() || key.scalar_type() != query.scalar_type() ||
         value.scalar_type() != query.scalar_type() || key.dim() != 3 || value.dim() != 3 || key.stride(-1) != 1 ||
@@ -300,7 +310,7 @@ bool run_prefill(const at::Tensor &out, const at::Tensor &query, const at::Tenso
                          static_cast<int32_t>(threads),
                          std::min(query.size(0), out.size(0)),
                          std::min(key.size(0), value.size(0))};
-    return bound_prefill.load(std::memory_order_relaxed)(&a) == 0;
+    return fn(&a) == 0;
 }
 
 /* The plan's fresh prompts and chunks over cached keys attended into out as sdpa_cpu's attend attends them: the
@@ -310,18 +320,16 @@ bool run_prefill(const at::Tensor &out, const at::Tensor &query, const at::Tenso
 bool prefills(const at::Tensor &out, const at::Tensor &query, const c10::IValue &key, const c10::IValue &value,
               const at::Tensor &cache, const Plan &p, double scale, bool causal, int64_t window, int64_t chunk,
               double softcap, int code) {
-    if (!prefill_site(softcap, causal, window, chunk, query.size(2))) return false;
-    if (p.fresh_items.defined()) {
-        const int64_t sdpa = sdpa_prefill_tokens.load(std::memory_order_relaxed);
-        if (code == 1 && window == 0 && sdpa > 0 && p.longest_fresh >= sdpa) return false; /* SDPA's kernel pays */
-        if (!run_prefill(out, query, key.toTensor(), value.toTensor(), p.fresh_items, p.fresh_tiles, p.num_kv_heads,
-                         scale, causal, window, code, p.threads))
-            return false;
-    }
+    const prefill_fn fn = bound_prefill.load(std::memory_order_relaxed);
+    if (!fn || !prefill_site(softcap, causal, window, chunk, query.size(2)) || sdpa_takes_some(p, causal, window, code))
+        return false;
+    if (p.fresh_items.defined() && !run_prefill(fn, out, query, key.toTensor(), value.toTensor(), p.fresh_items,
+                                                p.fresh_tiles, p.num_kv_heads, scale, causal, window, code, p.threads))
+        return false;
     for (const RestBatch &b : p.rest) {
         const at::Tensor k = cache.select(0, 0).index_select(0, b.index).flatten(0, 1); /* [rows, Hkv, D] */
         const at::Tensor v = cache.select(0, 1).index_select(0, b.index).flatten(0, 1);
-        if (!run_prefill(out, query, k, v, b.items, b.tiles, p.num_kv_heads, scale, causal, window, code, p.threads))
+        if (!run_prefill(fn, out, query, k, v, b.items, b.tiles, p.num_kv_heads, scale, causal, window, code, p.threads))
             return false;
     }
     return true;
@@ -358,7 +366,7 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
                               bs, causal, has_key, max_seq_len, hkv, cache.size(1), 2 * hkv * d * cache.element_size(),
-                              code, &local);
+                              &local);
     if (!p) return {};
     at::Tensor out = p->every_row ? at::empty({query.size(0), hq, d}, query.options())
                                   : at::zeros({query.size(0), hq, d}, query.options());
@@ -415,13 +423,14 @@ void paged_attention(const c10::OperatorHandle &op, torch::jit::Stack *stack) {
 }
 
 void bind_paged(int64_t decode, int64_t write, int64_t prefill, int64_t sdpa_tokens, int64_t chunk_tokens,
-                int64_t chunk_work) {
+                int64_t chunk_work, int64_t batch_bytes) {
     bound_decode.store(reinterpret_cast<decode_fn>(decode));
     bound_write.store(reinterpret_cast<write_fn>(write));
     bound_prefill.store(reinterpret_cast<prefill_fn>(prefill));
     sdpa_prefill_tokens.store(sdpa_tokens);
     sdpa_chunk_tokens.store(chunk_tokens);
     sdpa_chunk_work.store(chunk_work);
+    rest_batch_bytes.store(batch_bytes);
 }
 
 bool set_plain_backend(bool on) {
@@ -441,7 +450,7 @@ TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
           "int max_seq_len=0, bool positions_from_first_key=False, str position_mod=\"\", "
           "Tensor? position_tables=None, Tensor? position_data=None) -> Tensor");
     m.def("bind_paged(int decode, int write, int prefill, int sdpa_prefill_tokens, int sdpa_chunk_tokens, "
-          "int sdpa_chunk_work) -> ()");
+          "int sdpa_chunk_work, int rest_batch_bytes) -> ()");
     m.def("set_plain_backend(bool on) -> bool");
 }
 

@@ -338,12 +338,13 @@ def _python_op_takes(kind, python_calls):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("site", ["plain", "window", "bidirectional", "padded", "prompts_only", "long_prompt",
-                                  "chunks", "chunks_window", "chunks_without_keys", "long_chunk"])
+                                  "chunks", "chunks_window", "chunks_without_keys", "chunks_a_batch_each", "long_chunk"])
 def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype, site, python_calls):
     # a step of fresh prompts, chunks over cached keys and decodes under the plain CPU backend: its prompts and chunks
     # through the native prefill (the chunks' blocks gathered) and its decodes through the decode kernel from C++, bit
     # for bit what the Python path gives; the step's keys not given, its sequences all go through the cache; a prompt
-    # or chunk at least as large as SDPA's bounds too where SDPA's kernel does not pay (the bounds are 0 off AMX)
+    # or chunk at least as large as SDPA's bounds too where SDPA's kernel does not pay (the bounds are 0 off AMX); the
+    # chunks in one gathered batch or, with a batch budget every chunk passes, in a batch each
     from pagedattn.backends import native_ops, sdpa_cpu, use_backend
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
@@ -356,7 +357,7 @@ def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype,
     if site.startswith("chunks_"):
         seqs = [(37, 1), (16, 9), (0, 12), (100, 40), (5, 2)]
     args = dict(scale=0.125, causal=site != "bidirectional", window=5 if site.endswith("window") else 0)
-    native_ops.bind_paged_kernels(0, (0, 0))
+    native_ops.bind_paged_kernels(0, (0, 0), 1 if site == "chunks_a_batch_each" else None)
     try:
         outs, caches = [], []
         for run in (_native_paged, _python_paged):

@@ -465,7 +465,7 @@ def test_chunks_over_cached_keys_share_native_calls(monkeypatch, batch_bytes, kw
     from pagedattn.backends import sdpa_cpu
 
     if batch_bytes is not None:
-        monkeypatch.setattr(sdpa_cpu, "_REST_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(sdpa_cpu, "REST_BATCH_BYTES", batch_bytes)
     calls = []
     prefill = sdpa_cpu._prefill
     monkeypatch.setattr(sdpa_cpu, "_prefill", lambda *a: calls.append(a[5][:, 1].tolist()) or prefill(*a))
