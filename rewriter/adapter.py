@@ -47,7 +47,7 @@ from pagedattn.tracing import uncompiled, without_hf_cache
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["ServableModel", "prepare_model", "accepted_inputs", "example_inputs", "is_compiled", "warm_steps",
+__all__ = ["ServableModel", "Stages", "prepare_model", "accepted_inputs", "example_inputs", "is_compiled", "warm_steps",
            "step_is_compiled"]
 
 # an item of a row step: (request id, first position, tokens, block table)
@@ -246,7 +246,7 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     request a mask built from token types is established for (``pagedattn.rewrite``). ``ahead_of_time``: a CPU step is
     compiled with AOTInductor into a package kept on disk where it can (``RewrittenModel.compile_paged``).
     """
-    stages = _Stages(progress)
+    stages = Stages(progress)
     backend = get_backend(target)
     device = torch.device(backend.device_type)
     if is_seq2seq(model):
@@ -414,7 +414,7 @@ def warm_steps(servable: ServableModel, sizes: Sequence[int], progress: bool = F
     bs, vocab = servable.block_size, servable.vocab_size or 2
     per = -(-chunk // bs)  # blocks a prompt holds
     caches = servable.allocate_kv_caches(-(-max(sizes) // chunk) * per)
-    with _Stages(progress).stage(f"building oneDNN's GEMMs for {len(sizes)} step sizes"):
+    with Stages(progress).stage(f"building oneDNN's GEMMs for {len(sizes)} step sizes"):
         for size in sizes:
             prompts, ids, pos, rows = [], [], [], []
             for i, start in enumerate(range(0, size, chunk)):
@@ -432,7 +432,7 @@ def step_is_compiled(servable: ServableModel) -> bool:
     return is_compiled(getattr(step, "graph_module", step))
 
 
-class _Stages:
+class Stages:
     """Start-up stages: a line on stderr as each starts and its time as it ends (``progress``), and a
     log record either way."""
 

@@ -189,6 +189,17 @@ class BlockManager:
                 self._cached[h] = b
                 self._block_hash[b] = h
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (as vLLM's ``reset_prefix_cache``): no later prompt reuses a block filled so
+        far. Blocks no table holds are free again; where no table holds any, they are handed out in their first
+        order again, as by a new manager. Blocks in use stay with their tables, no longer findable."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hash.clear()
+        if not any(self.ref):
+            self._free = list(range(self.num_blocks - 1, -1, -1))
+
     def allocate(self, table: BlockTable, num_blocks: int) -> None:
         """Give an empty table ``num_blocks`` private blocks at once (all or nothing; never prefix-cached):
         an encoder-decoder request's cross-attention blocks, filled once by its encoder."""

@@ -146,6 +146,11 @@ class PagedEngine:
     request that stops on a stop token has one more token computed by the step already under way, which is
     dropped (its K/V go to a block freed with the request). Tokens stream one step later than they are
     sampled.
+
+    Before its first request a CUDA engine serves a few of its own, one step of each kind (``warm_up=None``;
+    ``True`` elsewhere, ``False`` never): a fresh prompt, decodes, and a step with prefix-cache hits beside a
+    fresh prompt. Kernels that load or compile on their first call then do so at start-up, not in the first such
+    step of a serving process. It leaves no request, cached prefix or statistic behind.
     """
 
     def __init__(self, model: nn.Module, *, target="auto", block_size: int = 16,
@@ -154,7 +159,7 @@ class PagedEngine:
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
                  progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4,
-                 async_decode: bool = True, ahead_of_time: Optional[bool] = None):
+                 async_decode: bool = True, ahead_of_time: Optional[bool] = None, warm_up: Optional[bool] = None):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
         self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs,
                                   ahead_of_time)
@@ -205,6 +210,7 @@ class PagedEngine:
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0,
                       "overlapped_steps": 0}  # decode steps started before the previous one was read back
+        self._warm_kinds(warm_up, progress)
 
     def _warm(self, max_num_tokens: int, progress: bool) -> None:
         """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
@@ -212,6 +218,48 @@ class PagedEngine:
 
         if self._pad is None and step_is_compiled(self.servable):
             warm_steps(self.servable, self.backend.warm_step_sizes(max_num_tokens, self.cache_dtype), progress)
+
+    def _warm_kinds(self, wanted: Optional[bool], progress: bool) -> None:
+        """Serve a few requests of every kind of step before the first real one, then forget them: a fresh
+        prompt and its decodes, then one step of a prompt that goes on from its cached prefix by one token (a
+        decode inside an eager step), one by a few tokens (a chunk over cached keys) and a fresh prompt, two of each,
+        then their decodes. What loads or compiles on first use in those paths (on CUDA: xFormers' kernels for paged and
+        gathered keys, imported and built by Triton at their first call) then does so at start-up, not in the
+        first prefix-cache hit of a serving process (a one-off of ~0.6 s on an H200). The engine then holds no
+        request, no cached prefix, no statistics and hands out its request ids and blocks as before. Default
+        (``warm_up=None``): on CUDA, for decoder-only models with prefix caching; ``True`` where it cannot run
+        is a ValueError naming why."""
+        bs = self.block_size
+        prefix = [1] * (2 * bs)
+        # two sequences of each kind in the second step (kernels may be built apart for a batch of one)
+        first = [prefix + [1, 1, 1]]
+        second = [prefix + [1], prefix + [2], prefix + [1, 1, 1], prefix + [2, 2, 2], [2] * (bs + 1), [3] * (bs + 2)]
+        params = SamplingParams(max_new_tokens=4)
+        why = ("its steps run as rows (recurrent state)" if self.states is not None else
+               "it is an encoder-decoder" if self._seq2seq is not None else
+               "its masks read per-request values" if self.servable.values is not None else
+               "prefix caching is off" if not self.blocks.enable_prefix_caching else
+               next(filter(None, (self.validate(p, params) for p in first + second)), None))
+        if wanted is False or (wanted is None and (why is not None or self.device.type != "cuda")):
+            return
+        if why is not None:
+            raise ValueError(f"warm_up=True: the engine cannot warm up its step kinds: {why}")
+        from pagedattn.adapter import Stages
+
+        with Stages(progress).stage("serving one step of each kind (fresh, prefix-cache hit, mixed, decode)"):
+            self.generate(first, max_new_tokens=4)  # a fresh prompt, then decodes; its full blocks cached
+            self.generate(second, max_new_tokens=4)  # a decode and a chunk over cached keys beside a fresh prompt
+        self.blocks.reset_prefix_cache()
+        self.blocks.prefix_hits = 0
+        sched = self.scheduler
+        sched.num_preemptions = sched.num_recomputes = sched.num_swap_outs = sched.num_swap_ins = 0
+        for key, value in self.stats.items():
+            self.stats[key] = type(value)()
+        if self.decode_graphs is not None:  # its captures stay: the graphs are start-up's
+            self.decode_graphs.stats.update(replays=0, eager=0)
+        self._ids = itertools.count()
+        self._finished.clear()
+        self._generators.clear()
 
     def _decode_graphs(self, wanted: Optional[bool], max_num_seqs: int) -> Optional[DecodeGraphs]:
         """The decode steps' CUDA graphs (``runtime.cuda_graphs``): by default on CUDA for packed decoder-only

@@ -39,6 +39,31 @@ def test_prefix_blocks_are_shared_and_survive_their_owner():
     assert bm.prefix_hits == 4
 
 
+
+def test_reset_prefix_cache_forgets_every_prefix_and_keeps_blocks_in_use():
+    bm = BlockManager(8, 4)
+    prompt = list(range(10))
+    a, b = BlockTable(), BlockTable()
+    for t in (a, b):
+        bm.reserve(t, 10)
+        bm.commit(t, prompt if t is a else [p + 100 for p in prompt], 10)
+    bm.free(b)  # b's two full blocks: cached, held by nobody
+    bm.reset_prefix_cache()
+    assert bm.num_free == 5 and [bm.ref[x] for x in a.blocks] == [1, 1, 1]
+    assert bm.allocate_prompt(BlockTable(), prompt + [1]) == 0  # a's blocks: in use, no longer found
+    assert bm.allocate_prompt(BlockTable(), [p + 100 for p in prompt] + [1]) == 0
+    bm.free(a)
+    assert bm.num_free == 8 and bm.allocate_prompt(BlockTable(), prompt + [1]) == 0
+    bm.reset_prefix_cache()  # nothing held: blocks handed out in their first order again
+    fresh = BlockTable()
+    bm.reserve(fresh, 12)
+    assert fresh.blocks == [0, 1, 2]
+    # counter-example: without the reset a finished prompt's blocks are found again
+    bm.commit(fresh, prompt + [5, 6], 12)
+    bm.free(fresh)
+    assert bm.allocate_prompt(BlockTable(), prompt + [1]) == 8
+
+
 def test_whole_prompt_cached_still_leaves_the_last_token():
     bm = BlockManager(8, 4)
     prompt = list(range(8))

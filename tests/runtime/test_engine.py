@@ -223,3 +223,49 @@ def test_generate_runs_its_steps_in_one_frame_and_one_binding(models, monkeypatc
         engine.step()
         calls += 1
     assert calls >= 2 and len(spacers) == 1 + calls and len(binds) == 1 + calls
+
+
+def test_warm_up_serves_each_step_kind_once_and_leaves_nothing_behind(models, monkeypatch):
+    """``warm_up=True`` (the default on CUDA) serves a fresh prompt and its decodes, then one step holding decodes
+    and chunks over cached prefixes beside fresh prompts; the engine then serves as one that never warmed up:
+    the same tokens (Hugging Face's), statistics, request ids, blocks and prefix-cache hits (none on the warm-up's
+    own prompt)."""
+    from pagedattn.runtime.engine import PagedEngine as Engine
+
+    model, ref, rewritten = models("mistral")
+    bs = 4
+    steps = []
+    run = Engine._run_packed
+    monkeypatch.setattr(Engine, "_run_packed",
+                        lambda self, plan: steps.append([(c.start, c.num_tokens) for c in plan]) or run(self, plan))
+    warm = PagedEngine(rewritten, compile=False, block_size=bs, num_blocks=64, warm_up=True, progress=False)
+    assert [(0, 2 * bs + 3)] in steps
+    assert [(2 * bs, 1), (2 * bs, 1), (2 * bs, 3), (2 * bs, 3), (0, bs + 1), (0, bs + 2)] in steps
+    assert any(all(n == 1 for _, n in s) for s in steps)  # decode-only steps
+    steps.clear()
+    cold = PagedEngine(rewritten, compile=False, block_size=bs, num_blocks=64, warm_up=None, progress=False)
+    assert steps == []  # counter-example: not on the CPU by default
+
+    def serve(engine):
+        ids = [engine.add_request(p, max_new_tokens=NEW) for p in prompts()]
+        again = engine.add_request([1] * (2 * bs + 3), max_new_tokens=2)  # the warm-up's own prompt
+        while engine.has_unfinished():
+            engine.step()
+        out = {r.request_id: r.tokens for r in engine.collect()}
+        counts = {k: v for k, v in engine.stats.items() if isinstance(v, int)}  # not the times
+        return ids + [again], [out[i] for i in ids], counts, engine.blocks.prefix_hits
+
+    (warm_ids, warm_out, warm_stats, warm_hits), cold_served = serve(warm), serve(cold)
+    assert warm_out == ref and (warm_ids, warm_out, warm_stats, warm_hits) == cold_served
+    assert warm_ids[0] == 0 and warm.blocks.num_free == warm.num_blocks
+    assert warm_hits == cold_served[3]
+
+
+def test_warm_up_where_it_cannot_run_says_why(models):
+    _, _, rewritten = models("mistral")
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        PagedEngine(rewritten, compile=False, enable_prefix_caching=False, warm_up=True, progress=False)
+    with pytest.raises(ValueError, match="needs 4 blocks but the cache has 3"):  # a request it would refuse
+        PagedEngine(rewritten, compile=False, block_size=4, num_blocks=3, warm_up=True, progress=False)
+    engine = PagedEngine(rewritten, compile=False, enable_prefix_caching=False, warm_up=None, progress=False)
+    assert engine.stats["steps"] == 0
