@@ -195,40 +195,43 @@ def build_metadata(
 
 def _build_metadata(rows: list, block_size: int, device: torch.device | str,
                     pad_tokens_to: Optional[int]) -> AttentionMetadata:
-    slots, lens, starts, start = array.array("q"), array.array("i"), array.array("i", [0]), 0
+    # Python lists first, each made an array once: an array's extend converts element by element (a decode step's
+    # block tables were ~30 % of this function)
+    slots, lens, starts, flat, start = [], [], [0], [], 0
+    max_blocks = max(1, max(len(table) for _, _, table in rows))
+    zeros = [0] * max_blocks
     for i, (ctx, n, table) in enumerate(rows):
+        end = ctx + n
         if n < 1:
             raise ValueError(f"build_metadata: sequence {i} has {n} new tokens (need >= 1)")
         if ctx < 0:
             raise ValueError(f"build_metadata: sequence {i} has a negative context length")
-        need = -(-(ctx + n) // block_size)
-        if len(table) < need:
+        if len(table) * block_size < end:
             raise ValueError(
-                f"build_metadata: sequence {i} needs {need} blocks of {block_size} tokens "
-                f"for {ctx + n} tokens but its block table has {len(table)}"
+                f"build_metadata: sequence {i} needs {-(-end // block_size)} blocks of {block_size} tokens "
+                f"for {end} tokens but its block table has {len(table)}"
             )
         if n == 1:  # a decode: no generator per sequence
             slots.append(table[ctx // block_size] * block_size + ctx % block_size)
         else:  # a run of slots per block, not a Python expression per token
-            p, end = ctx, ctx + n
+            p = ctx
             while p < end:
                 block, offset = divmod(p, block_size)
                 take = min(block_size - offset, end - p)
                 first = table[block] * block_size + offset
                 slots.extend(range(first, first + take))
                 p += take
-        lens.append(ctx + n)
+        lens.append(end)
         start += n
         starts.append(start)
+        flat += table
+        flat += zeros[len(table):]
     if pad_tokens_to is not None:
         if pad_tokens_to < len(slots):
             raise ValueError(f"build_metadata: pad_tokens_to={pad_tokens_to} < {len(slots)} tokens")
         slots.extend([-1] * (pad_tokens_to - len(slots)))
-    max_blocks = max(1, max(len(table) for _, _, table in rows))
-    tables = array.array("i")
-    for _, _, table in rows:
-        tables.extend(table)
-        tables.extend([0] * (max_blocks - len(table)))
+    slots, lens, starts, tables = (array.array("q", slots), array.array("i", lens), array.array("i", starts),
+                                   array.array("i", flat))
     meta = AttentionMetadata(
         slot_mapping=_int_tensor(slots),
         block_tables=_int_tensor(tables).view(len(rows), max_blocks),

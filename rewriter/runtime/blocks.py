@@ -132,9 +132,12 @@ class BlockManager:
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for ``num_tokens`` more tokens (all or nothing), copying shared blocks before a write."""
-        need = self.blocks_needed(table, num_tokens)
-        last = table.num_cached_tokens // self.block_size
-        cow = self._writes_shared(table)
+        bs, blocks, cached = self.block_size, table.blocks, table.num_cached_tokens
+        need = max(0, -(-(cached + num_tokens) // bs) - len(blocks))  # blocks_needed, inlined: a call per request a step
+        last = cached // bs
+        cow = last < len(blocks) and self.ref[blocks[last]] > 1  # _writes_shared
+        if not need and not cow:  # most of a decode step's requests: room in their last block
+            return
         if need + int(cow) > self.num_free:
             raise NoFreeBlocks
         if cow:
@@ -155,8 +158,9 @@ class BlockManager:
         called only when a block fills (a decode step's commits seldom need the list).
         """
         before = table.num_cached_tokens
-        self.count(table, num_new)
-        self.register(table, tokens, before, table.num_cached_tokens)
+        table.num_cached_tokens = after = before + num_new  # count, inlined: a call per request a step
+        if (before // self.block_size) != (after // self.block_size):  # a block filled (register's test)
+            self.register(table, tokens, before, after)
 
     def count(self, table: BlockTable, num_new: int) -> None:
         """Record that ``num_new`` more tokens are being written whose ids are not known on the host yet (an

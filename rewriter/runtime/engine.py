@@ -673,10 +673,15 @@ class PagedEngine:
         spec = self.servable.values
         types: list[int] = []
         for chunk in plan:
-            toks = chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens)
-            ids.extend(toks)
-            pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-            if chunk.completes:
+            req, start, n = chunk
+            p = len(req.prompt)
+            if n == 1 and start >= p:  # a decode: the token sampled last (token_slice, inlined)
+                ids.append(req.output[start - p])
+                pos.append(start)
+            else:
+                ids.extend(req.token_slice(start, start + n))
+                pos.extend(range(start, start + n))
+            if start + n == p + len(req.output) + req.inflight:  # chunk.completes
                 rows.append(len(ids) - 1)
             if spec is not None and spec.kind == "runs":
                 known = chunk.request.token_types or []
@@ -782,11 +787,12 @@ class PagedEngine:
         r = 0
         if greedy is None:  # every row's argmax in one call: a call per row costs more than the argmax itself
             greedy = self.backend.argmax_rows(logits)
+        commit = self.blocks.commit
         for chunk in plan:
-            req = chunk.request
-            self.blocks.commit(req.table, lambda req=req: req.tokens, chunk.num_tokens)
-            req.num_computed += chunk.num_tokens
-            if not chunk.completes:
+            req, start, n = chunk
+            commit(req.table, req.token_list, n)
+            req.num_computed += n
+            if start + n != len(req.prompt) + len(req.output) + req.inflight:  # not chunk.completes
                 continue
             tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
             r += 1

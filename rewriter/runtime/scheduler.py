@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedattn.runtime.blocks import BlockManager, BlockTable, NoFreeBlocks
 
@@ -99,6 +100,10 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_list(self) -> list[int]:
+        """``tokens`` as a method: what ``BlockManager.commit`` calls for them only when a block fills."""
+        return self.prompt + self.output
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """``tokens[start:stop]`` without joining the whole prompt and output first (a decode step's one token)."""
         p = len(self.prompt)
@@ -121,7 +126,7 @@ class Request:
         inside a span (its queries would miss the span's later keys) — cut before the span, else (a chunk that
         starts inside one, after a prefix-cache hit) all of it, else nothing this step."""
         start = self.num_computed
-        n = min(self.num_pending, budget)
+        n = min(len(self.prompt) + len(self.output) + self.inflight - start, budget)  # num_pending, inlined
         for lo, hi in self.spans:
             end = start + n
             if lo < end < hi:
@@ -132,8 +137,10 @@ class Request:
         return n
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
+    """``num_tokens`` of ``request``'s tokens from position ``start``, computed in one step. A tuple: a serving step
+    makes one per running request, and a frozen dataclass's fields cost twice a tuple's to set."""
+
     request: Request
     start: int  # first token position computed this step
     num_tokens: int
