@@ -178,7 +178,9 @@ def profile_decode(model, batch: int, context: int, steps: int = 5, top: int = 1
 def prefix_hit_step(engine, batch: int, context: int, g: torch.Generator, label: str, top: int = 12) -> str:
     """One step of ``batch`` requests whose prompts' full blocks are in the prefix cache (each goes on with the
     tokens after its last full block), profiled: the kind of step that took 0.4-0.6 s the first time in a process
-    (benchmarks/RESULTS.md) against ~50 ms after. Its wall time, then its costliest host operations and kernels."""
+    (benchmarks/RESULTS.md) against ~50 ms after, before the engine served one of each kind of step at start-up
+    (``PagedEngine(warm_up=None)``, on CUDA): "first" says whether that warm-up took the one-off in. Its wall time,
+    then its costliest host operations and kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
