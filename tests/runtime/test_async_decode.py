@@ -236,3 +236,25 @@ def test_any_mix_of_joins_aborts_stops_limits_and_a_small_cache_gives_the_synchr
         else:
             assert (got.tokens, got.finish_reason) == want[i]
     assert engine.blocks.num_free == engine.num_blocks
+
+
+def test_the_warm_up_through_the_graphs_buffers_leaves_an_engine_that_serves_as_a_fresh_one(model, servable,
+                                                                                            monkeypatch):
+    """The start-up warm-up a CUDA engine runs (``PagedEngine._warm_kinds``), here over the capture path's buffers
+    with asynchronous decode steps: afterwards the same tokens, overlapped steps, blocks and graph statistics as an
+    engine that did not warm up; its graphs' replays and eager steps counted from zero."""
+    warm, fresh = engine_with_graphs(servable), engine_with_graphs(servable)
+    runs, run = [], DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, ids, *a, **k: runs.append(isinstance(ids, DeviceTokens))
+                        or run(self, ids, *a, **k))
+    warm._warm_kinds(True, progress=False)
+    assert True in runs and False in runs  # decode steps through the buffers, asynchronous ones among them
+    monkeypatch.undo()
+    assert warm.decode_graphs.stats["replays"] == warm.decode_graphs.stats["eager"] == 0
+    assert warm.stats["steps"] == 0 and warm.blocks.num_free == warm.num_blocks
+    ps = prompts(lengths=(5, 17, 9))
+    assert warm.generate(ps, max_new_tokens=8) == fresh.generate(ps, max_new_tokens=8) == hf_generate(model, ps, 8)
+    assert warm.stats["overlapped_steps"] == fresh.stats["overlapped_steps"] > 0
+    assert {k: warm.decode_graphs.stats[k] for k in ("replays", "eager")} == \
+        {k: fresh.decode_graphs.stats[k] for k in ("replays", "eager")}
+    assert warm.blocks.prefix_hits == fresh.blocks.prefix_hits
