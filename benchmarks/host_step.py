@@ -1,0 +1,91 @@
+"""The engine's own host work in a decode step on the CPU: scheduling, the step's ids and metadata, the Python around
+the compiled step's runner, sampling and the requests' bookkeeping, with the model call itself replaced by the output
+it gave, so that the figure is the host's alone and no kernel's. Also the real step's time and the part of it that
+runs outside the runner (the step's kernels leave the interpreter's data out of cache, so there the host's part costs
+several times its warm figure). Every figure moves with a shared host's speed (1.4x between two runs minutes apart
+on a 2-vCPU EPYC): compare code by the best of several runs taken close together.
+
+    python benchmarks/host_step.py                      # llama16m, bf16, 16 requests of 176 tokens
+    python benchmarks/host_step.py --requests 64 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import generate_cpu  # benchmarks/generate_cpu.py, beside this script
+import torch
+
+import pagedattn
+from pagedattn.aot_step import AotStep
+from pagedattn.runtime.frames import call_with_frame_room
+
+
+def _steps_seconds(engine, steps: int) -> float:
+    """Seconds per step over ``steps`` steps, run as a serving loop runs them (backend bound, one frame chunk)."""
+    def loop():
+        with engine.bound():
+            for _ in range(steps):
+                engine.step()
+    t0 = time.perf_counter()
+    call_with_frame_room(loop)
+    return (time.perf_counter() - t0) / steps
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama16m", choices=sorted(generate_cpu.MODELS))
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--context", type=int, default=176)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    logging.getLogger("pagedattn").setLevel(logging.ERROR)
+    model = generate_cpu.build(getattr(torch, a.dtype), "sdpa", a.model)
+    vocab = model.config.vocab_size
+    new = a.steps * (2 * a.repeats + 1) + 8  # every timed step, stubbed ones too, adds a token
+    blocks = a.requests * -(-(a.context + new) // 16) + 16
+    engine = pagedattn.PagedEngine(model, num_blocks=blocks, block_size=16, max_num_tokens=1024, progress=False)
+    step = engine.model.graph_module
+    if not isinstance(step, AotStep):
+        raise SystemExit(f"the engine's step is {type(step).__name__}, not an ahead-of-time step: nothing to stub")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(a.requests):
+        engine.add_request(torch.randint(1, vocab, (a.context,), generator=g).tolist(), max_new_tokens=new)
+    while any(not r.output for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+        engine.step()
+    real = min(_steps_seconds(engine, a.steps) for _ in range(a.repeats))
+    inside = [0.0]
+    run = step.run
+
+    def timed(flat):
+        t0 = time.perf_counter()
+        out = run(flat)
+        inside[0] += time.perf_counter() - t0
+        return out
+
+    step.run = timed
+    inside[0] = 0.0
+    with_runner = _steps_seconds(engine, a.steps)
+    runner = inside[0] / a.steps
+    kept = {}  # the runner's output for the first stubbed step, returned for every later one
+
+    def stub(flat):
+        if "out" not in kept:
+            kept["out"] = run(flat)
+        return kept["out"]
+
+    step.run = stub
+    host = min(_steps_seconds(engine, a.steps) for _ in range(a.repeats))
+    step.run = run
+    print(f"{a.model} {a.dtype}, decode steps of {a.requests} requests (context {a.context}+):")
+    print(f"  a step {real * 1e3:.3f} ms (best of {a.repeats} x {a.steps}); outside the runner "
+          f"{(with_runner - runner) * 1e6:.0f} us of {with_runner * 1e3:.3f} ms")
+    print(f"  the host's work alone (the runner's output stored, warm caches): {host * 1e6:.1f} us a step")
+
+
+if __name__ == "__main__":
+    main()
