@@ -132,12 +132,11 @@ class BlockManager:
 
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for ``num_tokens`` more tokens (all or nothing), copying shared blocks before a write."""
-        bs, blocks, cached = self.block_size, table.blocks, table.num_cached_tokens
-        need = max(0, -(-(cached + num_tokens) // bs) - len(blocks))  # blocks_needed, inlined: a call per request a step
-        last = cached // bs
-        cow = last < len(blocks) and self.ref[blocks[last]] > 1  # _writes_shared
+        need = self.blocks_needed(table, num_tokens)
+        cow = self._writes_shared(table)
         if not need and not cow:  # most of a decode step's requests: room in their last block
             return
+        last = table.num_cached_tokens // self.block_size
         if need + int(cow) > self.num_free:
             raise NoFreeBlocks
         if cow:
@@ -158,9 +157,8 @@ class BlockManager:
         called only when a block fills (a decode step's commits seldom need the list).
         """
         before = table.num_cached_tokens
-        table.num_cached_tokens = after = before + num_new  # count, inlined: a call per request a step
-        if (before // self.block_size) != (after // self.block_size):  # a block filled (register's test)
-            self.register(table, tokens, before, after)
+        self.count(table, num_new)
+        self.register(table, tokens, before, table.num_cached_tokens)
 
     def count(self, table: BlockTable, num_new: int) -> None:
         """Record that ``num_new`` more tokens are being written whose ids are not known on the host yet (an
@@ -197,12 +195,13 @@ class BlockManager:
         """Forget every cached prefix (as vLLM's ``reset_prefix_cache``): no later prompt reuses a block filled so
         far. Blocks no table holds are free again; where no table holds any, they are handed out in their first
         order again, as by a new manager. Blocks in use stay with their tables, no longer findable."""
-        self._free.extend(self._evictable)
+        if any(self.ref):
+            self._free.extend(self._evictable)
+        else:
+            self._free = list(range(self.num_blocks - 1, -1, -1))
         self._evictable.clear()
         self._cached.clear()
         self._block_hash.clear()
-        if not any(self.ref):
-            self._free = list(range(self.num_blocks - 1, -1, -1))
 
     def allocate(self, table: BlockTable, num_blocks: int) -> None:
         """Give an empty table ``num_blocks`` private blocks at once (all or nothing; never prefix-cached):

@@ -197,20 +197,25 @@ class PagedEngine:
         self._length_limit = self._limit_from_report()  # the report does not change: read it once
         self.async_decode = async_decode
         self._pending: Optional[PendingStep] = None  # the asynchronous decode step not read back yet
-        self._ids = itertools.count()
-        self._finished: list[RequestOutput] = []
-        self._generators: dict[int, torch.Generator] = {}
         # add_request/abort may come from other threads (a server) while one thread steps: they queue here
         # under a short lock and are taken in between steps, under the step lock (never mid-step)
         self._step_lock = threading.RLock()
         self._inbox_lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
+        self._start_counts()
+        self._warm_kinds(warm_up, progress)
+
+    def _start_counts(self) -> None:
+        """A new engine's request ids, finished requests, sampling generators and statistics: set at construction and
+        again after the start-up warm-up (``_warm_kinds``)."""
+        self._ids = itertools.count()
+        self._finished: list[RequestOutput] = []
+        self._generators: dict[int, torch.Generator] = {}
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0,
                       "overlapped_steps": 0}  # decode steps started before the previous one was read back
-        self._warm_kinds(warm_up, progress)
 
     def _warm(self, max_num_tokens: int, progress: bool) -> None:
         """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
@@ -229,6 +234,8 @@ class PagedEngine:
         request, no cached prefix, no statistics and hands out its request ids and blocks as before. Default
         (``warm_up=None``): on CUDA, for decoder-only models with prefix caching; ``True`` where it cannot run
         is a ValueError naming why."""
+        if wanted is False or (wanted is None and self.device.type != "cuda"):
+            return
         bs = self.block_size
         prefix = [1] * (2 * bs)
         # two sequences of each kind in the second step (kernels may be built apart for a batch of one)
@@ -240,7 +247,7 @@ class PagedEngine:
                "its masks read per-request values" if self.servable.values is not None else
                "prefix caching is off" if not self.blocks.enable_prefix_caching else
                next(filter(None, (self.validate(p, params) for p in first + second)), None))
-        if wanted is False or (wanted is None and (why is not None or self.device.type != "cuda")):
+        if why is not None and wanted is None:
             return
         if why is not None:
             raise ValueError(f"warm_up=True: the engine cannot warm up its step kinds: {why}")
@@ -251,15 +258,10 @@ class PagedEngine:
             self.generate(second, max_new_tokens=4)  # a decode and a chunk over cached keys beside a fresh prompt
         self.blocks.reset_prefix_cache()
         self.blocks.prefix_hits = 0
-        sched = self.scheduler
-        sched.num_preemptions = sched.num_recomputes = sched.num_swap_outs = sched.num_swap_ins = 0
-        for key, value in self.stats.items():
-            self.stats[key] = type(value)()
+        self.scheduler.reset_counts()
+        self._start_counts()
         if self.decode_graphs is not None:  # its captures stay: the graphs are start-up's
             self.decode_graphs.stats.update(replays=0, eager=0)
-        self._ids = itertools.count()
-        self._finished.clear()
-        self._generators.clear()
 
     def _decode_graphs(self, wanted: Optional[bool], max_num_seqs: int) -> Optional[DecodeGraphs]:
         """The decode steps' CUDA graphs (``runtime.cuda_graphs``): by default on CUDA for packed decoder-only
@@ -673,15 +675,10 @@ class PagedEngine:
         spec = self.servable.values
         types: list[int] = []
         for chunk in plan:
-            req, start, n = chunk
-            p = len(req.prompt)
-            if n == 1 and start >= p:  # a decode: the token sampled last (token_slice, inlined)
-                ids.append(req.output[start - p])
-                pos.append(start)
-            else:
-                ids.extend(req.token_slice(start, start + n))
-                pos.extend(range(start, start + n))
-            if start + n == p + len(req.output) + req.inflight:  # chunk.completes
+            toks = chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens)
+            ids.extend(toks)
+            pos.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+            if chunk.completes:
                 rows.append(len(ids) - 1)
             if spec is not None and spec.kind == "runs":
                 known = chunk.request.token_types or []
@@ -787,12 +784,11 @@ class PagedEngine:
         r = 0
         if greedy is None:  # every row's argmax in one call: a call per row costs more than the argmax itself
             greedy = self.backend.argmax_rows(logits)
-        commit = self.blocks.commit
         for chunk in plan:
-            req, start, n = chunk
-            commit(req.table, req.token_list, n)
-            req.num_computed += n
-            if start + n != len(req.prompt) + len(req.output) + req.inflight:  # not chunk.completes
+            req = chunk.request
+            self.blocks.commit(req.table, lambda req=req: req.tokens, chunk.num_tokens)
+            req.num_computed += chunk.num_tokens
+            if not chunk.completes:
                 continue
             tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
             r += 1

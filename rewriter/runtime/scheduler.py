@@ -100,10 +100,6 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    def token_list(self) -> list[int]:
-        """``tokens`` as a method: what ``BlockManager.commit`` calls for them only when a block fills."""
-        return self.prompt + self.output
-
     def token_slice(self, start: int, stop: int) -> list[int]:
         """``tokens[start:stop]`` without joining the whole prompt and output first (a decode step's one token)."""
         p = len(self.prompt)
@@ -126,7 +122,7 @@ class Request:
         inside a span (its queries would miss the span's later keys) — cut before the span, else (a chunk that
         starts inside one, after a prefix-cache hit) all of it, else nothing this step."""
         start = self.num_computed
-        n = min(len(self.prompt) + len(self.output) + self.inflight - start, budget)  # num_pending, inlined
+        n = min(self.num_pending, budget)
         for lo, hi in self.spans:
             end = start + n
             if lo < end < hi:
@@ -178,6 +174,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # oldest first, like waiting
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Preemptions, recomputes, swap-outs and swap-ins counted from zero (a new scheduler's counts)."""
         self.num_preemptions = 0  # all preemptions: recomputes plus swap-outs
         self.num_recomputes = 0
         self.num_swap_outs = 0

@@ -249,16 +249,18 @@ def test_warm_up_serves_each_step_kind_once_and_leaves_nothing_behind(models, mo
     def serve(engine):
         ids = [engine.add_request(p, max_new_tokens=NEW) for p in prompts()]
         again = engine.add_request([1] * (2 * bs + 3), max_new_tokens=2)  # the warm-up's own prompt
+        engine.step()
+        tables = [list(r.table.blocks) for r in engine.scheduler.running]  # the blocks handed out first
         while engine.has_unfinished():
             engine.step()
         out = {r.request_id: r.tokens for r in engine.collect()}
         counts = {k: v for k, v in engine.stats.items() if isinstance(v, int)}  # not the times
-        return ids + [again], [out[i] for i in ids], counts, engine.blocks.prefix_hits
+        return ids + [again], [out[i] for i in ids], counts, engine.blocks.prefix_hits, tables
 
-    (warm_ids, warm_out, warm_stats, warm_hits), cold_served = serve(warm), serve(cold)
-    assert warm_out == ref and (warm_ids, warm_out, warm_stats, warm_hits) == cold_served
+    warm_served, cold_served = serve(warm), serve(cold)
+    warm_ids, warm_out = warm_served[:2]
+    assert warm_out == ref and warm_served == cold_served
     assert warm_ids[0] == 0 and warm.blocks.num_free == warm.num_blocks
-    assert warm_hits == cold_served[3]
 
 
 def test_warm_up_where_it_cannot_run_says_why(models):
@@ -267,5 +269,3 @@ def test_warm_up_where_it_cannot_run_says_why(models):
         PagedEngine(rewritten, compile=False, enable_prefix_caching=False, warm_up=True, progress=False)
     with pytest.raises(ValueError, match="needs 4 blocks but the cache has 3"):  # a request it would refuse
         PagedEngine(rewritten, compile=False, block_size=4, num_blocks=3, warm_up=True, progress=False)
-    engine = PagedEngine(rewritten, compile=False, enable_prefix_caching=False, warm_up=None, progress=False)
-    assert engine.stats["steps"] == 0
