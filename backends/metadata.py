@@ -242,6 +242,51 @@ def _build_metadata(rows: list, block_size: int, device: torch.device | str,
     return meta if torch.device(device).type == "cpu" else meta.to(device)
 
 
+def build_decode_metadata(starts: Sequence[int], tables: Sequence[Sequence[int]], block_size: int, steps: int,
+                          device: torch.device | str = "cpu") -> list[AttentionMetadata]:
+    """The metadata of ``steps`` consecutive decode steps of the same sequences: in step ``j`` sequence ``i`` computes
+    its token at position ``starts[i] + j`` (one token, ``starts[i] + j`` before it in the cache) over ``tables[i]``,
+    which must hold blocks for every step's tokens. Step ``j``'s metadata is what ``build_metadata`` gives for
+    ``[(starts[i] + j, 1, tables[i]), ...]``; the steps share their block tables and query start offsets (the same
+    tensors: what a backend derives from a step's block table, it may keep for the next) and have their own slot
+    mappings and sequence lengths (tensors of their own, not views into one buffer: compiled steps may assume their
+    inputs aligned)."""
+    if not starts or len(starts) != len(tables):
+        raise ValueError(f"build_decode_metadata: {len(starts)} starts for {len(tables)} block tables (need >= 1, "
+                         "one per sequence)")
+    if steps < 1:
+        raise ValueError(f"build_decode_metadata: steps must be >= 1, got {steps}")
+    for i, (ctx, table) in enumerate(zip(starts, tables)):
+        if ctx < 0:
+            raise ValueError(f"build_decode_metadata: sequence {i} has a negative context length")
+        if len(table) * block_size < ctx + steps:
+            raise ValueError(f"build_decode_metadata: sequence {i} needs {-(-(ctx + steps) // block_size)} blocks "
+                             f"of {block_size} tokens for {steps} steps from position {ctx} but its block table has "
+                             f"{len(table)}")
+    width = max(1, max(len(t) for t in tables))
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    try:
+        shared = {"block_tables": _int_tensor(array.array("i", flat)).view(len(tables), width),
+                  "query_start_loc": _int_tensor(array.array("i", range(len(starts) + 1)))}
+        metas = []
+        for j in range(steps):
+            slots = [t[(c + j) // block_size] * block_size + (c + j) % block_size for c, t in zip(starts, tables)]
+            metas.append(AttentionMetadata(slot_mapping=_int_tensor(array.array("q", slots)),
+                                           seq_lens=_int_tensor(array.array("i", [c + j + 1 for c in starts])),
+                                           block_size=block_size, **shared))
+    except OverflowError:
+        raise ValueError("build_decode_metadata: a block id or sequence length does not fit in 32 bits (block tables "
+                         "and lengths are int32): check the block tables") from None
+    if torch.device(device).type == "cpu":
+        return metas
+    moved = {name: t.to(device) for name, t in shared.items()}
+    return [dataclasses.replace(m, slot_mapping=m.slot_mapping.to(device), seq_lens=m.seq_lens.to(device), **moved)
+            for m in metas]
+
+
 # ----------------------------------------------------------------------- validation
 
 _VALIDATE_OVERRIDE: Optional[bool] = None

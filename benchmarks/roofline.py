@@ -222,10 +222,13 @@ class TimedStep:
 
 
 class StepRecorder:
-    """Times every ``engine.step()`` and records what it scheduled (wraps the engine's scheduler)."""
+    """Times every ``engine.step()`` and records what it computed: what the scheduler planned (wraps it), or, for a
+    decode step the engine ran from a plan made with an earlier one (``stats["planned_steps"]``, see
+    ``PagedEngine(plan_ahead=...)``), the previous step's decodes one position further (a planned step follows a step
+    of the same requests)."""
 
     def __init__(self, engine):
-        self.engine, self.steps, self._last = engine, [], ()
+        self.engine, self.steps, self._last, self._prev = engine, [], (), ()
         schedule = engine.scheduler.schedule
 
         def recording():
@@ -236,12 +239,16 @@ class StepRecorder:
         engine.scheduler.schedule = recording
 
     def step(self):
+        stats = getattr(self.engine, "stats", {})
+        planned = stats.get("planned_steps", 0)
         t0 = time.perf_counter()
         out = self.engine.step()
         dt = time.perf_counter() - t0
+        if not self._last and stats.get("planned_steps", 0) > planned:
+            self._last = tuple((start + 1, n, completes) for start, n, completes in self._prev)
         if self._last:
             self.steps.append(TimedStep(self._last, dt))
-        self._last = ()
+        self._prev, self._last = self._last, ()
         return out
 
     def run(self) -> None:

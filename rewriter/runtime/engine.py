@@ -12,7 +12,14 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from pagedattn.backends import CrossMetadata, build_cross_metadata, build_metadata, position_mod
+from pagedattn.backends import (
+    AttentionMetadata,
+    CrossMetadata,
+    build_cross_metadata,
+    build_decode_metadata,
+    build_metadata,
+    position_mod,
+)
 from pagedattn.backends.base import SplitKVBackend, argmax_tokens, use_backend
 from pagedattn.runtime.blocks import BlockManager
 from pagedattn.runtime.cuda_graphs import CaptureFailed, DecodeGraphs, DeviceTokens
@@ -50,6 +57,18 @@ class PendingStep:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
+
+
+@dataclass
+class DecodeRun:
+    """Decode steps of the same requests planned together (``PagedEngine(plan_ahead=k)``): their blocks reserved and
+    their metadata built as the first one runs. Step ``j`` computes each request's token at ``starts[i] + j``."""
+
+    requests: list[Request]
+    starts: list[int]
+    metas: list[AttentionMetadata]  # one per step
+    rows: list[int]  # the logits' rows: every token of a decode step completes its sequence
+    taken: int = 0  # steps run so far
 
 
 class RequestErrors(ValueError):
@@ -147,6 +166,18 @@ class PagedEngine:
     dropped (its K/V go to a block freed with the request). Tokens stream one step later than they are
     sampled.
 
+    Decode steps are planned ``plan_ahead`` at a time (default 16; 1: each on its own) where steps run packed
+    without CUDA graphs (on the CPU, or on CUDA with ``cuda_graphs=False``; not for models with recurrent state,
+    encoder-decoders, per-request mask values or padded steps). When a step is decode-only and no request waits or is
+    swapped out, the engine reserves the blocks its requests need for the next ``k`` tokens (``k`` at most
+    ``plan_ahead`` and no request's remaining tokens; only where the cache has them free, so nothing is preempted for
+    it) and builds the metadata of those ``k`` steps at once. Each later ``step()`` of the run then runs the model,
+    samples and hands out the tokens, without scheduling or building metadata again, for as long as nothing changes:
+    a request added, finished, stopped or aborted ends the run before the next step, which is scheduled as usual
+    (reserved blocks stay with their requests). Each ``step()`` still computes one token per request, so tokens,
+    streaming and a new request's wait are as with ``plan_ahead=1``; ``stats["planned_steps"]`` counts the steps that
+    ran from a run's plan.
+
     Before its first request a CUDA engine serves a few of its own, one step of each kind (``warm_up=None``;
     ``True`` elsewhere, ``False`` never): a fresh prompt, decodes, and a step with prefix-cache hits beside a
     fresh prompt. Kernels that load or compile on their first call then do so at start-up, not in the first such
@@ -159,8 +190,12 @@ class PagedEngine:
                  dtype: Optional[torch.dtype] = None, eos_token_id: Optional[int | Sequence[int]] = None,
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
                  progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4,
-                 async_decode: bool = True, ahead_of_time: Optional[bool] = None, warm_up: Optional[bool] = None):
+                 async_decode: bool = True, ahead_of_time: Optional[bool] = None, warm_up: Optional[bool] = None,
+                 plan_ahead: int = 16):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
+        if isinstance(plan_ahead, bool) or not isinstance(plan_ahead, int) or plan_ahead < 1:
+            raise ValueError(f"plan_ahead must be an int >= 1 (decode steps planned at once; 1: each on its own), "
+                             f"got {plan_ahead!r}")
         self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs,
                                   ahead_of_time)
         sv = self.servable
@@ -197,6 +232,10 @@ class PagedEngine:
         self._length_limit = self._limit_from_report()  # the report does not change: read it once
         self.async_decode = async_decode
         self._pending: Optional[PendingStep] = None  # the asynchronous decode step not read back yet
+        # decode runs (DecodeRun) where steps run packed: not for steps padded per shape, rows or extra step inputs
+        self.plan_ahead = plan_ahead if self._pad is None and sv.state is None and sv.seq2seq is None and \
+            sv.values is None else 1
+        self._run: Optional[DecodeRun] = None
         # add_request/abort may come from other threads (a server) while one thread steps: they queue here
         # under a short lock and are taken in between steps, under the step lock (never mid-step)
         self._step_lock = threading.RLock()
@@ -215,7 +254,8 @@ class PagedEngine:
         self.stats = {"steps": 0, "model_s": 0.0, "overhead_s": 0.0, "tokens": 0,
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0,
-                      "overlapped_steps": 0}  # decode steps started before the previous one was read back
+                      "overlapped_steps": 0,  # decode steps started before the previous one was read back
+                      "planned_steps": 0}  # decode steps run from a DecodeRun's plan, not scheduled on their own
 
     def _warm(self, max_num_tokens: int, progress: bool) -> None:
         """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
@@ -509,6 +549,11 @@ class PagedEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        run = self._run
+        if run is not None:
+            if self._run_goes_on(run):
+                return self._run_step(run, t0)
+            self._run = None
         done: list[RequestOutput] = []
         if self._pending is not None and not self._continues():
             done += self._resolve()  # the next step needs the pending step's tokens on the host
@@ -544,21 +589,98 @@ class PagedEngine:
             plan = self._resolve_into(plan, done)
             if not plan:
                 return done
+        run = self._plan_run(plan)
+        if run is not None:
+            self._run = run
+            return done + self._run_step(run, t0)
         if self.states is not None:
             logits, num_tokens = self._run_rows(plan), sum(c.num_tokens for c in plan)
         else:
             logits, num_tokens, t1 = self._run_packed(plan)
         self.backend.sync()
-        greedy = None
-        if logits.device.type != "cpu":
-            if all(c.request.params.temperature == 0 for c in plan if c.completes):
-                # greedy rows only: the argmax on the device, and only the token ids come back
-                greedy = self.backend.argmax_rows(logits)
-            else:
-                logits = logits.cpu()  # one transfer for the whole step, not one per sampled request
+        logits, greedy = self._greedy_rows(logits, [c.request for c in plan if c.completes])
         t2 = time.perf_counter()
         done += self._advance(plan, logits, greedy)
         self._count(num_tokens, t0, t1, t2, time.perf_counter())
+        return done
+
+    def _greedy_rows(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, Optional[list[int]]]:
+        """A step's ``[R, V]`` logits for sampling on the host, and every row's argmax where the rows' requests are
+        greedy and the logits on a device (there the argmax runs on the device and only the ids come back; None
+        otherwise: ``_advance`` takes it on the host)."""
+        if logits.device.type == "cpu":
+            return logits, None
+        if all(r.params.temperature == 0 for r in requests):
+            return logits, self.backend.argmax_rows(logits)
+        return logits.cpu(), None  # one transfer for the whole step, not one per sampled request
+
+    # ------------------------------------------------------------ planned decode runs
+
+    def _plan_run(self, plan: list[ScheduledChunk]) -> Optional[DecodeRun]:
+        """A run of decode steps starting with ``plan`` (see ``plan_ahead``), its blocks reserved; None where ``plan``
+        is not a decode step that can go on as one: a chunk of more than one token, a request waiting or swapped out
+        (the next step would admit it), a forced token, fewer than two tokens left to some request, or too few free
+        blocks for all of them."""
+        s = self.scheduler
+        if self.plan_ahead < 2 or self.decode_graphs is not None or s.waiting or s.swapped:
+            return None
+        steps = self.plan_ahead
+        for c in plan:
+            req = c.request
+            if c.num_tokens != 1 or not c.completes or req.forced or req.inflight:
+                return None
+            steps = min(steps, req.params.max_new_tokens - len(req.output))
+        if steps < 2:
+            return None
+        tables = [c.request.table for c in plan]
+        if sum(self.blocks.blocks_needed(t, steps) for t in tables) > self.blocks.num_free:
+            return None
+        for t in tables:
+            self.blocks.reserve(t, steps)  # the step's own token has its block already: these are the next ones'
+        starts = [c.start for c in plan]
+        metas = build_decode_metadata(starts, [t.blocks for t in tables], self.block_size, steps, device=self.device)
+        return DecodeRun([c.request for c in plan], starts, metas, list(range(len(plan))))
+
+    def _run_goes_on(self, run: DecodeRun) -> bool:
+        """Whether the run's next step is the one ``schedule`` would make: steps are left, nothing waits or is swapped
+        out, and the same requests run (a request leaves ``running`` only by finishing, being aborted or being
+        preempted, and only ``schedule`` preempts or admits)."""
+        s = self.scheduler
+        return run.taken < len(run.metas) and not s.waiting and not s.swapped and len(s.running) == len(run.requests)
+
+    def _run_step(self, run: DecodeRun, t0: float) -> list[RequestOutput]:
+        """The run's next step: each request's last token in, a token out, as ``_advance`` takes it."""
+        j = run.taken
+        run.taken = j + 1
+        reqs = run.requests
+        # the token at each request's position (a prompt's last one where a prefix-cache hit left only that)
+        ids = [r.output[-1] if r.output else r.prompt[-1] for r in reqs]
+        t1 = time.perf_counter()
+        logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [s + j for s in run.starts], run.rows,
+                                          writable=False, call=self._packed_call)
+        self.backend.sync()
+        logits, greedy = self._greedy_rows(logits, reqs)
+        if greedy is None:
+            greedy = self.backend.argmax_rows(logits)
+        t2 = time.perf_counter()
+        done = []
+        blocks, bs = self.blocks, self.block_size
+        for r, req in enumerate(reqs):  # _advance's work for a chunk of one token that completes, no token forced
+            table = req.table
+            written = table.num_cached_tokens  # the position this step wrote
+            blocks.count(table, 1)
+            req.num_computed += 1
+            if (written + 1) % bs == 0:  # its block is full: findable by later prompts
+                blocks.register(table, req.tokens, written, written + 1)
+            tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
+            req.output.append(tok)
+            res = self._finish_if_done(req, tok)
+            if res is not None:
+                done.append(res)
+        if done or run.taken == len(run.metas):
+            self._run = None  # its requests changed, or its plan is spent
+        self.stats["planned_steps"] += 1
+        self._count(len(reqs), t0, t1, t2, time.perf_counter())
         return done
 
     def _count(self, num_tokens: int, t0: float, t1: float, t2: float, t3: float) -> None:
@@ -801,6 +923,10 @@ class PagedEngine:
         """Append a sampled token (or the one the request forces there); finish the request where it stops."""
         tok = req.forced.get(len(req.output), tok)
         req.output.append(tok)
+        return self._finish_if_done(req, tok)
+
+    def _finish_if_done(self, req: Request, tok: int) -> Optional[RequestOutput]:
+        """Finish the request where its last token ``tok`` stops it or reaches its token limit (its output then)."""
         reason = None
         if tok in req.params.stop_token_ids or tok in self._eos:
             reason = "stop"

@@ -10,6 +10,7 @@ from pagedattn.backends import (
     AttentionParams,
     CacheSpec,
     active_backend,
+    build_decode_metadata,
     build_metadata,
     get_backend,
     use_backend,
@@ -64,6 +65,37 @@ def test_metadata_is_frozen():
 def test_build_metadata_rejects(seqs, match):
     with pytest.raises(ValueError, match=match):
         build_metadata(seqs, block_size=4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 3, 16]), steps=st.integers(1, 20),
+       seqs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 2)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_decode_runs_metadata_is_each_steps_own(block_size, steps, seqs, seed):
+    # step j of a run is build_metadata's decode step at starts + j; the steps share their block tables and query
+    # start offsets (one tensor each), and have slot mappings and lengths of their own
+    g = torch.Generator().manual_seed(seed)
+    starts = [ctx for ctx, _ in seqs]
+    tables = [torch.randperm(1000, generator=g)[:-(-(ctx + steps) // block_size) + extra].tolist()
+              for ctx, extra in seqs]
+    metas = build_decode_metadata(starts, tables, block_size, steps)
+    assert len(metas) == steps
+    for j, m in enumerate(metas):
+        want = build_metadata([(c + j, 1, t) for c, t in zip(starts, tables)], block_size)
+        assert [t.tolist() for t in m.tensors()] == [t.tolist() for t in want.tensors()]
+        assert [t.dtype for t in m.tensors()] == [t.dtype for t in want.tensors()]
+        assert m.block_tables is metas[0].block_tables and m.query_start_loc is metas[0].query_start_loc
+    assert len({m.slot_mapping.data_ptr() for m in metas}) == steps
+
+
+@pytest.mark.parametrize(
+    "starts, tables, steps, match",
+    [([], [], 2, "need >= 1"), ([0], [[1], [2]], 2, "one per sequence"), ([3], [[1]], 0, "steps must be >= 1"),
+     ([-1], [[1]], 1, "negative"), ([3], [[1]], 2, "needs 2 blocks"), ([0], [[2**40]], 1, "does not fit in 32 bits")],
+)
+def test_build_decode_metadata_rejects(starts, tables, steps, match):
+    with pytest.raises(ValueError, match=match):
+        build_decode_metadata(starts, tables, 4, steps)
 
 
 def _attend(b, **over):

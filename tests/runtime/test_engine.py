@@ -238,6 +238,9 @@ def test_warm_up_serves_each_step_kind_once_and_leaves_nothing_behind(models, mo
     run = Engine._run_packed
     monkeypatch.setattr(Engine, "_run_packed",
                         lambda self, plan: steps.append([(c.start, c.num_tokens) for c in plan]) or run(self, plan))
+    planned = Engine._run_step  # decode steps planned together (plan_ahead)
+    monkeypatch.setattr(Engine, "_run_step", lambda self, r, t0: steps.append(
+        [(s + r.taken, 1) for s in r.starts]) or planned(self, r, t0))
     warm = PagedEngine(rewritten, compile=False, block_size=bs, num_blocks=64, warm_up=True, progress=False)
     assert [(0, 2 * bs + 3)] in steps
     assert [(2 * bs, 1), (2 * bs, 1), (2 * bs, 3), (2 * bs, 3), (0, bs + 1), (0, bs + 2)] in steps
