@@ -15,7 +15,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def mistral():
-    """A sliding-window model (window 4 in the tiny config: runs cross it), its HF tokens for ``prompts()`` and its
+    """A sliding-window model (window 6 in the tiny config: runs cross it), its HF tokens for ``prompts()`` and its
     rewrite."""
     m = tiny_model("mistral", "eager")
     return m, hf_generate(m, prompts(), NEW), pagedattn.rewrite(m, (), engine_example(m))
