@@ -256,34 +256,19 @@ def build_decode_metadata(starts: Sequence[int], tables: Sequence[Sequence[int]]
                          "one per sequence)")
     if steps < 1:
         raise ValueError(f"build_decode_metadata: steps must be >= 1, got {steps}")
-    for i, (ctx, table) in enumerate(zip(starts, tables)):
-        if ctx < 0:
-            raise ValueError(f"build_decode_metadata: sequence {i} has a negative context length")
-        if len(table) * block_size < ctx + steps:
-            raise ValueError(f"build_decode_metadata: sequence {i} needs {-(-(ctx + steps) // block_size)} blocks "
-                             f"of {block_size} tokens for {steps} steps from position {ctx} but its block table has "
-                             f"{len(table)}")
-    width = max(1, max(len(t) for t in tables))
-    flat: list[int] = []
-    for table in tables:
-        flat += table
-        flat += [0] * (width - len(table))
-    try:
-        shared = {"block_tables": _int_tensor(array.array("i", flat)).view(len(tables), width),
-                  "query_start_loc": _int_tensor(array.array("i", range(len(starts) + 1)))}
-        metas = []
-        for j in range(steps):
-            slots = [t[(c + j) // block_size] * block_size + (c + j) % block_size for c, t in zip(starts, tables)]
-            metas.append(AttentionMetadata(slot_mapping=_int_tensor(array.array("q", slots)),
-                                           seq_lens=_int_tensor(array.array("i", [c + j + 1 for c in starts])),
-                                           block_size=block_size, **shared))
-    except OverflowError:
-        raise ValueError("build_decode_metadata: a block id or sequence length does not fit in 32 bits (block tables "
-                         "and lengths are int32): check the block tables") from None
+    if min(starts) < 0:
+        raise ValueError(f"build_decode_metadata: sequence {starts.index(min(starts))} has a negative context length")
+    # the last step reaches furthest into every table: build_metadata checks them there, and its block tables and
+    # query start offsets are every step's
+    last = build_metadata([(c + steps - 1, 1, t) for c, t in zip(starts, tables)], block_size)
+    metas = [dataclasses.replace(
+        last, slot_mapping=_int_tensor(array.array("q", [t[(c + j) // block_size] * block_size + (c + j) % block_size
+                                                         for c, t in zip(starts, tables)])),
+        seq_lens=_int_tensor(array.array("i", [c + j + 1 for c in starts]))) for j in range(steps - 1)] + [last]
     if torch.device(device).type == "cpu":
         return metas
-    moved = {name: t.to(device) for name, t in shared.items()}
-    return [dataclasses.replace(m, slot_mapping=m.slot_mapping.to(device), seq_lens=m.seq_lens.to(device), **moved)
+    shared = {"block_tables": last.block_tables.to(device), "query_start_loc": last.query_start_loc.to(device)}
+    return [dataclasses.replace(m, slot_mapping=m.slot_mapping.to(device), seq_lens=m.seq_lens.to(device), **shared)
             for m in metas]
 
 

@@ -67,7 +67,6 @@ class DecodeRun:
     requests: list[Request]
     starts: list[int]
     metas: list[AttentionMetadata]  # one per step
-    rows: list[int]  # the logits' rows: every token of a decode step completes its sequence
     taken: int = 0  # steps run so far
 
 
@@ -627,7 +626,7 @@ class PagedEngine:
         steps = self.plan_ahead
         for c in plan:
             req = c.request
-            if c.num_tokens != 1 or not c.completes or req.forced or req.inflight:
+            if c.num_tokens != 1 or not c.completes or req.forced:
                 return None
             steps = min(steps, req.params.max_new_tokens - len(req.output))
         if steps < 2:
@@ -639,7 +638,7 @@ class PagedEngine:
             self.blocks.reserve(t, steps)  # the step's own token has its block already: these are the next ones'
         starts = [c.start for c in plan]
         metas = build_decode_metadata(starts, [t.blocks for t in tables], self.block_size, steps, device=self.device)
-        return DecodeRun([c.request for c in plan], starts, metas, list(range(len(plan))))
+        return DecodeRun([c.request for c in plan], starts, metas)
 
     def _run_goes_on(self, run: DecodeRun) -> bool:
         """Whether the run's next step is the one ``schedule`` would make: steps are left, nothing waits or is swapped
@@ -649,34 +648,20 @@ class PagedEngine:
         return run.taken < len(run.metas) and not s.waiting and not s.swapped and len(s.running) == len(run.requests)
 
     def _run_step(self, run: DecodeRun, t0: float) -> list[RequestOutput]:
-        """The run's next step: each request's last token in, a token out, as ``_advance`` takes it."""
+        """The run's next step: each request's last token in, a token out (``_advance``)."""
         j = run.taken
         run.taken = j + 1
         reqs = run.requests
+        plan = [ScheduledChunk(r, start + j, 1) for r, start in zip(reqs, run.starts)]
         # the token at each request's position (a prompt's last one where a prefix-cache hit left only that)
         ids = [r.output[-1] if r.output else r.prompt[-1] for r in reqs]
         t1 = time.perf_counter()
-        logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [s + j for s in run.starts], run.rows,
-                                          writable=False, call=self._packed_call)
+        logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [c.start for c in plan],
+                                          range(len(plan)), writable=False, call=self._packed_call)
         self.backend.sync()
         logits, greedy = self._greedy_rows(logits, reqs)
-        if greedy is None:
-            greedy = self.backend.argmax_rows(logits)
         t2 = time.perf_counter()
-        done = []
-        blocks, bs = self.blocks, self.block_size
-        for r, req in enumerate(reqs):  # _advance's work for a chunk of one token that completes, no token forced
-            table = req.table
-            written = table.num_cached_tokens  # the position this step wrote
-            blocks.count(table, 1)
-            req.num_computed += 1
-            if (written + 1) % bs == 0:  # its block is full: findable by later prompts
-                blocks.register(table, req.tokens, written, written + 1)
-            tok = greedy[r] if req.params.temperature == 0 else self._sample(req, logits[r])
-            req.output.append(tok)
-            res = self._finish_if_done(req, tok)
-            if res is not None:
-                done.append(res)
+        done = self._advance(plan, logits, greedy)
         if done or run.taken == len(run.metas):
             self._run = None  # its requests changed, or its plan is spent
         self.stats["planned_steps"] += 1
@@ -923,10 +908,6 @@ class PagedEngine:
         """Append a sampled token (or the one the request forces there); finish the request where it stops."""
         tok = req.forced.get(len(req.output), tok)
         req.output.append(tok)
-        return self._finish_if_done(req, tok)
-
-    def _finish_if_done(self, req: Request, tok: int) -> Optional[RequestOutput]:
-        """Finish the request where its last token ``tok`` stops it or reaches its token limit (its output then)."""
         reason = None
         if tok in req.params.stop_token_ids or tok in self._eos:
             reason = "stop"
