@@ -110,20 +110,27 @@ static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((v
  * folded away, as -0.0 and infinities behave differently) */
 static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-/* lanes (0, 2, ..., 30) and (1, 3, ..., 31) of a:b, added: the pairwise sums of a, then of b */
-static inline vf pairsum(vf a, vf b) {
-    const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
-}
-
-/* lane t of the result: the sum of x[t]'s lanes (16 dot products finished at once, 15 pairings) */
+/* lane t of the result: the sum of x[t]'s lanes (16 dot products finished at once). Four rounds of pairings, each
+ * halving the vectors: the first two within 128-bit quarters (unpacks, then 64-bit pairs: single-cycle shuffles
+ * where a full permute costs several), the last two across quarters, so that lane t ends with key t's sum */
 static inline vf hsum16(const vf *x) {
+    const vi lo = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};   /* unpacklo */
+    const vi hi = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31}; /* unpackhi */
+    const vi q01 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};  /* 64-bit halves, low */
+    const vi q23 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}; /* and high */
+    const vi even = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};  /* quarters 0, 2 of a, of b */
+    const vi odd = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}; /* quarters 1, 3 */
     vf r8[8], r4[4], r2[2];
-    for (int i = 0; i < 8; i++) r8[i] = pairsum(x[2 * i], x[2 * i + 1]);
-    for (int i = 0; i < 4; i++) r4[i] = pairsum(r8[2 * i], r8[2 * i + 1]);
-    for (int i = 0; i < 2; i++) r2[i] = pairsum(r4[2 * i], r4[2 * i + 1]);
-    return pairsum(r2[0], r2[1]);
+    /* r8[i], per quarter: (x[2i], x[2i + 1], x[2i], x[2i + 1]) partial sums */
+    for (int i = 0; i < 8; i++)
+        r8[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi);
+    /* r4[i], per quarter: keys 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++)
+        r4[i] = __builtin_shuffle(r8[2 * i], r8[2 * i + 1], q01) + __builtin_shuffle(r8[2 * i], r8[2 * i + 1], q23);
+    /* r2[i]: keys 8i .. 8i + 3 (quarters 0 + 1, 2 + 3), then 8i + 4 .. 8i + 7 likewise */
+    for (int i = 0; i < 2; i++)
+        r2[i] = __builtin_shuffle(r4[2 * i], r4[2 * i + 1], even) + __builtin_shuffle(r4[2 * i], r4[2 * i + 1], odd);
+    return __builtin_shuffle(r2[0], r2[1], even) + __builtin_shuffle(r2[0], r2[1], odd);
 }
 
 /* exp_neg on 16 lanes (rounding by adding and removing 1.5 * 2^23: exact for |x * log2 e| < 2^22) */

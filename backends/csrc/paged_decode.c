@@ -22,9 +22,9 @@
                               * half as far made decodes from DRAM 7-15 % slower, twice as far 0-9 % */
 #endif
 #ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2 /* prefetch_key's requests go to L2 (prefetcht1): on a 2-core EPYC (Zen 4), decodes from
-                             * DRAM 16-30 % faster than into L1 (prefetcht0), which holds only a few misses in flight;
-                             * the same in cache (benchmarks/RESULTS.md) */
+#define PREFETCH_LOCALITY 2 /* the prefetch cursor's requests go to L2 (prefetcht1): on a 2-core EPYC (Zen 4), decodes
+                             * from DRAM 16-30 % faster than into L1 (prefetcht0), which holds only a few misses in
+                             * flight; the same in cache (benchmarks/RESULTS.md) */
 #endif
 #define TILE 32       /* keys scored at once (the scalar path; at least the vector path's 16) */
 #define CHUNK_TILES 8 /* the vector path's tiles scored before their softmax and weighted sums */
@@ -42,19 +42,47 @@ static inline __attribute__((always_inline)) void rows_as_float(const float **ou
     for (int t = 0; t < n; t++) out[t] = buf + t * D;
 }
 
-/* key j's rows (every head), K and V, asked for from memory: block addresses come from the table, so no hardware
- * prefetcher sees them coming. Asked for prefetch_ahead() keys ahead, one key per key attended (spread over the
- * work: a burst of prefetches only queues behind the memory system) */
-static inline void prefetch_key(const decode_args *a, const int32_t *table, const char *ck, const char *cv, int64_t j,
-                                int64_t row_bytes, int64_t esz) {
-    const int64_t off = ((int64_t)table[j / a->block_size] * a->c_block + (j % a->block_size) * a->c_token) * esz;
+/* The keys a unit asks for from memory ahead of the one it scores: block addresses come from the table, so no
+ * hardware prefetcher sees them coming. The cursor walks the unit's keys prefetch_ahead() keys in front and asks
+ * for one key's rows (every head, K and V) per key attended: spread over the work (a burst of prefetches only
+ * queues behind the memory system), and moved a token at a time, one table read per block (a division per key
+ * cost more than the prefetches). */
+typedef struct {
+    int64_t key, end;     /* the next key asked for, and the unit's end */
+    int64_t block, slot;  /* its block in the table and place in the block */
+    int64_t off;          /* its byte offset in the caches (valid while key < end) */
+} prefetch_cursor;
+
+static inline void prefetch_start(prefetch_cursor *c, const decode_args *a, const int32_t *table, int64_t key,
+                                  int64_t end, int64_t esz) {
+    c->key = key;
+    c->end = end;
+    c->block = key / a->block_size;
+    c->slot = key % a->block_size;
+    c->off = key < end ? ((int64_t)table[c->block] * a->c_block + c->slot * a->c_token) * esz : 0;
+}
+
+/* the cursor's key asked for (row_bytes of each cache, from L2 on: PREFETCH_LOCALITY), and the cursor moved on */
+static inline __attribute__((always_inline)) void prefetch_next(prefetch_cursor *c, const decode_args *a,
+                                                                const int32_t *table, const char *ck, const char *cv,
+                                                                int64_t row_bytes, int64_t esz) {
+    if (c->key >= c->end) return;
     for (int64_t o = 0; o < row_bytes; o += 64) {
-        __builtin_prefetch(ck + off + o, 0, PREFETCH_LOCALITY);
-        __builtin_prefetch(cv + off + o, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(ck + c->off + o, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(cv + c->off + o, 0, PREFETCH_LOCALITY);
+    }
+    c->key++;
+    if (++c->slot < a->block_size) {
+        c->off += a->c_token * esz;
+    } else {
+        c->slot = 0;
+        c->block++;
+        /* the table is read only for keys the unit has: check() bounds those */
+        c->off = c->key < c->end ? (int64_t)table[c->block] * a->c_block * esz : 0;
     }
 }
 
-/* how many keys ahead prefetch_key() asks for: PREFETCH_BYTES of K and V rows (row_bytes each), 4 to 32 keys (a
+/* how many keys ahead the prefetch cursor runs: PREFETCH_BYTES of K and V rows (row_bytes each), 4 to 32 keys (a
  * fixed count of keys was too near for small rows and too far for large ones: lines evicted before use) */
 static inline int64_t prefetch_ahead(int64_t row_bytes) {
     const int64_t keys = PREFETCH_BYTES / (2 * row_bytes);
@@ -103,11 +131,12 @@ static inline __attribute__((always_inline)) void unit_finish(const decode_args 
 
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
  * converted keys and values, a tile of scores per head of a group (the scalar path); a zero row, and for the vector
- * path every head's 16 keys' partial sums, a chunk's scores (then weights) and every head's running maximum over the
- * chunk (plus room to align) */
+ * path every head's 16 keys' partial sums, a chunk's scores (then weights), every head's running maximum over the
+ * chunk and the query's bfloat16 rows (plus room to align both) */
 static int64_t state_floats(const decode_args *a) {
     const int64_t H = a->num_heads, D = a->head_size, G = a->num_heads / a->num_kv_heads;
-    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D + H * 16 * 16 + H * CHUNK_TILES * 16 + H * 16 + 16;
+    return 2 * H * D + 3 * H + 2 * TILE * D + G * TILE + D + H * 16 * 16 + H * CHUNK_TILES * 16 + H * 16 + 16
+           + H * D / 2 + 16;
 }
 
 /* one unit: an item's keys [k0, k1) for every head, a tile at a time (a tile's keys and values are read once for
@@ -126,14 +155,14 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;  /* a token's heads, first to last */
-    const int64_t ahead = prefetch_ahead(row_bytes);
+    prefetch_cursor pf;
+    prefetch_start(&pf, a, table, k0 + prefetch_ahead(row_bytes), k1, esz);
     for (int64_t t0 = k0; t0 < k1;) {
         const int64_t in_block = t0 % bs;
         int n = (int)(bs - in_block < k1 - t0 ? bs - in_block : k1 - t0);
         n = n < TILE ? n : TILE;
         const int64_t base = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
-        for (int t = 0; t < n && t0 + t + ahead < k1; t++)
-            prefetch_key(a, table, ck, cv, t0 + t + ahead, row_bytes, esz);
+        for (int t = 0; t < n; t++) prefetch_next(&pf, a, table, ck, cv, row_bytes, esz);
         for (int kvh = 0; kvh < Hkv; kvh++) {
             for (int t = 0; t < n; t++) {
                 const int64_t off = base + (t * a->c_token + kvh * a->c_head) * esz;
@@ -251,30 +280,31 @@ static inline __attribute__((always_inline)) void accumulate_group(float *acc, c
     }
 }
 
-/* 16 keys' dot products with each query head of one KV head's group, before their lanes are summed: dots [H][16][16]
+/* one key's dot products with each query head of one KV head's group, before their lanes are summed: dots [H][16][16]
  * gets, at [h][t], 16 partial sums of head h's query and key row kp. The query: q [H][D] scaled floats, or for
- * bfloat16 pairs (DP) the query's own rows (qraw, heads q_head elements apart), unscaled */
-static inline __attribute__((always_inline)) void score_row(float *dots, const float *q, const char *qraw,
-                                                            int64_t q_head, const char *kp, int kvh, int G, int t,
-                                                            const int D, const int DT, const int DP) {
+ * bfloat16 pairs (DP) qp [H][D], the query's rows unscaled. G, D constants where inlined: the group's queries at
+ * fixed offsets, its loop unrolled */
+static inline __attribute__((always_inline)) void score_row(float *dots, const float *q, const bf16_t *qp,
+                                                            const char *kp, int kvh, const int G, int t, const int D,
+                                                            const int DT, const int DP) {
     const int NV = D / VL;
     const int64_t esz = DT == 0 ? 4 : 2;
 #if HAVE_DPBF16
     if (DP) {
         __m512i kc[VEC_MAX_NV / 2];
         for (int c = 0; c < NV / 2; c++) kc[c] = _mm512_loadu_si512(kp + c * 64);
+        const bf16_t *qk = qp + (int64_t)kvh * G * D;
+        float *dk = dots + ((int64_t)kvh * G * VL + t) * VL;
         for (int g = 0; g < G; g++) {
-            const int h = kvh * G + g;
-            const char *qh = qraw + h * q_head * 2;
             __m512 sv = _mm512_setzero_ps();
             for (int c = 0; c < NV / 2; c++)
-                sv = _mm512_dpbf16_ps(sv, (__m512bh)_mm512_loadu_si512(qh + c * 64), (__m512bh)kc[c]);
-            _mm512_storeu_ps(dots + (h * VL + t) * VL, sv);
+                sv = _mm512_dpbf16_ps(sv, (__m512bh)_mm512_loadu_si512(qk + g * D + c * 2 * VL), (__m512bh)kc[c]);
+            _mm512_storeu_ps(dk + g * VL * VL, sv);
         }
         return;
     }
 #else
-    (void)qraw, (void)q_head, (void)DP;
+    (void)qp, (void)DP;
 #endif
     const float *qk = q + (int64_t)kvh * G * D;
     vf kc[VEC_MAX_NV];
@@ -283,6 +313,27 @@ static inline __attribute__((always_inline)) void score_row(float *dots, const f
         vf sv = vload(qk + g * D) * kc[0];
         for (int c = 1; c < NV; c++) sv += vload(qk + g * D + c * VL) * kc[c];
         vstore(dots + ((kvh * G + g) * VL + t) * VL, sv);
+    }
+}
+
+/* a tile's 16 keys against every query head (score_row; the keys past its n live ones score the zero row), key t's
+ * rows at krow + t * token_bytes, KV head kvh's slice head_bytes further; the prefetch cursor moves a key per live
+ * key */
+static inline __attribute__((always_inline)) void score_tile(float *dots, const float *q, const bf16_t *qp,
+                                                             const char *krow, int n, const char *zero,
+                                                             const decode_args *a, const int32_t *table,
+                                                             prefetch_cursor *pf, int64_t row_bytes, const int G,
+                                                             const int D, const int DT, const int DP) {
+    const int64_t esz = DT == 0 ? 4 : 2, token_bytes = a->c_token * esz, head_bytes = a->c_head * esz;
+    const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
+    for (int t = 0; t < VL; t++) {
+        const char *kr = zero;
+        if (t < n) {
+            prefetch_next(pf, a, table, ck, cv, row_bytes, esz);
+            kr = krow + t * token_bytes;
+        }
+        for (int kvh = 0; kvh < a->num_kv_heads; kvh++)
+            score_row(dots, q, qp, t < n ? kr + kvh * head_bytes : zero, kvh, G, t, D, DT, DP);
     }
 }
 
@@ -304,14 +355,18 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     float *dots = (float *)(((uintptr_t)(zero + D) + 63) & ~(uintptr_t)63);  /* [H][16 keys][16] partial sums */
     const int64_t pstride = CHUNK_TILES * VL;
     float *sc = dots + H * VL * VL, *top = sc + H * pstride;  /* [H][chunk's keys] scores, then weights; [H][16] */
-    const char *qraw = (const char *)a->query + qrow * a->q_row * esz;
+    bf16_t *qp = (bf16_t *)(((uintptr_t)(top + H * VL) + 63) & ~(uintptr_t)63);  /* [H][D] the query's rows (DP) */
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
+    if (DP)
+        for (int h = 0; h < H; h++)
+            memcpy(qp + (int64_t)h * D, (const char *)a->query + (qrow * a->q_row + h * a->q_head) * esz, D * esz);
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz, token_bytes = a->c_token * esz;
-    const int64_t ahead = prefetch_ahead(row_bytes);
+    prefetch_cursor pf;
+    prefetch_start(&pf, a, table, k0 + prefetch_ahead(row_bytes), k1, esz);
     vi lane;
     for (int t = 0; t < VL; t++) lane[t] = t;
     for (int64_t t0 = k0; t0 < k1;) {
@@ -324,14 +379,17 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             n = n < VL ? n : VL;
             base[nt] = ((int64_t)table[t0 / bs] * a->c_block + in_block * a->c_token) * esz;
             len[nt] = n;
-            for (int t = 0; t < VL; t++) {
-                if (t < n && t0 + t + ahead < k1)
-                    prefetch_key(a, table, ck, cv, t0 + t + ahead, row_bytes, esz);
-                const char *krow = t < n ? ck + base[nt] + t * token_bytes : NULL;
-                for (int kvh = 0; kvh < Hkv; kvh++)
-                    score_row(dots, q, qraw, a->q_head, krow ? krow + kvh * a->c_head * esz : (const char *)zero,
-                              kvh, G, t, D, DT, DP);
+            const char *krow = ck + base[nt];
+#define SCORE_CASE(GC) score_tile(dots, q, qp, krow, n, (const char *)zero, a, table, &pf, row_bytes, GC, D, DT, DP)
+            switch (G) {  /* the common group sizes as constants */
+                case 1: SCORE_CASE(1); break;
+                case 2: SCORE_CASE(2); break;
+                case 3: SCORE_CASE(3); break;
+                case 4: SCORE_CASE(4); break;
+                case 8: SCORE_CASE(8); break;
+                default: SCORE_CASE(G);
             }
+#undef SCORE_CASE
             const vi live = lane < n;
             for (int h = 0; h < H; h++) {
                 vf s = hsum16((const vf *)(dots + h * VL * VL));
