@@ -56,12 +56,13 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
            "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
-           "linear_panel_bytes", "onednn_bytes", "build_shared"]
+           "linear_panel_bytes", "onednn_bytes", "build_shared", "SOURCES"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
 MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
-_SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
+# the C library's files (csrc/)
+SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _BUILD_WAIT_S = 600  # how long a process waits for another's build of the same object before building it itself
 
@@ -295,16 +296,20 @@ def load() -> Optional[ctypes.CDLL]:
     return build_library()
 
 
-def build_library(defines: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+def build_library(defines: tuple[str, ...] = (),
+                  sources: Optional[dict[str, bytes]] = None) -> Optional[ctypes.CDLL]:
     """The kernel's library built with the C macros ``defines`` (``PAGEDATTN_NO_DPBF16``: bfloat16 scores by
     widening, as on CPUs without AVX512-BF16; ``PAGEDATTN_PREFILL_PAIRS``: prefill scores by pair dot products on any
-    CPU that has them; both for tests) and cached like :func:`load`'s; None where it cannot run here."""
+    CPU that has them; both for tests) and cached like :func:`load`'s; None where it cannot run here. ``sources``:
+    the C files by name (:data:`SOURCES`), for another version of the kernels (``benchmarks/decode_kernel_ab.py``);
+    None: this package's."""
     missing = missing_prerequisite()
     if missing:
         log.debug("pagedattn: native decode kernel off: %s", missing)
         return None
-    csrc = resources.files("pagedattn.backends").joinpath("csrc")
-    sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES}
+    if sources is None:
+        csrc = resources.files("pagedattn.backends").joinpath("csrc")
+        sources = {name: csrc.joinpath(name).read_bytes() for name in SOURCES}
     try:
         path = _build(sources, _compiler(), defines)
         if path is None:
