@@ -6,7 +6,8 @@ called through ``native.DecodeCall`` on the same step: one query token per seque
 swings (1.4x between minutes on a 2-vCPU EPYC) fall on both; each round's figure is the median of ``--calls`` calls.
 ``cached``: the step's K/V read again call after call (in L2/L3 when they fit); ``from memory``: a 64 MB buffer read
 between calls, so that the step's K/V come from DRAM, as in a serving step whose weights have passed through the caches
-since. Prints each case's medians, the ratio of the medians and the median of the rounds' ratios, nanoseconds per
+since (it empties them of the call's own state too: at a few hundred keys a sequence, ~50 us of a call's time is
+that). Prints each case's medians, the ratio of the medians and the median of the rounds' ratios, nanoseconds per
 (sequence, key) and the K/V bytes a second; the outputs of the two builds are compared too (they differ by float
 rounding at most).
 
