@@ -1,8 +1,8 @@
 """The native decode kernel of this checkout against the kernel of another commit, in one process.
 
 Both libraries are built (``native.build_library``: the other one from ``git show REF:backends/csrc/...``) and
-called through ``native.DecodeCall`` on the same step: one query token per sequence over a paged cache on huge pages
-(as the engine allocates it), blocks in a shuffled order. The two run in alternating rounds, so that a shared host's
+called through ``native.DecodeCall`` on the same step (``paged_cases.decode_case``: one query token per sequence over
+a paged cache as the CPU backend allocates it, on huge pages, blocks in a shuffled order). The two run in alternating rounds, so that a shared host's
 swings (1.4x between minutes on a 2-vCPU EPYC) fall on both; each round's figure is the median of ``--calls`` calls.
 ``cached``: the step's K/V read again call after call (in L2/L3 when they fit); ``from memory``: a 64 MB buffer read
 between calls, so that the step's K/V come from DRAM, as in a serving step whose weights have passed through the caches
@@ -18,14 +18,14 @@ rounding at most).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import subprocess
 import time
 
+import paged_cases  # benchmarks/paged_cases.py, beside this script
 import torch
 
-from pagedattn.backends import huge_pages, native
+from pagedattn.backends import native
 
 # (query heads, KV heads, head size, sequences, context): llama16m's and llama34m's decode steps
 # (benchmarks/generate_cpu.py), and a Llama-3-8B-shaped one
@@ -38,32 +38,17 @@ def sources_at(ref: str) -> dict[str, bytes]:
                                  capture_output=True).stdout for name in native.SOURCES}
 
 
-def step(heads: int, kv_heads: int, head_size: int, seqs: int, context: int, dtype: torch.dtype,
-         block_size: int = 16, seed: int = 0):
-    """A decode step's tensors: contexts within 50 of ``context``, each sequence's blocks scattered over the cache."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(max(1, context - 50), context + 51, (seqs,), generator=g).tolist()
-    need = [math.ceil(n / block_size) for n in lens]
-    order = torch.randperm(sum(need), generator=g)
-    tables = torch.zeros(seqs, max(need), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = order[start:start + n]
-        start += n
-    cache = huge_pages.zeros((2, sum(need), block_size, kv_heads, head_size), dtype)  # [2, blocks, bs, Hkv, D]
-    cache.copy_(torch.randn(cache.shape, generator=g))
-    query = torch.randn(seqs, heads, head_size, generator=g).to(dtype)  # [B, H, D]
-    return lens, tables, cache, query
-
-
 def compare(libs: dict, shape: tuple, dtype: torch.dtype, from_memory: bool, rounds: int, calls: int) -> str:
     heads, kv_heads, head_size, seqs, context = shape
-    lens, tables, cache, query = step(heads, kv_heads, head_size, seqs, context, dtype)
+    # contexts within 50 of `context`, each sequence's blocks scattered over a cache the CPU backend allocates
+    lens, cache, paged, _ = paged_cases.decode_case(seqs, max(1, context - 50), context + 50, heads, kv_heads,
+                                                    head_size, dtype, 16)
+    query, meta, scale = paged.inputs
+    tables = meta.block_tables
     items = [(i, i, 0, n) for i, n in enumerate(lens)]
     part = native.part_keys(sum(lens), torch.get_num_threads(), cache.shape[2])
     runs = {name: native.DecodeCall(lib, items, part, torch.get_num_threads()) for name, lib in libs.items()}
     outs = {name: torch.empty_like(query) for name in libs}
-    scale = 1 / math.sqrt(head_size)
 
     def call(name):
         runs[name](outs[name], query, cache, tables, scale, 0.0, None, None)

@@ -653,8 +653,7 @@ class PagedEngine:
         run.taken = j + 1
         reqs = run.requests
         plan = [ScheduledChunk(r, start + j, 1) for r, start in zip(reqs, run.starts)]
-        # the token at each request's position (a prompt's last one where a prefix-cache hit left only that)
-        ids = [r.output[-1] if r.output else r.prompt[-1] for r in reqs]
+        ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
         t1 = time.perf_counter()
         logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [c.start for c in plan],
                                           range(len(plan)), writable=False, call=self._packed_call)
