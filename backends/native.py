@@ -301,7 +301,7 @@ def build_library(defines: tuple[str, ...] = (),
     """The kernel's library built with the C macros ``defines`` (``PAGEDATTN_NO_DPBF16``: bfloat16 scores by
     widening, as on CPUs without AVX512-BF16; ``PAGEDATTN_PREFILL_PAIRS``: prefill scores by pair dot products on any
     CPU that has them; both for tests) and cached like :func:`load`'s; None where it cannot run here. ``sources``:
-    the C files by name (:data:`SOURCES`), for another version of the kernels (``benchmarks/decode_kernel_ab.py``);
+    the C files by name (:data:`SOURCES`), for another version of the kernels (``benchmarks/kernel_ab.py``);
     None: this package's."""
     missing = missing_prerequisite()
     if missing:
