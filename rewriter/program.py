@@ -24,7 +24,7 @@ from pagedattn.backends import (
     validation_enabled,
 )
 from pagedattn.backends.cpu_linear import SmallLinears
-from pagedattn.backends.native_ops import NativePagedOps
+from pagedattn.backends.native_ops import NativePagedOps, SiluMul
 from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
@@ -198,7 +198,8 @@ def paged_step_options(backend: str, target: str, *, freeze: bool,
     """The compile options of a paged step for ``backend`` on ``target`` (see ``RewrittenModel.compile_paged`` for
     ``freeze`` and ``small_linears``): freezing's (:func:`frozen_step_options`), serving's
     (:func:`serving_step_options`) and, on the CPU, the post-grad passes (pagedattn's small linears, a step's shared
-    values once, the paged ops' C++ stand-ins). None where there are none."""
+    values once, the paged ops' C++ stand-ins, a gated MLP's activation by the native kernel). None where there are
+    none."""
     if freeze and backend != "inductor":
         raise ValueError(f"freeze=True needs the inductor backend, not {backend!r}")
     if small_linears and not (freeze and target == "cpu"):
@@ -213,6 +214,8 @@ def paged_step_options(backend: str, target: str, *, freeze: bool,
         passes.append(RealizeSharedValues())  # a rotary table's sines and cosines once a step, not per layer
         if native_ops.paged_ops() is not None:
             passes.append(NativePagedOps())  # the paged ops' C++ stand-ins: a decode's calls with no Python
+        if native_ops.silu_mul_op() is not None:
+            passes.append(SiluMul())  # a gated MLP's SiLU(gate) * up by the native kernel
     if passes:
         options = {**(options or {}), "post_grad_custom_pre_pass": PostGradPasses(tuple(passes))}
     return options

@@ -7,12 +7,17 @@
    to oneDNN's mkldnn::_linear_pointwise on the same weight. While pagedattn's validation is on, calls go to
    pagedattn::linear instead, whose Python kernel re-proves the weight's layout at every call.
 
+   pagedattn_native::silu_mul is a gated MLP's SiLU(gate) * up by small_linear.c's kernel (bound likewise), which a
+   compiled CPU step calls in place of Inductor's kernel (native_ops.SiluMul).
+
    Built by native_ops.py with the torch headers only (no Python or pybind headers: a few seconds to compile). */
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -145,6 +150,45 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
     return out.defined() ? out : onednn_linear(x, w, bias);
 }
 
+/* rows, columns and the elements between rows of x [..., C] read as rows of its last dimension (native.rows_of);
+   false where its leading dimensions do not flatten into one stride or its rows are not contiguous */
+bool rows_of(const at::Tensor &x, int64_t *rows, int64_t *cols, int64_t *row_stride) {
+    if (x.dim() == 0 || (x.size(-1) > 1 && x.stride(-1) != 1)) return false;
+    int64_t n = 1, stride = -1;
+    for (int64_t d = x.dim() - 2; d >= 0; d--) {
+        if (x.size(d) == 1) continue;
+        if (stride < 0)
+            stride = x.stride(d);
+        else if (x.stride(d) != stride * n) /* this dimension's step spans the rows of those inside it */
+            return false;
+        n *= x.size(d);
+    }
+    *rows = n, *cols = x.size(-1), *row_stride = stride < 0 ? x.size(-1) : stride;
+    return true;
+}
+
+using silu_fn = decltype(&pagedattn_silu_mul);
+std::atomic<silu_fn> bound_silu{nullptr};
+
+/* SiLU(gate) * up in float32, one rounding to the dtype (native.silu_mul; small_linear.c): the bound kernel where the
+   tensors suit it, else the same arithmetic by ATen. A new contiguous tensor. */
+at::Tensor silu_mul(const at::Tensor &gate, const at::Tensor &up) {
+    silu_fn kernel = bound_silu.load(std::memory_order_relaxed);
+    const int code = gate.scalar_type() == at::kFloat ? 0 : gate.scalar_type() == at::kBFloat16 ? 1 : -1;
+    int64_t rows = 0, cols = 0, g_row = 0, u_rows = 0, u_cols = 0, u_row = 0;
+    if (kernel && code >= 0 && up.scalar_type() == gate.scalar_type() && up.sizes() == gate.sizes() &&
+        gate.device().is_cpu() && up.device().is_cpu() && !gate.is_mkldnn() && !up.is_mkldnn() &&
+        rows_of(gate, &rows, &cols, &g_row) && rows_of(up, &u_rows, &u_cols, &u_row)) {
+        at::Tensor out = at::empty(gate.sizes(), gate.options());
+        const silu_mul_args a{gate.data_ptr(), up.data_ptr(), out.data_ptr(), g_row, u_row, cols, rows, cols, code,
+                              static_cast<int32_t>(at::get_num_threads())};
+        if (!kernel(&a)) return out;
+    }
+    return at::mul(at::silu(gate.to(at::kFloat)), up.to(at::kFloat)).to(gate.scalar_type());
+}
+
+void bind_silu_mul(int64_t kernel) { bound_silu.store(reinterpret_cast<silu_fn>(kernel)); }
+
 void bind_linear(int64_t kernel, int64_t rows_float32, int64_t rows_bfloat16) {
     small_rows[0].store(rows_float32);
     small_rows[1].store(rows_bfloat16);
@@ -158,14 +202,20 @@ void set_validation(int64_t mode) { validation.store(mode < 0 ? -1 : mode ? 1 : 
 TORCH_LIBRARY(pagedattn_native, m) {
     m.def("linear(Tensor x, Tensor weight, Tensor? bias, int layout) -> Tensor");
     m.def("bind_linear(int kernel, int rows_float32, int rows_bfloat16) -> ()");
+    m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+    m.def("bind_silu_mul(int kernel) -> ()");
     m.def("set_validation(int mode) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
+    m.impl("linear", &linear);
+    m.impl("silu_mul", &silu_mul);
+}
 
 TORCH_LIBRARY_IMPL(pagedattn_native, MkldnnCPU, m) { m.impl("linear", &linear); }
 
 TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {
     m.impl("bind_linear", &bind_linear);
+    m.impl("bind_silu_mul", &bind_silu_mul);
     m.impl("set_validation", &set_validation);
 }

@@ -87,11 +87,22 @@ typedef struct {
     int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
 } prefill_args;
 
+/* small_linear.c: out = SiLU(gate) * up, row by row: [rows, cols] of float32 or bfloat16 */
+typedef struct {
+    const void *gate, *up;
+    void *out;
+    int64_t gate_row, up_row, out_row; /* elements between rows (a row's elements contiguous) */
+    int64_t rows, cols;
+    int32_t dtype; /* 0 float32, 1 bfloat16 */
+    int32_t num_threads;
+} silu_mul_args;
+
 /* 0, or the first check that failed with nothing written (see each definition) */
 int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start);
 int pagedattn_prefill(const prefill_args *a);
 int pagedattn_write_kv(const write_args *a);
 int pagedattn_linear(const linear_args *a);
+int pagedattn_silu_mul(const silu_mul_args *a);
 
 #ifdef __cplusplus
 }

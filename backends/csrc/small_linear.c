@@ -1,5 +1,6 @@
 /* Linear layers of a few rows on the CPU: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), float32 or bfloat16, sums in
- * float32 and one rounding to the output's dtype (as oneDNN's). Built into the same library as paged_decode.c.
+ * float32 and one rounding to the output's dtype (as oneDNN's); and the gated MLP's SiLU(gate) * up between two of
+ * them (pagedattn_silu_mul, at the end). Built into the same library as paged_decode.c.
  *
  * Why: a decode step's linears have as many rows as the step has sequences (a few to a few dozen), so each weight
  * is read once for little arithmetic and the step is bound by reading weights. oneDNN costs ~10 us of set-up per
@@ -631,9 +632,103 @@ int pagedattn_linear(const linear_args *a) {
     return 1;
 }
 
+/* SiLU(gate) * up, the gated MLP's activation between its linears: x / (1 + e^-x) * up in float32, one rounding to
+ * the output's dtype (to nearest even, as Inductor's fused kernel computes it, without rounding SiLU's result first).
+ * e^-x by the polynomial of paged_common.h's exp_neg and vscalefps (which gives inf past float's range and zero below
+ * it), its argument clamped to [-104, 89] first: past those e^-x is inf or 0 in float32 all the same, and x's own
+ * inf, -inf and NaN then give what the formula gives (inf, NaN, NaN). Inductor's kernel (Sleef's exp, ~1 ulp) took
+ * 337 us on [1020, 2048] bfloat16 at 2 threads, this one 184 us (benchmarks/RESULTS.md). */
+static inline __m512 silu_exp(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 silu_times(__m512 x, __m512 u) {
+    const __m512 arg = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(-104.0f)),
+                                     _mm512_set1_ps(89.0f)); /* a NaN x: max gives -104, and x/... stays NaN */
+    return _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(silu_exp(arg), _mm512_set1_ps(1.0f))), u);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_SILU_BF16 1
+/* 32 floats (a's 16, then b's) -> 32 bfloat16, to nearest even, a NaN a quiet NaN. With AVX512-BF16, vcvtneps2bf16,
+ * which also flushes results below bfloat16's normal range (1.2e-38) to zero: the linear after the activation reads
+ * such inputs as zeros anyway (this file's pair dot products, as oneDNN's bfloat16 GEMMs), and it is 0.8x the kernel's
+ * time of the integer rounding below (paged_common.h's f32_to_bf16 on 32 lanes), which keeps them */
+static inline __m512i silu_to_bf16(__m512 a, __m512 b) {
+#if HAVE_LINEAR_BF16
+    return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)), (__m256i)_mm512_cvtneps_pbh(b), 1);
+#endif
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x400000);
+    const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
+    __m512i ra = _mm512_add_epi32(_mm512_add_epi32(ua, bias), _mm512_and_si512(_mm512_srli_epi32(ua, 16), one));
+    __m512i rb = _mm512_add_epi32(_mm512_add_epi32(ub, bias), _mm512_and_si512(_mm512_srli_epi32(ub, 16), one));
+    ra = _mm512_mask_or_epi32(ra, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), ua, quiet);
+    rb = _mm512_mask_or_epi32(rb, _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), ub, quiet);
+    const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                          25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* each lane's high half */
+    return _mm512_permutex2var_epi16(ra, high, rb);
+}
+#else
+#define HAVE_SILU_BF16 0
+#endif
+
+static inline __m512 silu_load(const char *p, int bf, __mmask16 mk) {
+#if HAVE_SILU_BF16
+    if (bf) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+#endif
+    return _mm512_maskz_loadu_ps(mk, p);
+}
+
+static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1u) : 0; }
+
+/* 0 done; 1 a dtype or size this build does not take (nothing written) */
+int pagedattn_silu_mul(const silu_mul_args *a) {
+    if (a->rows < 0 || a->cols < 0 || (a->dtype != 0 && (a->dtype != 1 || !HAVE_SILU_BF16))) return 1;
+    const int bf = a->dtype == 1;
+    const size_t esz = bf ? 2 : 4;
+    const int64_t rows = a->rows, cols = a->cols;
+    int threads = a->num_threads > 0 ? a->num_threads : 1;
+    if (rows * cols < 8192) threads = 1; /* a decode step's few rows: a parallel region costs more than it saves */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < rows; i++) {
+        const char *g = (const char *)a->gate + (size_t)i * a->gate_row * esz;
+        const char *u = (const char *)a->up + (size_t)i * a->up_row * esz;
+        char *o = (char *)a->out + (size_t)i * a->out_row * esz;
+        for (int64_t j = 0; j < cols; j += 32) { /* two vectors of 16 columns (the second maybe empty) */
+            const __mmask16 m0 = lanes(cols - j), m1 = lanes(cols - j - 16);
+            const __m512 v0 = silu_times(silu_load(g + j * esz, bf, m0), silu_load(u + j * esz, bf, m0));
+            const __m512 v1 = silu_times(silu_load(g + (j + 16) * esz, bf, m1), silu_load(u + (j + 16) * esz, bf, m1));
+#if HAVE_SILU_BF16
+            if (bf) {
+                _mm512_mask_storeu_epi16(o + j * esz, (__mmask32)m0 | (__mmask32)m1 << 16, silu_to_bf16(v0, v1));
+                continue;
+            }
+#endif
+            _mm512_mask_storeu_ps(o + j * esz, m0, v0);
+            _mm512_mask_storeu_ps(o + (j + 16) * esz, m1, v1);
+        }
+    }
+    return 0;
+}
+
 #else
 static int linear_amx_ready(void) { return 0; }
 int pagedattn_linear(const linear_args *a) {
+    (void)a;
+    return 1;
+}
+int pagedattn_silu_mul(const silu_mul_args *a) {
     (void)a;
     return 1;
 }

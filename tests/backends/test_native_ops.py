@@ -3,7 +3,9 @@
 oneDNN fallback), defers to it under validation (set in Python or in the environment), and is left out where it cannot
 be built. The paged ops' stand-ins write and attend decode steps in C++ under the plain CPU backend, bit for bit as the
 Python path does, and send every other call (prefills, ALiBi, sinks, int64 tables, another backend or a replaced
-method, validation, no backend bound) and bad metadata to the ``pagedattn::`` ops, which refuse it in their words."""
+method, validation, no backend bound) and bad metadata to the ``pagedattn::`` ops, which refuse it in their words.
+``pagedattn_native::silu_mul`` computes a gated MLP's SiLU(gate) * up rounded once, and ``SiluMul`` puts it in place of
+exactly that product in a decomposed graph."""
 
 import dataclasses
 import functools
@@ -506,3 +508,101 @@ def test_a_write_bumps_the_caches_version(op):
         with mode, use_backend(SdpaCpuBackend()):
             write(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
         assert b.kv_cache._version > before
+
+
+# ---------------------------------------------------------------- a gated MLP's SiLU(gate) * up
+
+
+def _silu_times(gate, up):
+    """SiLU(gate) * up in float32, rounded once to the inputs' dtype (what Inductor's fused kernel computes)."""
+    return (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _flushed(x):
+    """``x`` with bfloat16 subnormals as zeros of their sign (the native kernel's AVX512-BF16 rounding flushes them;
+    the linear after it reads them as zeros anyway)."""
+    if x.dtype != torch.bfloat16:
+        return x
+    tiny = (x.float().abs() < torch.finfo(torch.bfloat16).tiny) & (x != 0)
+    return torch.where(tiny, torch.zeros_like(x).copysign(x), x)
+
+
+_SILU_SPECIALS = [0.0, -0.0, 1.0, -1.0, 3.0, 88.9, -88.9, 89.5, -95.0, 100.0, -100.0, 1e-30, -1e-30,
+                  float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 1024), (1, 16, 1000), (5, 17), (3, 1), (0, 33)])
+def test_silu_mul_is_silu_times_up_rounded_once(dtype, shape):
+    # gate and up as the halves of a joint projection's output (rows apart by twice their width), any width (whole
+    # vectors, a masked tail, both); bfloat16 bit for bit, float32 to the exponential's last bits; inf, NaN and huge
+    # arguments as the formula gives them
+    g = torch.Generator().manual_seed(sum(shape))
+    joint = (torch.rand(*shape[:-1], 2 * shape[-1], generator=g) * 24 - 12).to(dtype)
+    gate, up = joint[..., :shape[-1]], joint[..., shape[-1]:]
+    if gate.numel() >= len(_SILU_SPECIALS):
+        gate.view(-1, shape[-1])[0].flatten()[:len(_SILU_SPECIALS)] = torch.tensor(_SILU_SPECIALS)[:shape[-1]]
+    out = torch.ops.pagedattn_native.silu_mul(gate, up)
+    ref = _silu_times(gate, up)
+    assert out.shape == ref.shape and out.is_contiguous()
+    if dtype == torch.bfloat16:
+        assert torch.equal(out.isnan(), ref.isnan())  # NaNs of either sign and payload
+        bits = [torch.where(x.isnan(), torch.zeros_like(x), _flushed(x)).view(torch.int16) for x in (out, ref)]
+        assert torch.equal(*bits)  # signed zeros too
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=0, equal_nan=True)
+
+
+def test_silu_mul_off_its_kernel_computes_the_same():
+    # rows that do not flatten into one stride, float16, mismatched dtypes: ATen's arithmetic, rounded once
+    a = torch.randn(4, 6, 5).to(torch.bfloat16).transpose(0, 1)
+    b = torch.randn(6, 4, 5).to(torch.bfloat16)
+    assert torch.equal(torch.ops.pagedattn_native.silu_mul(a, b), _silu_times(a, b))
+    h = torch.randn(3, 7).half()
+    assert torch.equal(torch.ops.pagedattn_native.silu_mul(h, h), _silu_times(h, h))
+
+
+def _decomposed(fn, *args):
+    """``fn``'s graph as Inductor's post-grad passes see it (its decompositions: SiLU as convert, neg, exp, add,
+    div, convert)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, decomposition_table=select_decomp_table())(*args)
+
+
+def _fused(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.pagedattn_native.silu_mul.default]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype):
+    silu = torch.nn.functional.silu
+    x = torch.randn(7, 2 * 40).to(dtype)
+    gm = _decomposed(lambda x: silu(x[:, :40]) * x[:, 40:] + silu(x[:, 40:]), x)  # the second SiLU stays
+    native_ops.SiluMul()(gm.graph)
+    gm.recompile()
+    assert len(_fused(gm)) == 1
+    assert sum(n.target is torch.ops.aten.exp.default for n in gm.graph.nodes) == 1
+    # the product rounded once, as Inductor's fused kernel computes it (the decomposed graph rounds SiLU's result too)
+    expected = _silu_times(x[:, :40], x[:, 40:]) + silu(x[:, 40:])
+    torch.testing.assert_close(gm(x), expected, rtol=0 if dtype == torch.bfloat16 else 1e-6,
+                               atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("spelling", ["broadcast_up", "sum_not_product", "sigmoid", "other_exponent", "promoted",
+                                      "float16"])
+def test_the_pass_leaves_other_products_alone(spelling):
+    silu = torch.nn.functional.silu
+    a, b = torch.randn(5, 8).bfloat16(), torch.randn(5, 8).bfloat16()
+    fn, args = {
+        "broadcast_up": (lambda a, b: silu(a) * b[:1], (a, b)),  # up of another shape
+        "sum_not_product": (lambda a, b: silu(a) + b, (a, b)),
+        "sigmoid": (lambda a, b: torch.sigmoid(a) * b, (a, b)),
+        "other_exponent": (lambda a, b: a / (1 + torch.exp(-b)) * b, (a, b)),
+        "promoted": (lambda a, b: silu(a) * b, (a, b.float())),  # a float32 product
+        "float16": (lambda a, b: silu(a) * b, (a.half(), b.half())),  # no kernel for it
+    }[spelling]
+    gm = _decomposed(fn, *args)
+    native_ops.SiluMul()(gm.graph)
+    assert not _fused(gm)
