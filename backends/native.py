@@ -114,16 +114,6 @@ class _LinearArgs(ctypes.Structure):
     ]
 
 
-class _SiluMulArgs(ctypes.Structure):
-    """``silu_mul_args`` of ``csrc/pagedattn_abi.h``, field for field."""
-
-    _fields_ = [
-        ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("out", ctypes.c_void_p),
-        ("gate_row", ctypes.c_int64), ("up_row", ctypes.c_int64), ("out_row", ctypes.c_int64),
-        ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32),
-    ]
-
-
 class _PrefillArgs(ctypes.Structure):
     """``prefill_args`` of ``csrc/pagedattn_abi.h``, field for field."""
 
@@ -343,8 +333,6 @@ def build_library(defines: tuple[str, ...] = (),
     lib.pagedattn_linear_features.restype = ctypes.c_int
     lib.pagedattn_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.pagedattn_linear.restype = ctypes.c_int
-    lib.pagedattn_silu_mul.argtypes = [ctypes.POINTER(_SiluMulArgs)]
-    lib.pagedattn_silu_mul.restype = ctypes.c_int
     return lib
 
 
@@ -636,40 +624,6 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
             code, num_threads, layout, size))):
         return None  # a layout it does not know, or a buffer of another size: nothing written
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
-
-
-def rows_of(x: Tensor) -> Optional[tuple[int, int, int]]:
-    """``(rows, columns, elements between rows)`` of ``x [..., C]`` read as rows of its last dimension (contiguous)
-    whose leading dimensions flatten into one stride, else None."""
-    if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
-        return None
-    rows, row_stride = 1, None
-    for size, step in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
-        if size == 1:
-            continue
-        if row_stride is None:
-            row_stride = step
-        elif step != row_stride * rows:  # this dimension's step spans the rows of those inside it
-            return None
-        rows *= size
-    return rows, x.shape[-1], x.shape[-1] if row_stride is None else row_stride
-
-
-def silu_mul(lib: ctypes.CDLL, gate: Tensor, up: Tensor, num_threads: int) -> Optional[Tensor]:
-    """``SiLU(gate) * up`` by ``csrc/small_linear.c`` (float32 arithmetic, one rounding to the dtype), a new
-    contiguous tensor of ``gate``'s shape; None (nothing computed) where the tensors do not suit it: CPU tensors of one
-    shape and of float32 or bfloat16, each read as rows (:func:`rows_of`)."""
-    code = {torch.float32: 0, torch.bfloat16: 1}.get(gate.dtype)
-    g, u = rows_of(gate), rows_of(up)
-    if code is None or up.dtype != gate.dtype or up.shape != gate.shape or not (gate.is_cpu and up.is_cpu) \
-            or gate.is_mkldnn or up.is_mkldnn or g is None or u is None:
-        return None
-    out = torch.empty(gate.shape, dtype=gate.dtype)
-    rows, cols = g[0], g[1]
-    if lib.pagedattn_silu_mul(ctypes.byref(_SiluMulArgs(gate.data_ptr(), up.data_ptr(), out.data_ptr(), g[2], u[2],
-                                                        cols, rows, cols, code, num_threads))):
-        return None
-    return out
 
 
 def onednn_bytes(weight: Tensor) -> Tensor:

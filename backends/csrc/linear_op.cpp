@@ -150,8 +150,8 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w, const std::optional<
     return out.defined() ? out : onednn_linear(x, w, bias);
 }
 
-/* rows, columns and the elements between rows of x [..., C] read as rows of its last dimension (native.rows_of);
-   false where its leading dimensions do not flatten into one stride or its rows are not contiguous */
+/* rows, columns and the elements between rows of x [..., C] read as rows of its last dimension; false where its
+   leading dimensions do not flatten into one stride or its rows are not contiguous */
 bool rows_of(const at::Tensor &x, int64_t *rows, int64_t *cols, int64_t *row_stride) {
     if (x.dim() == 0 || (x.size(-1) > 1 && x.stride(-1) != 1)) return false;
     int64_t n = 1, stride = -1;
@@ -170,8 +170,8 @@ bool rows_of(const at::Tensor &x, int64_t *rows, int64_t *cols, int64_t *row_str
 using silu_fn = decltype(&pagedattn_silu_mul);
 std::atomic<silu_fn> bound_silu{nullptr};
 
-/* SiLU(gate) * up in float32, one rounding to the dtype (native.silu_mul; small_linear.c): the bound kernel where the
-   tensors suit it, else the same arithmetic by ATen. A new contiguous tensor. */
+/* SiLU(gate) * up in float32, one rounding to the dtype (small_linear.c's pagedattn_silu_mul): the bound kernel where
+   the tensors suit it, else the same arithmetic by ATen. A new contiguous tensor. */
 at::Tensor silu_mul(const at::Tensor &gate, const at::Tensor &up) {
     silu_fn kernel = bound_silu.load(std::memory_order_relaxed);
     const int code = gate.scalar_type() == at::kFloat ? 0 : gate.scalar_type() == at::kBFloat16 ? 1 : -1;

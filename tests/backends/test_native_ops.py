@@ -532,7 +532,7 @@ _SILU_SPECIALS = [0.0, -0.0, 1.0, -1.0, 3.0, 88.9, -88.9, 89.5, -95.0, 100.0, -1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(300, 1024), (1, 16, 1000), (5, 17), (3, 1), (0, 33)])
+@pytest.mark.parametrize("shape", [(300, 1024), (1, 16, 1000), (2, 3, 40), (5, 17), (3, 1), (0, 33)])
 def test_silu_mul_is_silu_times_up_rounded_once(dtype, shape):
     # gate and up as the halves of a joint projection's output (rows apart by twice their width), any width (whole
     # vectors, a masked tail, both); bfloat16 bit for bit, float32 to the exponential's last bits; inf, NaN and huge
