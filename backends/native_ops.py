@@ -218,7 +218,7 @@ def silu_input(node) -> Optional[torch.fx.Node]:
     aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
-    if node.target in (aten.silu.default, aten.silu_.default):  # silu_ never in a functional graph; both spell SiLU
+    if node.target is aten.silu.default:
         return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
     if node.target is convert:
         node = node.args[0]
@@ -252,7 +252,7 @@ class SiluMul(CustomGraphPass):
     """Inductor post-grad pass (before Inductor's own): a gated MLP's ``SiLU(gate) * up`` (:func:`silu_input`, then an
     ``aten.mul`` by a tensor of the same shape and dtype) becomes ``pagedattn_native::silu_mul(gate, up)``: the same
     float32 arithmetic, one rounding (Inductor's own fused kernel does not round SiLU's result either), by the native
-    kernel, ~0.6x the time of Inductor's (Sleef's exp and a division per element; ``benchmarks/RESULTS.md``). Nodes the
+    kernel, ~0.65x the time of Inductor's (Sleef's exp and a division per element; ``benchmarks/RESULTS.md``). Nodes the
     product alone used are dropped; any other product is left as it is."""
 
     def __call__(self, graph) -> None:

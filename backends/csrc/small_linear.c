@@ -699,7 +699,7 @@ int pagedattn_silu_mul(const silu_mul_args *a) {
     const size_t esz = bf ? 2 : 4;
     const int64_t rows = a->rows, cols = a->cols;
     int threads = a->num_threads > 0 ? a->num_threads : 1;
-    if (rows * cols < 8192) threads = 1; /* a decode step's few rows: a parallel region costs more than it saves */
+    if (rows * cols < 8192) threads = 1; /* a few rows: a second thread saves about what starting it costs */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < rows; i++) {
         const char *g = (const char *)a->gate + (size_t)i * a->gate_row * esz;

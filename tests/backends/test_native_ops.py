@@ -562,28 +562,31 @@ def test_silu_mul_off_its_kernel_computes_the_same():
     assert torch.equal(torch.ops.pagedattn_native.silu_mul(h, h), _silu_times(h, h))
 
 
-def _decomposed(fn, *args):
+def _decomposed(fn, *args, decompose=True):
     """``fn``'s graph as Inductor's post-grad passes see it (its decompositions: SiLU as convert, neg, exp, add,
-    div, convert)."""
+    div, convert), or with ``aten.silu`` kept (``decompose=False``)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(fn, decomposition_table=select_decomp_table())(*args)
+    return make_fx(fn, decomposition_table=select_decomp_table() if decompose else None)(*args)
 
 
 def _fused(gm):
     return [n for n in gm.graph.nodes if n.target is torch.ops.pagedattn_native.silu_mul.default]
 
 
+@pytest.mark.parametrize("decompose", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype):
+def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype, decompose):
     silu = torch.nn.functional.silu
     x = torch.randn(7, 2 * 40).to(dtype)
-    gm = _decomposed(lambda x: silu(x[:, :40]) * x[:, 40:] + silu(x[:, 40:]), x)  # the second SiLU stays
+    gm = _decomposed(lambda x: silu(x[:, :40]) * x[:, 40:] + silu(x[:, 40:]), x,  # the second SiLU stays
+                     decompose=decompose)
     native_ops.SiluMul()(gm.graph)
     gm.recompile()
     assert len(_fused(gm)) == 1
-    assert sum(n.target is torch.ops.aten.exp.default for n in gm.graph.nodes) == 1
+    silu_nodes = torch.ops.aten.exp.default if decompose else torch.ops.aten.silu.default
+    assert sum(n.target is silu_nodes for n in gm.graph.nodes) == 1
     # the product rounded once, as Inductor's fused kernel computes it (the decomposed graph rounds SiLU's result too)
     expected = _silu_times(x[:, :40], x[:, 40:]) + silu(x[:, 40:])
     torch.testing.assert_close(gm(x), expected, rtol=0 if dtype == torch.bfloat16 else 1e-6,
