@@ -45,7 +45,7 @@ from pagedattn.backends import metadata, native
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
-           "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_input", "silu_mul_op", "source_digest", "SOURCES"]
+           "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES"]
 
 SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
 
@@ -211,7 +211,7 @@ class NativePagedOps(CustomGraphPass):
         return hashlib.sha256(b"native paged ops " + source_digest() + (b"c++" if paged_ops() else b"python")).hexdigest()
 
 
-def silu_input(node) -> Optional[torch.fx.Node]:
+def _silu_input(node) -> Optional[torch.fx.Node]:
     """The ``x`` of a graph node that computes ``SiLU(x)``: ``aten.silu``, or Inductor's decomposition of it,
     ``x / (1 + exp(-x))`` with ``x`` converted to float32 first and the result converted back, or neither (float32);
     None for any other node."""
@@ -249,7 +249,7 @@ def _same_rows(a, b) -> bool:
 
 
 class SiluMul(CustomGraphPass):
-    """Inductor post-grad pass (before Inductor's own): a gated MLP's ``SiLU(gate) * up`` (:func:`silu_input`, then an
+    """Inductor post-grad pass (before Inductor's own): a gated MLP's ``SiLU(gate) * up`` (:func:`_silu_input`, then an
     ``aten.mul`` by a tensor of the same shape and dtype) becomes ``pagedattn_native::silu_mul(gate, up)``: the same
     float32 arithmetic, one rounding (Inductor's own fused kernel does not round SiLU's result either), by the native
     kernel, ~0.65x the time of Inductor's (Sleef's exp and a division per element; ``benchmarks/RESULTS.md``). Nodes the
@@ -264,7 +264,7 @@ class SiluMul(CustomGraphPass):
                     or node.kwargs:
                 continue
             for silu, up in (node.args, node.args[::-1]):
-                gate = silu_input(silu)
+                gate = _silu_input(silu)
                 if gate is not None and _same_rows(gate, up) and _same_rows(gate, node):
                     with graph.inserting_before(node):
                         fused = graph.call_function(op, (gate, up))
