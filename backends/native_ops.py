@@ -242,10 +242,11 @@ def _silu_input(node) -> Optional[torch.fx.Node]:
 
 
 def _same_rows(a, b) -> bool:
-    """Whether graph values ``a`` and ``b`` are tensors of one shape and of one dtype the kernel takes."""
+    """Whether graph values ``a`` and ``b`` are tensors of one shape and of one dtype the kernel takes here (those of
+    the linears: ``native.linear_dtypes``)."""
     va, vb = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (a, b))
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and \
-        va.dtype == vb.dtype and va.dtype in (torch.float32, torch.bfloat16)
+        va.dtype == vb.dtype and va.dtype in native.linear_dtypes(native.load())
 
 
 class SiluMul(CustomGraphPass):

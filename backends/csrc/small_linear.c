@@ -637,7 +637,8 @@ int pagedattn_linear(const linear_args *a) {
  * e^-x by the polynomial of paged_common.h's exp_neg and vscalefps (which gives inf past float's range and zero below
  * it), its argument clamped to [-104, 89] first: past those e^-x is inf or 0 in float32 all the same, and x's own
  * inf, -inf and NaN then give what the formula gives (inf, NaN, NaN). Inductor's kernel (Sleef's exp, ~1 ulp) took
- * 337 us on [1020, 2048] bfloat16 at 2 threads, this one 184 us (benchmarks/RESULTS.md). */
+ * 337 us on [1020, 2048] bfloat16 at 2 threads, this one 211 us (benchmarks/RESULTS.md). bfloat16 only where the
+ * linears take it (native.linear_dtypes); elsewhere the operator computes it by ATen and the pass leaves it out. */
 static inline __m512 silu_exp(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -659,25 +660,14 @@ static inline __m512 silu_times(__m512 x, __m512 u) {
     return _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(silu_exp(arg), _mm512_set1_ps(1.0f))), u);
 }
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* bfloat16 where the linears take it (AVX512-BF16), rounded by vcvtneps2bf16: to nearest even, a NaN a quiet NaN, and
+ * results below bfloat16's normal range (1.2e-38) flushed to zero, which the linear after the activation reads as
+ * zeros anyway (this file's pair dot products, as oneDNN's bfloat16 GEMMs). Rounding by integer arithmetic instead
+ * (paged_common.h's f32_to_bf16 on 32 lanes), which keeps them, took the kernel 1.2x the time. */
+#if HAVE_LINEAR_BF16 && defined(__AVX512VL__)
 #define HAVE_SILU_BF16 1
-/* 32 floats (a's 16, then b's) -> 32 bfloat16, to nearest even, a NaN a quiet NaN. With AVX512-BF16, vcvtneps2bf16,
- * which also flushes results below bfloat16's normal range (1.2e-38) to zero: the linear after the activation reads
- * such inputs as zeros anyway (this file's pair dot products, as oneDNN's bfloat16 GEMMs), and it is 0.8x the kernel's
- * time of the integer rounding below (paged_common.h's f32_to_bf16 on 32 lanes), which keeps them */
-static inline __m512i silu_to_bf16(__m512 a, __m512 b) {
-#if HAVE_LINEAR_BF16
+static inline __m512i silu_to_bf16(__m512 a, __m512 b) { /* a's 16, then b's */
     return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(a)), (__m256i)_mm512_cvtneps_pbh(b), 1);
-#endif
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x400000);
-    const __m512i ua = _mm512_castps_si512(a), ub = _mm512_castps_si512(b);
-    __m512i ra = _mm512_add_epi32(_mm512_add_epi32(ua, bias), _mm512_and_si512(_mm512_srli_epi32(ua, 16), one));
-    __m512i rb = _mm512_add_epi32(_mm512_add_epi32(ub, bias), _mm512_and_si512(_mm512_srli_epi32(ub, 16), one));
-    ra = _mm512_mask_or_epi32(ra, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), ua, quiet);
-    rb = _mm512_mask_or_epi32(rb, _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q), ub, quiet);
-    const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                          25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* each lane's high half */
-    return _mm512_permutex2var_epi16(ra, high, rb);
 }
 #else
 #define HAVE_SILU_BF16 0
