@@ -244,9 +244,12 @@ def _silu_input(node) -> Optional[torch.fx.Node]:
 def _same_rows(a, b) -> bool:
     """Whether graph values ``a`` and ``b`` are tensors of one shape and of one dtype the kernel takes here (those of
     the linears: ``native.linear_dtypes``)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
     va, vb = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (a, b))
-    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and \
-        va.dtype == vb.dtype and va.dtype in native.linear_dtypes(native.load())
+    # sizes equal for every size the step accepts, not just at the sizes traced (and no guard added to decide it)
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and \
+        va.dtype in native.linear_dtypes(native.load()) and statically_known_true(sym_eq(va.shape, vb.shape))
 
 
 class SiluMul(CustomGraphPass):

@@ -136,11 +136,11 @@ def main(argv=None) -> None:
     libs = {"this": this, "other": other}
     print(f"{a.kernel} kernel, this checkout against {a.against}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {a.rounds} rounds of {calls} calls each, alternated")
+    # decode: cached, then from memory; prefill: each prompt set
+    compare, cases = (compare_decode, (False, True)) if a.kernel == "decode" else (compare_prefill, tuple(PROMPTS))
     for name in shapes:
         for dtype in a.dtypes:
-            cases = (False, True) if a.kernel == "decode" else tuple(PROMPTS)
             for case in cases:
-                compare = compare_decode if a.kernel == "decode" else compare_prefill
                 print(compare(libs, SHAPES[name], getattr(torch, dtype), case, a.rounds, calls))
 
 

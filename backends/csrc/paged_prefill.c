@@ -220,7 +220,7 @@ static inline __attribute__((always_inline)) void prefill_transpose(const prefil
     const int64_t *it = a->items + 6 * item;
     const int64_t esz = DT == 0 ? 4 : 2;
     const uint32_t *rows[VL];  /* each key's row as 32-bit elements: floats, or pairs of bfloat16 */
-    float wide[VL][MAX_HEAD];  /* bfloat16 or float16 keys widened to floats (not the pairs) */
+    float wide[VL][PAGEDATTN_PREFILL_MAX_HEAD];  /* bfloat16 or float16 keys widened to floats (not the pairs) */
     for (int t = 0; t < VL; t++) {
         const int64_t j = tile * VL + t;
         rows[t] = NULL;

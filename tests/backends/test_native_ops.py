@@ -562,28 +562,29 @@ def test_silu_mul_off_its_kernel_computes_the_same():
     assert torch.equal(torch.ops.pagedattn_native.silu_mul(h, h), _silu_times(h, h))
 
 
-def _decomposed(fn, *args, decompose=True):
+def _decomposed(fn, *args, decompose=True, sizes="real"):
     """``fn``'s graph as Inductor's post-grad passes see it (its decompositions: SiLU as convert, neg, exp, add,
-    div, convert), or with ``aten.silu`` kept (``decompose=False``)."""
+    div, convert), or with ``aten.silu`` kept (``decompose=False``); ``sizes="symbolic"``: its sizes symbols, as in
+    a step compiled for every number of tokens."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(fn, decomposition_table=select_decomp_table() if decompose else None)(*args)
+    return make_fx(fn, decomposition_table=select_decomp_table() if decompose else None, tracing_mode=sizes)(*args)
 
 
 def _fused(gm):
     return [n for n in gm.graph.nodes if n.target is torch.ops.pagedattn_native.silu_mul.default]
 
 
-@pytest.mark.parametrize("decompose", [True, False])
+@pytest.mark.parametrize("decompose, sizes", [(True, "real"), (False, "real"), (True, "symbolic")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype, decompose):
+def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype, decompose, sizes):
     if dtype not in native.linear_dtypes(native.load()):
         pytest.skip(f"no native {dtype} kernel on this CPU (the pass leaves such products to Inductor)")
     silu = torch.nn.functional.silu
     x = torch.randn(7, 2 * 40).to(dtype)
     gm = _decomposed(lambda x: silu(x[:, :40]) * x[:, 40:] + silu(x[:, 40:]), x,  # the second SiLU stays
-                     decompose=decompose)
+                     decompose=decompose, sizes=sizes)
     native_ops.SiluMul()(gm.graph)
     gm.recompile()
     assert len(_fused(gm)) == 1
@@ -598,6 +599,8 @@ def test_the_pass_fuses_silu_times_up_and_drops_what_only_it_used(dtype, decompo
 @pytest.mark.parametrize("spelling", ["broadcast_up", "sum_not_product", "sigmoid", "other_exponent", "promoted",
                                       "float16"])
 def test_the_pass_leaves_other_products_alone(spelling):
+    if torch.bfloat16 not in native.linear_dtypes(native.load()):
+        pytest.skip("no native bfloat16 kernel on this CPU: the pass fuses no bfloat16 product at all")
     silu = torch.nn.functional.silu
     a, b = torch.randn(5, 8).bfloat16(), torch.randn(5, 8).bfloat16()
     fn, args = {
