@@ -181,6 +181,12 @@ class AttentionBackend:
         maximum, a row's first NaN where it holds one. Backends with a faster kernel for it override this."""
         return argmax_rows(logits)
 
+    def argmax_rows_into(self, logits: torch.Tensor, out: torch.Tensor) -> list[int]:
+        """:meth:`argmax_rows`, the answer also written into ``out`` (``[R]`` int64 on the logits' device: a decode
+        step's input ids for the next step)."""
+        out.copy_(argmax_tokens(logits).view(out.shape))
+        return out.tolist()
+
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax of ``logits [R, V]`` through ``torch.argmax`` (:func:`argmax_tokens`), as a list."""

@@ -512,22 +512,29 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")
 
 
-def argmax_rows(lib: ctypes.CDLL, logits: Tensor) -> Optional[list[int]]:
+def argmax_rows(lib: ctypes.CDLL, logits: Tensor, out: Optional[Tensor] = None) -> Optional[list[int]]:
     """Each row's argmax of ``logits [R, V]``, as ``torch.argmax`` gives it (the first maximum; a row's first NaN
     where it holds one), read in the logits' own dtype; None where the tensor does not suit the kernel as it is (not
     a CPU matrix of a dtype it reads with contiguous rows): then the caller takes torch's. The answer is written into
     an array's buffer, not a tensor's (a decode step's call costs ~2x its kernel in Python around it, and each piece
-    of that is slow after a step's kernels have left the interpreter's data out of cache)."""
+    of that is slow after a step's kernels have left the interpreter's data out of cache), or into ``out``, a
+    contiguous int64 CPU tensor of ``R`` elements, where one is given (a decode step's input ids for the next)."""
     code = DTYPE_CODES.get(logits.dtype)
     if code is None or not logits.is_cpu or logits.dim() != 2:
         return None
     rows, cols = logits.shape
     if cols <= 0 or (logits.stride(1) != 1 and cols != 1):
         return None
-    out = array.array("q", bytes(8 * rows))
-    if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), out.buffer_info()[0]):
+    if out is not None:
+        if out.dtype != torch.int64 or not out.is_cpu or out.numel() != rows or not out.is_contiguous():
+            return None
+        if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), out.data_ptr()):
+            return None
+        return out.tolist()
+    buf = array.array("q", bytes(8 * rows))
+    if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), buf.buffer_info()[0]):
         return None
-    return out.tolist()
+    return buf.tolist()
 
 
 _LINEAR_DTYPES = {torch.float32: (0, FEATURE_LINEAR_F32), torch.bfloat16: (1, FEATURE_LINEAR_BF16)}  # code, feature

@@ -217,6 +217,11 @@ class SdpaCpuBackend(SplitKVBackend):
         found = native.argmax_rows(lib, logits) if lib is not None else None
         return found if found is not None else super().argmax_rows(logits)
 
+    def argmax_rows_into(self, logits: Tensor, out: Tensor) -> list[int]:
+        lib = native.library()
+        found = native.argmax_rows(lib, logits, out) if lib is not None else None
+        return found if found is not None else super().argmax_rows_into(logits, out)
+
     # --- attention
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):

@@ -354,7 +354,20 @@ def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200,
     blocks would not hold them) decoding, ``steps`` steps timed as they run, then as many under ``torch.profiler``,
     whose records give the time the step's kernels take on the calling thread (:data:`KERNEL_RECORDS`; their OpenMP
     threads work inside it). The rest of the step is the unprofiled step less theirs: Python (the engine's, Dynamo's
-    and the generated code's), the dispatcher, Inductor's small kernels and sampling. One line of text."""
+    and the generated code's), the dispatcher, Inductor's small kernels and sampling. Each ``step()`` computes its own
+    step here (``burst_ms=0``: steps computed ahead would fall in one window's ``step()`` calls and be timed in
+    another's). One line of text."""
+    burst = getattr(engine, "burst_ms", None)
+    if burst is not None:
+        engine.burst_ms = 0.0
+    try:
+        return _decode_breakdown(engine, vocab, batch, context, steps, seed)
+    finally:
+        if burst is not None:
+            engine.burst_ms = burst
+
+
+def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, seed: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)

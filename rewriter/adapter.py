@@ -169,6 +169,33 @@ class ServableModel:
         logits = first_rows(_row_logits(out, "logits_to_keep" in kwargs, rows), num_rows)
         return logits.clone() if writable and logits.is_inference() else logits  # callers may update it in place
 
+    def decode_steps(self, call: Optional[PagedCall], metas: Sequence, starts: Sequence[int],
+                     ids: Sequence[int]) -> Optional["DecodeSteps"]:
+        """Decode steps of the same sequences (``build_decode_metadata``'s ``metas``: step ``j`` computes sequence
+        ``i``'s token at ``starts[i] + j``) prepared to run back to back through ``call`` (:meth:`packed_call`'s):
+        step ``j`` reads its input ids from ``DecodeSteps.ids[j]``, step 0's are ``ids`` and the caller writes each
+        step's tokens into the next row. None where steps do not run so: no packed call, steps padded per shape,
+        per-request mask values, an encoder-decoder, or a compiled step that would not take these inputs."""
+        if call is None or self.min_step > 1 or self.seq2seq is not None or self.values is not None:
+            return None
+        n, k, dev = len(starts), len(metas), self.device
+        rows = range(n)
+        first = self.packed_inputs(ids, starts, rows)  # the inputs' names and the ones every step shares
+        buf = torch.empty((k + 1, n), dtype=torch.long, device=dev)  # [k + 1, n]: row j, step j's input ids
+        buf[0] = first["input_ids"][0]
+        positions = (torch.tensor(list(starts), dtype=torch.long, device=dev)[None, :] +
+                     torch.arange(k, device=dev)[:, None]).contiguous()  # [k, n]
+        steps = []
+        for j, meta in enumerate(metas):
+            inputs = dict(first, input_ids=buf[j].view(1, n))
+            if "position_ids" in inputs:
+                inputs["position_ids"] = positions[j].view(1, n)
+            steps.append((inputs, meta))
+        prepared = call.prepare(steps)
+        if prepared is None:
+            return None
+        return DecodeSteps(prepared, buf, "logits_to_keep" in first, rows)
+
     # --- row steps (recurrent state)
 
     def run_rows(self, caches: Sequence[torch.Tensor], pool: StatePool, items: Sequence[RowItem]) -> list:
@@ -196,6 +223,26 @@ class ServableModel:
             for i, row in zip(group, logits):
                 out[i] = row
         return out
+
+
+class DecodeSteps:
+    """A run's decode steps prepared to run back to back (:meth:`ServableModel.decode_steps`): ``logits(j)`` runs
+    step ``j`` (inside ``bound()``) and returns its ``[n, V]`` logits; ``ids`` ``[k + 1, n]`` holds each step's input
+    ids, row ``j + 1`` for the caller to fill with step ``j``'s tokens before step ``j + 1`` runs."""
+
+    __slots__ = ("prepared", "ids", "kept", "rows")
+
+    def __init__(self, prepared, ids: torch.Tensor, kept: bool, rows: Sequence[int]):
+        self.prepared, self.ids, self.kept, self.rows = prepared, ids, kept, rows
+
+    def __len__(self) -> int:
+        return len(self.prepared)
+
+    def bound(self):
+        return self.prepared.call.bound()
+
+    def logits(self, j: int) -> torch.Tensor:
+        return _row_logits(self.prepared.run(j), self.kept, self.rows)
 
 
 def _long_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -258,6 +258,15 @@ class AotStep(nn.Module):
             self._fallback = self._make_fallback()
         return self._fallback(*flat)
 
+    def prepared(self, flat: Sequence) -> Optional[Callable[[], list]]:
+        """``run(flat)`` as a call of no arguments, the inputs checked now rather than at each call: for a loop
+        that runs the same inputs' tensors again with other values (their sizes, dtypes and layouts, which the
+        guard checks, kept). None where the guard refuses them (``run`` then takes them to the fallback)."""
+        if self.guard.refusal(flat) is not None:
+            return None
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        return lambda: self.runner.loader.boxed_run(list(tensors))  # the runner empties the list it is given
+
 
 # ---------------------------------------------------------------------- the package
 

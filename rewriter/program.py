@@ -258,6 +258,15 @@ class PagedCall:
         self.output = output  # the one flat output a call returns (None: all, as a list)
 
     def __call__(self, inputs: dict, metadata: AttentionMetadata):
+        flat = self._flat(inputs, metadata)
+        program = self.program
+        step = program.graph_module  # read at each call: compiling the program again replaces it
+        with use_backend(self.backend), inductor_freezing(program._freezing):  # in a serving loop: bound already
+            out = step.run(flat) if isinstance(step, AotStep) else step(*flat)
+        return self._output(out)
+
+    def _flat(self, inputs: dict, metadata: AttentionMetadata) -> list:
+        """The step's flat inputs, its keyword inputs and metadata checked."""
         if tuple(inputs) != self.names or \
                 not all(isinstance(v, torch.Tensor) or type(v) in _SCALARS for v in inputs.values()):
             raise TypeError(f"the paged step takes the keyword inputs {list(self.names)} (tensors or scalars), in "
@@ -265,13 +274,53 @@ class PagedCall:
         if self.block_size is not None and metadata.block_size != self.block_size:
             raise ValueError(f"the KV caches have blocks of {self.block_size} tokens but the metadata was built for "
                              f"{metadata.block_size}; build it with build_metadata(..., block_size={self.block_size})")
-        program = self.program
-        step = program.graph_module  # read at each call: compiling the program again replaces it
-        flat = [*inputs.values(), *self.caches, *metadata.tensors()]
-        with use_backend(self.backend), inductor_freezing(program._freezing):  # in a serving loop: bound already
-            out = step.run(flat) if isinstance(step, AotStep) else step(*flat)
+        return [*inputs.values(), *self.caches, *metadata.tensors()]
+
+    def _output(self, out):
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return out if self.output is None else out[self.output]
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[None]:
+        """The context a step runs in: the backend bound, Inductor's freezing as the step was compiled with."""
+        with use_backend(self.backend), inductor_freezing(self.program._freezing):
+            yield
+
+    def prepare(self, steps: Sequence[tuple[dict, AttentionMetadata]]) -> Optional["PreparedSteps"]:
+        """These steps (keyword inputs and metadata each) checked once, for a loop that runs them in turn inside
+        :meth:`bound` (a run of decode steps whose input ids a buffer takes from the step before): what each call of
+        :meth:`__call__` checks, and an ahead-of-time step's input guard, done here for all of them. The inputs'
+        tensors must keep their sizes, dtypes and layouts until the steps ran; their values may change. None where
+        the compiled step would not take one of them as it is (then each goes through :meth:`__call__`)."""
+        step = self.program.graph_module
+        calls = []
+        for inputs, metadata in steps:
+            flat = self._flat(inputs, metadata)
+            call = step.prepared(flat) if isinstance(step, AotStep) else _called(step, flat)
+            if call is None:
+                return None
+            calls.append(call)
+        return PreparedSteps(self, tuple(calls))
+
+
+def _called(step: Callable, flat: list) -> Callable[[], object]:
+    return lambda: step(*flat)
+
+
+class PreparedSteps:
+    """Steps of a :class:`PagedCall` checked once (:meth:`PagedCall.prepare`): ``run(i)`` runs step ``i`` and returns
+    what the call returns, inside ``PagedCall.bound()``."""
+
+    __slots__ = ("call", "calls")
+
+    def __init__(self, call: PagedCall, calls: tuple):
+        self.call, self.calls = call, calls
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def run(self, i: int):
+        return self.call._output(self.calls[i]())
 
 
 class RewrittenModel(nn.Module):

@@ -6,8 +6,8 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,7 +29,13 @@ from pagedattn.runtime.shapes import first_rows, pad_cross
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import encoder_key
 
+if TYPE_CHECKING:
+    from pagedattn.adapter import DecodeSteps
+
 log = logging.getLogger("pagedattn.runtime")
+
+# statistics that count decode steps computed ahead (``burst_ms``): their values follow measured step times
+TIMED_COUNTS = frozenset({"ahead_steps", "dropped_steps"})
 
 __all__ = ["PagedEngine", "SamplingParams", "RequestOutput", "RequestErrors"]
 
@@ -68,6 +74,9 @@ class DecodeRun:
     starts: list[int]
     metas: list[AttentionMetadata]  # one per step
     taken: int = 0  # steps run so far
+    steps: Optional[DecodeSteps] = None  # the steps prepared to run back to back (greedy runs), else None
+    stops: Optional[list[frozenset]] = None  # each request's stop tokens (its own and the model's), where any has some
+    tokens: list[list[int]] = field(default_factory=list)  # step j's tokens, computed at or before the step that gives them
 
 
 class RequestErrors(ValueError):
@@ -177,6 +186,21 @@ class PagedEngine:
     streaming and a new request's wait are as with ``plan_ahead=1``; ``stats["planned_steps"]`` counts the steps that
     ran from a run's plan.
 
+    A run of greedy requests (the model's step packed, as on the CPU) has its steps' inputs built and checked once
+    and may be computed ahead, as vLLM's multi-step scheduling does: a ``step()`` that finds its step not computed
+    yet runs it and the run's next ones back to back, each step's tokens the next one's input ids, for about
+    ``burst_ms`` of the model's time (default 20; 0: one step at a time), and later ``step()`` calls give their
+    tokens. Between steps the host's work (the requests' bookkeeping, streaming, the compiled step's input checks)
+    then no longer runs between kernels that leave its data out of cache (llama16m in bf16 on a 2-core CPU: a
+    decode step ~2 ms, ~9 of them a burst). A burst ends at a step where a request gives a stop token. Every
+    ``step()`` gives the tokens a step planned on its own would, and nothing changes what is computed: where the run
+    ends before tokens computed ahead were given (a request added, aborted or preempted), they are dropped and
+    computed again as usual (``stats["dropped_steps"]``), and the next bursts start at one step. The cost is time:
+    a ``step()`` that computes ahead takes up to ``burst_ms`` longer, and a request added then waits that long
+    (streamed tokens come in groups). Runs with a sampled request compute each step as it is given (a draw ahead
+    would change later draws). ``stats["ahead_steps"]`` counts the steps computed before the ``step()`` that gave
+    them (these counts follow measured step times).
+
     Before its first request a CUDA engine serves a few of its own, one step of each kind (``warm_up=None``;
     ``True`` elsewhere, ``False`` never): a fresh prompt, decodes, and a step with prefix-cache hits beside a
     fresh prompt. Kernels that load or compile on their first call then do so at start-up, not in the first such
@@ -190,11 +214,12 @@ class PagedEngine:
                  compile: Optional[bool] = None, preemption_mode: str = "recompute", swap_space: int | None = None,
                  progress: bool = True, cuda_graphs: Optional[bool] = None, token_type_runs: int = 4,
                  async_decode: bool = True, ahead_of_time: Optional[bool] = None, warm_up: Optional[bool] = None,
-                 plan_ahead: int = 16):
+                 plan_ahead: int = 16, burst_ms: float = 20.0):
         self.preemption = PreemptionConfig(preemption_mode, swap_space)  # bad values fail before the rewrite
         if isinstance(plan_ahead, bool) or not isinstance(plan_ahead, int) or plan_ahead < 1:
             raise ValueError(f"plan_ahead must be an int >= 1 (decode steps planned at once; 1: each on its own), "
                              f"got {plan_ahead!r}")
+        self.burst_ms = _burst_ms(burst_ms)
         self.servable = _servable(model, target, block_size, dtype, eos_token_id, compile, progress, token_type_runs,
                                   ahead_of_time)
         sv = self.servable
@@ -235,6 +260,8 @@ class PagedEngine:
         self.plan_ahead = plan_ahead if self._pad is None and sv.state is None and sv.seq2seq is None and \
             sv.values is None else 1
         self._run: Optional[DecodeRun] = None
+        self._step_s: Optional[float] = None  # a prepared decode step's time, as last measured (burst sizes)
+        self._burst_cap = self.plan_ahead  # halved to 1 when a burst's steps are dropped, doubled when one is not
         # add_request/abort may come from other threads (a server) while one thread steps: they queue here
         # under a short lock and are taken in between steps, under the step lock (never mid-step)
         self._step_lock = threading.RLock()
@@ -254,7 +281,9 @@ class PagedEngine:
                       "preemptions": 0, "recomputes": 0, "swap_outs": 0, "swap_ins": 0,
                       "encoder_runs": 0, "encoder_requests": 0, "encoder_s": 0.0,
                       "overlapped_steps": 0,  # decode steps started before the previous one was read back
-                      "planned_steps": 0}  # decode steps run from a DecodeRun's plan, not scheduled on their own
+                      "planned_steps": 0,  # decode steps run from a DecodeRun's plan, not scheduled on their own
+                      "ahead_steps": 0,  # planned steps computed before the step() that gave their tokens
+                      "dropped_steps": 0}  # planned steps computed ahead whose run ended before they were given
 
     def _warm(self, max_num_tokens: int, progress: bool) -> None:
         """A compiled step runs once at each size its backend says is worth it (``warm_step_sizes``)."""
@@ -552,7 +581,7 @@ class PagedEngine:
         if run is not None:
             if self._run_goes_on(run):
                 return self._run_step(run, t0)
-            self._run = None
+            self._end_run(run)
         done: list[RequestOutput] = []
         if self._pending is not None and not self._continues():
             done += self._resolve()  # the next step needs the pending step's tokens on the host
@@ -638,7 +667,42 @@ class PagedEngine:
             self.blocks.reserve(t, steps)  # the step's own token has its block already: these are the next ones'
         starts = [c.start for c in plan]
         metas = build_decode_metadata(starts, [t.blocks for t in tables], self.block_size, steps, device=self.device)
-        return DecodeRun([c.request for c in plan], starts, metas)
+        reqs = [c.request for c in plan]
+        run = DecodeRun(reqs, starts, metas)
+        if all(r.params.temperature == 0 for r in reqs):  # a sampled token would draw from its generator ahead
+            ids = [r.token_slice(c, c + 1)[0] for r, c in zip(reqs, starts)]
+            run.steps = self.servable.decode_steps(self._packed_call, metas, starts, ids)
+            stops = [frozenset(r.params.stop_token_ids) | self._eos for r in reqs]
+            run.stops = stops if any(stops) else None
+        return run
+
+    def _end_run(self, run: DecodeRun) -> None:
+        """The run ends before its next step: tokens computed ahead for later steps are dropped (the steps are
+        scheduled again as usual), and the next bursts start small again."""
+        self._run = None
+        dropped = len(run.tokens) - run.taken
+        if dropped > 0:
+            self.stats["dropped_steps"] += dropped
+            self._burst_cap = 1
+
+    def _compute_ahead(self, run: DecodeRun) -> None:
+        """The run's next steps from the first one not computed, as many as ``burst_ms`` allows (at least one),
+        back to back: each step's greedy tokens become the next one's input ids without the host's bookkeeping in
+        between. A step where some request gives a stop token is the last (the run ends with it)."""
+        steps, j = run.steps, len(run.tokens)
+        count = burst_steps(self.burst_ms / 1e3, self._step_s, len(run.metas) - j, self._burst_cap)
+        t0 = time.perf_counter()
+        with steps.bound():
+            for i in range(j, j + count):
+                toks = self.backend.argmax_rows_into(steps.logits(i), steps.ids[i + 1])
+                run.tokens.append(toks)
+                if run.stops is not None and any(t in s for t, s in zip(toks, run.stops)):
+                    break
+        done = len(run.tokens) - j
+        self._step_s = (time.perf_counter() - t0) / done
+        self.stats["ahead_steps"] += done - 1
+        if done == count and count > 1:
+            self._burst_cap = min(self.plan_ahead, 2 * self._burst_cap)
 
     def _run_goes_on(self, run: DecodeRun) -> bool:
         """Whether the run's next step is the one ``schedule`` would make: steps are left, nothing waits or is swapped
@@ -648,21 +712,27 @@ class PagedEngine:
         return run.taken < len(run.metas) and not s.waiting and not s.swapped and len(s.running) == len(run.requests)
 
     def _run_step(self, run: DecodeRun, t0: float) -> list[RequestOutput]:
-        """The run's next step: each request's last token in, a token out (``_advance``)."""
+        """The run's next step: each request's last token in, a token out (``_advance``); computed now, or by an
+        earlier step of the run (``burst_ms``)."""
         j = run.taken
         run.taken = j + 1
         reqs = run.requests
         plan = [ScheduledChunk(r, start + j, 1) for r, start in zip(reqs, run.starts)]
-        ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
         t1 = time.perf_counter()
-        logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [c.start for c in plan],
-                                          range(len(plan)), writable=False, call=self._packed_call)
-        self.backend.sync()
-        logits, greedy = self._greedy_rows(logits, reqs)
+        if run.steps is not None:
+            if j == len(run.tokens):
+                self._compute_ahead(run)
+            logits, greedy = None, run.tokens[j]
+        else:
+            ids = [c.request.token_slice(c.start, c.start + 1)[0] for c in plan]
+            logits = self.servable.run_packed(self.kv_caches, run.metas[j], ids, [c.start for c in plan],
+                                              range(len(plan)), writable=False, call=self._packed_call)
+            self.backend.sync()
+            logits, greedy = self._greedy_rows(logits, reqs)
         t2 = time.perf_counter()
         done = self._advance(plan, logits, greedy)
         if done or run.taken == len(run.metas):
-            self._run = None  # its requests changed, or its plan is spent
+            self._end_run(run)  # its requests changed, or its plan is spent
         self.stats["planned_steps"] += 1
         self._count(len(reqs), t0, t1, t2, time.perf_counter())
         return done
@@ -990,6 +1060,22 @@ class PagedEngine:
         model's."""
         total = self.stats["model_s"] + self.stats["overhead_s"]
         return self.stats["overhead_s"] / total if total else 0.0
+
+
+def burst_steps(budget_s: float, step_s: Optional[float], left: int, cap: int) -> int:
+    """How many of a decode run's ``left`` next steps to compute at once: as many as take ``budget_s`` at ``step_s``
+    a step, at least one (one where no step was measured yet), at most ``cap``."""
+    if step_s is None or budget_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, min(left, cap, int(budget_s / step_s)))
+
+
+def _burst_ms(value) -> float:
+    """``burst_ms`` checked: a finite number of milliseconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"burst_ms must be a number of milliseconds >= 0 (0: one decode step per step()), got "
+                         f"{value!r}")
+    return float(value)
 
 
 def token_ids(prompt) -> list[int]:

@@ -263,6 +263,20 @@ def test_refused_inputs_run_the_fallback_built_once(caplog):
     assert "cannot take these inputs" in caplog.text and "outside the program's range" in caplog.text
 
 
+def test_prepared_inputs_are_checked_once_and_run_as_they_are_then():
+    guard = InputGuard(count=2, tensors=((0, torch.float32, ("s0", 2)),), ranges=(("s0", 2, 8),), constants=((1, 3),))
+    step = AotStep(_Runner(), guard, torch.nn.Identity(), lambda: None, "loaded")
+    x = torch.zeros(4, 2)
+    call = step.prepared([x, 3])
+    x += 5  # values may change after the check: the call reads them as they are
+    assert (call()[0] == 6).all() and (call()[0] == 6).all()  # the runner empties its list: each call gets its own
+    assert step.runner.calls == [1, 1]
+    # counter-examples: inputs the guard refuses are not prepared (they would take the fallback)
+    assert step.prepared([torch.zeros(9, 2), 3]) is None
+    assert step.prepared([x, 4]) is None
+    assert step.runner.calls == [1, 1]
+
+
 def test_package_key_follows_weights_options_and_code(model):
     rm = pagedattn.rewrite(model, (), engine_example(model))
     gm, inputs = rm.graph_module, [torch.zeros(1, 2, dtype=torch.long), False]

@@ -7,6 +7,7 @@ import torch
 
 import pagedattn
 from pagedattn import PagedEngine, SamplingParams
+from pagedattn.runtime.engine import TIMED_COUNTS, burst_steps
 
 from ..support import engine_example, hf_generate, prompts, tiny_lfm2, tiny_model
 
@@ -38,7 +39,8 @@ def _serve(engine, requests, actions=None):
         trace.append((engine.unfinished_outputs(), [(r.request_id, r.tokens, r.finish_reason) for r in done]))
         step += 1
     trace.append(engine.collect())
-    counts = {k: v for k, v in engine.stats.items() if isinstance(v, int) and k != "planned_steps"}
+    counts = {k: v for k, v in engine.stats.items()
+              if isinstance(v, int) and k != "planned_steps" and k not in TIMED_COUNTS}
     return trace, counts, engine.blocks.prefix_hits, engine.blocks.num_free
 
 
@@ -76,6 +78,70 @@ def test_each_step_streams_as_a_single_step_does_through_stops_limits_adds_and_a
     assert next(r for r in trace[-1] if r.request_id == 1).finish_reason == "stop"
     assert next(r for r in trace[-1] if r.request_id == 4).finish_reason == "abort"
     assert planned[2] > 0  # the late request found blocks registered by planned steps
+
+
+@pytest.mark.parametrize("plan_ahead", [3, 16])
+def test_steps_computed_ahead_stream_as_single_steps_through_stops_adds_and_aborts(mistral, plan_ahead):
+    """Greedy runs computed as far ahead as a run goes (``burst_ms`` far above any step's time): a request that stops
+    on a token inside a burst, one aborted and one added while a burst's later tokens wait to be given. Step by
+    step, everything streamed, finished and counted is what steps planned one at a time give; the steps computed
+    ahead and those dropped (the run ended under them) are counted."""
+    model, ref, rewritten = mistral
+    ps = prompts()
+    stop = ref[1][6]
+    requests = [(ps[0], SamplingParams(max_new_tokens=NEW)),
+                (ps[1], SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,))),
+                (ps[2], SamplingParams(max_new_tokens=5)),
+                (ps[4], SamplingParams(max_new_tokens=20))]
+    late = ps[0] + ref[0][:8] + [5]
+    actions = {7: lambda e, ids: e.abort(ids[3]),
+               11: lambda e, ids: e.add_request(late, max_new_tokens=4)}
+    ahead = _engine(rewritten, plan_ahead, burst_ms=1e9)
+    computed = _serve(ahead, requests, actions)
+    assert computed == _serve(_engine(rewritten, 1), requests, actions)
+    assert computed == _serve(_engine(rewritten, plan_ahead, burst_ms=0), requests, actions)
+    assert next(r for r in computed[0][-1] if r.request_id == 1).finish_reason == "stop"
+    assert ahead.stats["ahead_steps"] > 0 and ahead.stats["dropped_steps"] > 0
+    # counter-example: with burst_ms=0 every step is computed by the step() that gives it
+    one_by_one = _engine(rewritten, plan_ahead, burst_ms=0)
+    one_by_one.generate(ps, max_new_tokens=NEW)
+    assert one_by_one.stats["planned_steps"] > 0 and one_by_one.stats["ahead_steps"] == 0
+
+
+def test_a_burst_ends_at_a_stop_token_and_drops_nothing(mistral):
+    """A request's stop token ends the burst at its step: the run ends there anyway, so no step after it is
+    computed for nothing."""
+    model, ref, rewritten = mistral
+    ps = prompts()
+    requests = [(ps[0], SamplingParams(max_new_tokens=NEW)),
+                (ps[1], SamplingParams(max_new_tokens=NEW, stop_token_ids=(ref[1][6],)))]
+    ahead = _engine(rewritten, 16, burst_ms=1e9)
+    assert _serve(ahead, requests) == _serve(_engine(rewritten, 1), requests)
+    assert ahead.stats["ahead_steps"] > 0 and ahead.stats["dropped_steps"] == 0
+
+
+def test_a_run_with_a_sampled_request_computes_nothing_ahead(mistral):
+    """A sampled token draws from its request's generator: drawing ahead for a step the run may drop would change the
+    tokens sampled after it, so such runs compute each step as it is given."""
+    rewritten = mistral[2]
+    engine = _engine(rewritten, 16, burst_ms=1e9)
+    engine.generate(prompts()[:3], max_new_tokens=NEW, temperature=0.8, seed=1)
+    assert engine.stats["planned_steps"] > 0 and engine.stats["ahead_steps"] == 0
+
+
+def test_burst_steps_fit_the_budget_within_bounds():
+    assert burst_steps(0.02, 0.0021, 16, 16) == 9
+    assert burst_steps(0.02, 0.0021, 5, 16) == 5  # the steps the run has left
+    assert burst_steps(0.02, 0.0021, 16, 2) == 2  # the cap after dropped steps
+    assert burst_steps(0.02, 0.05, 16, 16) == 1  # a step longer than the budget: one at a time
+    assert burst_steps(0.02, None, 16, 16) == 1  # nothing measured yet
+    assert burst_steps(0.0, 0.001, 16, 16) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "20", True, None])
+def test_bad_burst_ms_is_named(mistral, bad):
+    with pytest.raises(ValueError, match="burst_ms must be"):
+        _engine(mistral[2], 16, burst_ms=bad)
 
 
 def test_a_run_ends_when_a_request_arrives_and_it_is_admitted_at_the_next_step(mistral):
