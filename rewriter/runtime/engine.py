@@ -261,7 +261,7 @@ class PagedEngine:
             sv.values is None else 1
         self._run: Optional[DecodeRun] = None
         self._step_s: Optional[float] = None  # a prepared decode step's time, as last measured (burst sizes)
-        self._burst_cap = self.plan_ahead  # halved to 1 when a burst's steps are dropped, doubled when one is not
+        self._burst_cap = self.plan_ahead  # 1 after steps computed ahead were dropped, doubled by each burst after
         # add_request/abort may come from other threads (a server) while one thread steps: they queue here
         # under a short lock and are taken in between steps, under the step lock (never mid-step)
         self._step_lock = threading.RLock()
@@ -701,7 +701,7 @@ class PagedEngine:
         done = len(run.tokens) - j
         self._step_s = (time.perf_counter() - t0) / done
         self.stats["ahead_steps"] += done - 1
-        if done == count and count > 1:
+        if done == count:  # not ended by a stop token
             self._burst_cap = min(self.plan_ahead, 2 * self._burst_cap)
 
     def _run_goes_on(self, run: DecodeRun) -> bool:

@@ -120,6 +120,24 @@ def test_a_burst_ends_at_a_stop_token_and_drops_nothing(mistral):
     assert ahead.stats["ahead_steps"] > 0 and ahead.stats["dropped_steps"] == 0
 
 
+def test_bursts_start_at_one_step_after_dropped_steps_and_grow_again(mistral):
+    """Steps computed ahead and then dropped (a request aborted under them) make the next burst one step long; later
+    bursts double again, up to the run's length."""
+    rewritten = mistral[2]
+    engine = _engine(rewritten, 16, burst_ms=1e9)
+    ids = [engine.add_request(p, max_new_tokens=24) for p in prompts()[:3]]
+    for _ in range(6):
+        engine.step()
+    engine.abort(ids[2])
+    engine.step()
+    assert engine.stats["dropped_steps"] > 0 and engine._burst_cap <= 2
+    ahead = engine.stats["ahead_steps"]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats["ahead_steps"] > ahead  # bursts of more than one step again
+    assert engine.blocks.num_free == engine.num_blocks
+
+
 def test_a_run_with_a_sampled_request_computes_nothing_ahead(mistral):
     """A sampled token draws from its request's generator: drawing ahead for a step the run may drop would change the
     tokens sampled after it, so such runs compute each step as it is given."""
