@@ -525,14 +525,12 @@ def argmax_rows(lib: ctypes.CDLL, logits: Tensor, out: Optional[Tensor] = None) 
     rows, cols = logits.shape
     if cols <= 0 or (logits.stride(1) != 1 and cols != 1):
         return None
-    if out is not None:
-        if out.dtype != torch.int64 or not out.is_cpu or out.numel() != rows or not out.is_contiguous():
-            return None
-        if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), out.data_ptr()):
-            return None
-        return out.tolist()
-    buf = array.array("q", bytes(8 * rows))
-    if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), buf.buffer_info()[0]):
+    if out is not None and (out.dtype != torch.int64 or not out.is_cpu or out.numel() != rows or
+                            not out.is_contiguous()):
+        return None
+    buf = out if out is not None else array.array("q", bytes(8 * rows))
+    address = out.data_ptr() if out is not None else buf.buffer_info()[0]
+    if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), address):
         return None
     return buf.tolist()
 

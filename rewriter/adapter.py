@@ -235,9 +235,6 @@ class DecodeSteps:
     def __init__(self, prepared, ids: torch.Tensor, kept: bool, rows: Sequence[int]):
         self.prepared, self.ids, self.kept, self.rows = prepared, ids, kept, rows
 
-    def __len__(self) -> int:
-        return len(self.prepared)
-
     def bound(self):
         return self.prepared.call.bound()
 

@@ -265,7 +265,8 @@ class AotStep(nn.Module):
         if self.guard.refusal(flat) is not None:
             return None
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        return lambda: self.runner.loader.boxed_run(list(tensors))  # the runner empties the list it is given
+        # a list of its own each call: AOTInductor's package loader empties the one it is given
+        return lambda: self.runner.loader.boxed_run(list(tensors))
 
 
 # ---------------------------------------------------------------------- the package

@@ -316,9 +316,6 @@ class PreparedSteps:
     def __init__(self, call: PagedCall, calls: tuple):
         self.call, self.calls = call, calls
 
-    def __len__(self) -> int:
-        return len(self.calls)
-
     def run(self, i: int):
         return self.call._output(self.calls[i]())
 

@@ -76,7 +76,7 @@ class DecodeRun:
     taken: int = 0  # steps run so far
     steps: Optional[DecodeSteps] = None  # the steps prepared to run back to back (greedy runs), else None
     stops: Optional[list[frozenset]] = None  # each request's stop tokens (its own and the model's), where any has some
-    tokens: list[list[int]] = field(default_factory=list)  # step j's tokens, computed at or before the step that gives them
+    tokens: list[list[int]] = field(default_factory=list)  # step j's tokens, computed when given or before
 
 
 class RequestErrors(ValueError):
@@ -192,14 +192,14 @@ class PagedEngine:
     ``burst_ms`` of the model's time (default 20; 0: one step at a time), and later ``step()`` calls give their
     tokens. Between steps the host's work (the requests' bookkeeping, streaming, the compiled step's input checks)
     then no longer runs between kernels that leave its data out of cache (llama16m in bf16 on a 2-core CPU: a
-    decode step ~2 ms, ~9 of them a burst). A burst ends at a step where a request gives a stop token. Every
-    ``step()`` gives the tokens a step planned on its own would, and nothing changes what is computed: where the run
-    ends before tokens computed ahead were given (a request added, aborted or preempted), they are dropped and
-    computed again as usual (``stats["dropped_steps"]``), and the next bursts start at one step. The cost is time:
-    a ``step()`` that computes ahead takes up to ``burst_ms`` longer, and a request added then waits that long
-    (streamed tokens come in groups). Runs with a sampled request compute each step as it is given (a draw ahead
-    would change later draws). ``stats["ahead_steps"]`` counts the steps computed before the ``step()`` that gave
-    them (these counts follow measured step times).
+    decode step 2-3 ms, so bursts of 6-9 steps at the default). A burst ends at a step where a request gives a stop
+    token. Every ``step()`` gives the tokens a step planned on its own would, and nothing changes what is computed:
+    where the run ends before tokens computed ahead were given (a request added, aborted or preempted), they are
+    dropped and computed again as usual (``stats["dropped_steps"]``), and the next bursts start at one step. The
+    cost is time: a ``step()`` that computes ahead takes up to ``burst_ms`` longer, and a request added then waits
+    that long (streamed tokens come in groups). Runs with a sampled request compute each step as it is given (a draw
+    ahead would change later draws). ``stats["ahead_steps"]`` counts the steps computed before the ``step()`` that
+    gave them (these counts follow measured step times).
 
     Before its first request a CUDA engine serves a few of its own, one step of each kind (``warm_up=None``;
     ``True`` elsewhere, ``False`` never): a fresh prompt, decodes, and a step with prefix-cache hits beside a

@@ -221,3 +221,5 @@ def test_argmax_rows_are_torchs_with_ties_to_the_first(dtype):
     assert argmax_rows(logits) == logits.argmax(-1).tolist() and argmax_rows(logits)[2] == 7
     assert argmax_rows(logits[:0]) == []
     assert AttentionBackend().argmax_rows(logits) == argmax_rows(logits)
+    out = torch.full((5,), -1, dtype=torch.long)
+    assert AttentionBackend().argmax_rows_into(logits, out) == argmax_rows(logits) == out.tolist()

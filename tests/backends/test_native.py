@@ -537,8 +537,9 @@ _SPECIALS = st.sampled_from([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 
     specials=st.lists(st.tuples(st.integers(0, 10**6), _SPECIALS), max_size=12),
     pad=st.integers(0, 3),
     seed=st.integers(0, 2**16),
+    into=st.booleans(),
 )
-def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed):
+def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed, into):
     # ties (few distinct values), NaNs, infinities and signed zeros anywhere, every width around the 16-lane body,
     # rows further apart than their width: the first maximum, or the first NaN, as torch.argmax
     g = torch.Generator().manual_seed(seed)
@@ -547,7 +548,12 @@ def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed):
     for at, value in specials if flat.numel() else ():
         flat[at % flat.numel()] = value
     logits = wide[:, :cols]
-    assert native.argmax_rows(native.load(), logits) == logits.float().argmax(-1).tolist()
+    expected = logits.float().argmax(-1).tolist()
+    if not into:
+        assert native.argmax_rows(native.load(), logits) == expected
+        return
+    out = torch.full((rows,), -1, dtype=torch.long)  # the answer written here as well (a step's next input ids)
+    assert native.argmax_rows(native.load(), logits, out) == expected and out.tolist() == expected
 
 
 def test_argmax_rows_on_a_long_row_finds_a_maximum_in_every_lane_and_the_tail():
@@ -567,3 +573,10 @@ def test_argmax_rows_leaves_tensors_it_does_not_read_to_torch():
     assert native.argmax_rows(lib, torch.zeros(3)) is None
     assert native.argmax_rows(lib, torch.zeros(3, 0)) is None
     assert sdpa_cpu.SdpaCpuBackend().argmax_rows(torch.tensor([[1.0, 3.0], [2.0, 0.0]], dtype=torch.float64)) == [1, 0]
+    logits = torch.tensor([[1.0, 3.0], [2.0, 0.0]])
+    for out in (torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.long),
+                torch.zeros(2, 2, dtype=torch.long)[:, 0]):  # another dtype, size, a strided buffer: nothing written
+        kept = out.clone()
+        assert native.argmax_rows(lib, logits, out) is None and torch.equal(out, kept)
+    out = torch.zeros(2, dtype=torch.long)
+    assert sdpa_cpu.SdpaCpuBackend().argmax_rows_into(logits.double(), out) == [1, 0] and out.tolist() == [1, 0]

@@ -171,6 +171,18 @@ def test_engine_tokens_equal_hugging_face_and_a_second_start_loads_the_package(m
     assert graph_count() == before  # no Dynamo graph: the runner serves every step
 
 
+def test_decode_steps_computed_ahead_through_the_runner_equal_hugging_face(model, packages):
+    """Greedy runs computed ahead in bursts as long as a run (``burst_ms`` far above a step's time) through the
+    ahead-of-time step's runner, its inputs checked once per run: tokens are Hugging Face's, and no step went to the
+    fallback."""
+    ps = prompts()
+    engine = pagedattn.PagedEngine(model, block_size=BS, num_blocks=96, max_num_tokens=24, progress=False,
+                                   burst_ms=1e9)
+    assert isinstance(engine.model.graph_module, AotStep)
+    assert engine.generate(ps, max_new_tokens=12) == hf_generate(model, ps, 12)
+    assert engine.stats["ahead_steps"] > 0 and engine.model.graph_module._fallback is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gpt2", "gpt_neox", "phi", "opt", "falcon", "gemma2"])
 def test_architectures_through_the_ahead_of_time_step_generate_like_hugging_face(arch, packages):
@@ -239,7 +251,9 @@ class _Runner:
 
     def boxed_run(self, tensors):
         self.calls.append(len(tensors))
-        return [tensors[0] + 1]
+        out = [tensors[0] + 1]
+        tensors.clear()  # as AOTInductor's package loader does
+        return out
 
 
 def test_refused_inputs_run_the_fallback_built_once(caplog):
@@ -269,7 +283,7 @@ def test_prepared_inputs_are_checked_once_and_run_as_they_are_then():
     x = torch.zeros(4, 2)
     call = step.prepared([x, 3])
     x += 5  # values may change after the check: the call reads them as they are
-    assert (call()[0] == 6).all() and (call()[0] == 6).all()  # the runner empties its list: each call gets its own
+    assert (call()[0] == 6).all() and (call()[0] == 6).all()  # the loader empties its list: each call gets its own
     assert step.runner.calls == [1, 1]
     # counter-examples: inputs the guard refuses are not prepared (they would take the fallback)
     assert step.prepared([torch.zeros(9, 2), 3]) is None
