@@ -187,6 +187,13 @@ class AttentionBackend:
         out.copy_(argmax_tokens(logits).view(out.shape))
         return out.tolist()
 
+    def argmax_writer(self, out: torch.Tensor) -> Callable[[torch.Tensor, int], list[int]]:
+        """A function ``write(logits, i)`` that does :meth:`argmax_rows_into` of ``logits [R, V]`` into row ``i`` of
+        ``out`` (``[K, R]`` int64 on the logits' device: a run of decode steps' input ids, each step's tokens the next
+        one's) and returns the tokens. For a loop that calls it once a step: backends with a kernel bind it here once."""
+        rows = out.unbind(0)
+        return lambda logits, i: self.argmax_rows_into(logits, rows[i])
+
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax of ``logits [R, V]`` through ``torch.argmax`` (:func:`argmax_tokens`), as a list."""

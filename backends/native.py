@@ -41,7 +41,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from filelock import FileLock, Timeout
@@ -52,8 +52,8 @@ from pagedattn.backends.metadata import check_slot_values
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write_usable", "usable", "part_keys",
-           "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "DTYPE_CODES", "MAX_HEAD_SIZE", "MAX_GROUP",
-           "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
+           "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "ArgmaxWriter", "DTYPE_CODES", "MAX_HEAD_SIZE",
+           "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
            "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
            "linear_panel_bytes", "onednn_bytes", "build_shared", "SOURCES"]
@@ -533,6 +533,43 @@ def argmax_rows(lib: ctypes.CDLL, logits: Tensor, out: Optional[Tensor] = None) 
     if lib.pagedattn_argmax_rows(logits.data_ptr(), code, rows, cols, logits.stride(0), address):
         return None
     return buf.tolist()
+
+
+class ArgmaxWriter:
+    """:func:`argmax_rows` of a run of steps' logits into the rows of one buffer, ``write(logits, i)`` writing row
+    ``i`` of ``out`` (a contiguous int64 CPU tensor ``[K, R]``: a run of decode steps' input ids) and returning the
+    tokens. The checks that :func:`argmax_rows` makes at every call are made for the first logits, and later logits
+    of the same dtype, sizes and strides (a compiled step's, call after call) go straight to the kernel; others take
+    the checks again, and logits the kernel does not read go to ``fallback(logits, i)``."""
+
+    __slots__ = ("lib", "fallback", "rows", "_addresses", "_layout", "_args")
+
+    def __init__(self, lib: ctypes.CDLL, out: Tensor, fallback: Callable[[Tensor, int], list[int]]):
+        if not self.takes(out):
+            raise ValueError(f"ArgmaxWriter writes into a contiguous int64 CPU matrix, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        self.lib, self.fallback = lib, fallback
+        self.rows = out.unbind(0)
+        self._addresses = [r.data_ptr() for r in self.rows]
+        self._layout: Optional[tuple] = None  # the logits the kernel was bound for: dtype, sizes, strides
+        self._args: tuple = ()  # and its arguments before the output's address
+
+    @staticmethod
+    def takes(out: Tensor) -> bool:
+        """Whether ``out`` is a buffer the writer writes into."""
+        return out.dtype == torch.int64 and out.is_cpu and out.dim() == 2 and out.is_contiguous()
+
+    def __call__(self, logits: Tensor, i: int) -> list[int]:
+        if logits.is_cpu and (logits.dtype, logits.shape, logits.stride()) == self._layout and \
+                not self.lib.pagedattn_argmax_rows(logits.data_ptr(), *self._args, self._addresses[i]):
+            return self.rows[i].tolist()
+        found = argmax_rows(self.lib, logits, self.rows[i])
+        if found is None:
+            return self.fallback(logits, i)
+        rows, cols = logits.shape  # argmax_rows took them: a CPU matrix of a dtype the kernel reads
+        self._layout = (logits.dtype, logits.shape, logits.stride())
+        self._args = (DTYPE_CODES[logits.dtype], rows, cols, logits.stride(0))
+        return found
 
 
 _LINEAR_DTYPES = {torch.float32: (0, FEATURE_LINEAR_F32), torch.bfloat16: (1, FEATURE_LINEAR_BF16)}  # code, feature

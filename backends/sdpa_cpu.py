@@ -222,6 +222,14 @@ class SdpaCpuBackend(SplitKVBackend):
         found = native.argmax_rows(lib, logits, out) if lib is not None else None
         return found if found is not None else super().argmax_rows_into(logits, out)
 
+    def argmax_writer(self, out: Tensor):
+        # the kernel bound once: a decode step's argmax call, checks and all, costs ~2x the kernel after the step's
+        # kernels have left the interpreter's data out of cache
+        lib = native.library()
+        fallback = super().argmax_writer(out)
+        return native.ArgmaxWriter(lib, out, fallback) if lib is not None and native.ArgmaxWriter.takes(out) \
+            else fallback
+
     # --- attention
 
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):

@@ -223,3 +223,6 @@ def test_argmax_rows_are_torchs_with_ties_to_the_first(dtype):
     assert AttentionBackend().argmax_rows(logits) == argmax_rows(logits)
     out = torch.full((5,), -1, dtype=torch.long)
     assert AttentionBackend().argmax_rows_into(logits, out) == argmax_rows(logits) == out.tolist()
+    runs = torch.full((3, 5), -1, dtype=torch.long)  # a run's input ids: row i written, the others left
+    write = AttentionBackend().argmax_writer(runs)
+    assert write(logits, 2) == argmax_rows(logits) == runs[2].tolist() and (runs[:2] == -1).all()

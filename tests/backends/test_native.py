@@ -566,6 +566,28 @@ def test_argmax_rows_on_a_long_row_finds_a_maximum_in_every_lane_and_the_tail():
     assert native.argmax_rows(lib, torch.full((1, 40), float("-inf"))) == [0]
 
 
+def test_argmax_writer_binds_the_kernel_to_the_first_logits_and_checks_any_other_again():
+    lib = native.load()
+    out = torch.full((4, 3), -1, dtype=torch.long)  # a run's input ids: step i - 1's tokens into row i
+    fell_back = []
+    write = native.ArgmaxWriter(lib, out, lambda logits, i: fell_back.append(i) or [-5])
+    g = torch.Generator().manual_seed(0)
+    for i in (1, 3, 2):  # the first call binds, the others take the kernel straight
+        logits = torch.randint(-3, 4, (3, 100), generator=g).to(torch.bfloat16)  # ties: the first maximum
+        assert write(logits, i) == logits.float().argmax(-1).tolist() == out[i].tolist()
+    assert out[0].tolist() == [-1] * 3 and not fell_back
+    wide = torch.randn(3, 120)
+    wide[1, 40] = float("nan")
+    assert write(wide[:, :100], 1) == wide[:, :100].argmax(-1).tolist() == out[1].tolist()  # another layout
+    assert write(torch.zeros(3, 5, dtype=torch.float64), 2) == [-5] and fell_back == [2]  # one the kernel cannot read
+    with pytest.raises(ValueError, match="int64 CPU matrix"):
+        native.ArgmaxWriter(lib, torch.zeros(3, dtype=torch.long), fell_back.append)
+    cpu = sdpa_cpu.SdpaCpuBackend()
+    assert isinstance(cpu.argmax_writer(out), native.ArgmaxWriter)
+    assert not isinstance(cpu.argmax_writer(out.t()), native.ArgmaxWriter)  # not one it writes into: torch's
+    assert cpu.argmax_writer(out.t())(torch.tensor([[0.0, 2.0, 1.0]] * 4), 0) == [1] * 4 and out[:, 0].tolist() == [1] * 4
+
+
 def test_argmax_rows_leaves_tensors_it_does_not_read_to_torch():
     lib = native.load()
     assert native.argmax_rows(lib, torch.zeros(3, 4).t()) is None  # columns not contiguous
