@@ -511,10 +511,10 @@ static void merge_head(const decode_args *a, const float *rows, int64_t n, int64
 }
 
 /* parts_start[i]: the first part of item i (prefix sums of the items' part counts, parts_start[n] = total).
- * Returns 0, check()'s code with nothing written, or 5 where a thread's state could not be allocated (some rows
- * may be written). An item of one part is finished by the thread that ran it, from
- * the rows it has just written; items of several parts after every part ran (a second loop, behind a barrier that a
- * step whose items are all of one part, a serving step's usual case, does without). */
+ * Returns 0, check()'s code with nothing written, or 5 where a thread's state could not be allocated (some rows may
+ * be written). An item of one part is finished by the thread that ran it, from the rows it has just written; items of
+ * several parts once every part ran (a second loop, behind a barrier that a step whose items are all of one part, a
+ * serving step's usual case, does without). */
 int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
     const int bad = check(a, parts_start);
     if (bad) return bad;
