@@ -217,14 +217,10 @@ class SdpaCpuBackend(SplitKVBackend):
         found = native.argmax_rows(lib, logits) if lib is not None else None
         return found if found is not None else super().argmax_rows(logits)
 
-    def argmax_rows_into(self, logits: Tensor, out: Tensor) -> list[int]:
-        lib = native.library()
-        found = native.argmax_rows(lib, logits, out) if lib is not None else None
-        return found if found is not None else super().argmax_rows_into(logits, out)
-
     def argmax_writer(self, out: Tensor):
         # the kernel bound once: right after a step, the call with its checks took ~3x the kernel (52 against ~18 us,
-        # llama16m bf16 on a 2-core EPYC), each piece of Python slow with the interpreter's data out of cache
+        # llama16m bf16 on a 2-core EPYC), each piece of Python slow with the interpreter's data out of cache; logits
+        # it cannot read go to torch's argmax
         lib = native.library()
         fallback = super().argmax_writer(out)
         return native.ArgmaxWriter(lib, out, fallback) if lib is not None and native.ArgmaxWriter.takes(out) \

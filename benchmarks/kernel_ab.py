@@ -18,6 +18,7 @@ most, or not at all).
 
     python benchmarks/kernel_ab.py --against d3c9df4           # decode, the serving shapes, bf16 and fp32
     python benchmarks/kernel_ab.py --against HEAD~1 --dtypes float16 --shapes 6/2x64
+    python benchmarks/kernel_ab.py --against HEAD~1 --shapes 6/2x64 --contexts 60 200   # shorter sequences
     python benchmarks/kernel_ab.py --kernel prefill --against HEAD~1
 """
 
@@ -126,6 +127,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32", "float16"])
     p.add_argument("--rounds", type=int, default=8, help="rounds of each build, alternated")
     p.add_argument("--calls", type=int, default=None, help="calls a round (default: 20 decode, 5 prefill)")
+    p.add_argument("--contexts", nargs="+", type=int, default=None,
+                   help="decode: keys a sequence (each within 50 of it), in place of each shape's own")
     a = p.parse_args(argv)
     shapes = a.shapes or (list(SHAPES) if a.kernel == "decode" else ["6/2x64", "8/4x64"])
     calls = a.calls or (20 if a.kernel == "decode" else 5)
@@ -139,9 +142,11 @@ def main(argv=None) -> None:
     # decode: cached, then from memory; prefill: each prompt set
     compare, cases = (compare_decode, (False, True)) if a.kernel == "decode" else (compare_prefill, tuple(PROMPTS))
     for name in shapes:
-        for dtype in a.dtypes:
-            for case in cases:
-                print(compare(libs, SHAPES[name], getattr(torch, dtype), case, a.rounds, calls))
+        for shape in [SHAPES[name]] if not a.contexts or a.kernel != "decode" else \
+                [(*SHAPES[name][:4], context) for context in a.contexts]:
+            for dtype in a.dtypes:
+                for case in cases:
+                    print(compare(libs, shape, getattr(torch, dtype), case, a.rounds, calls))
 
 
 if __name__ == "__main__":

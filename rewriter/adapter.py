@@ -20,7 +20,7 @@ import operator
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -194,7 +194,7 @@ class ServableModel:
         prepared = call.prepare(steps)
         if prepared is None:
             return None
-        return DecodeSteps(prepared, buf, "logits_to_keep" in first, rows)
+        return DecodeSteps(prepared, buf, "logits_to_keep" in first, rows, self.backend.argmax_writer(buf))
 
     # --- row steps (recurrent state)
 
@@ -226,20 +226,22 @@ class ServableModel:
 
 
 class DecodeSteps:
-    """A run's decode steps prepared to run back to back (:meth:`ServableModel.decode_steps`): ``logits(j)`` runs
-    step ``j`` (inside ``bound()``) and returns its ``[n, V]`` logits; ``ids`` ``[k + 1, n]`` holds each step's input
-    ids, row ``j + 1`` for the caller to fill with step ``j``'s tokens before step ``j + 1`` runs."""
+    """A run's decode steps prepared to run back to back (:meth:`ServableModel.decode_steps`): ``greedy(j)`` runs
+    step ``j`` (inside ``bound()``) and writes its greedy tokens into row ``j + 1`` of ``ids`` ``[k + 1, n]``, the
+    next step's input ids, through ``write`` (the backend's ``argmax_writer``, bound to ``ids`` once)."""
 
-    __slots__ = ("prepared", "ids", "kept", "rows")
+    __slots__ = ("prepared", "ids", "kept", "rows", "write")
 
-    def __init__(self, prepared, ids: torch.Tensor, kept: bool, rows: Sequence[int]):
-        self.prepared, self.ids, self.kept, self.rows = prepared, ids, kept, rows
+    def __init__(self, prepared, ids: torch.Tensor, kept: bool, rows: Sequence[int],
+                 write: Callable[[torch.Tensor, int], list[int]]):
+        self.prepared, self.ids, self.kept, self.rows, self.write = prepared, ids, kept, rows, write
 
     def bound(self):
         return self.prepared.call.bound()
 
-    def logits(self, j: int) -> torch.Tensor:
-        return _row_logits(self.prepared.run(j), self.kept, self.rows)
+    def greedy(self, j: int) -> list[int]:
+        """Step ``j``'s greedy tokens, one per sequence, also written into ``ids[j + 1]``."""
+        return self.write(_row_logits(self.prepared.run(j), self.kept, self.rows), j + 1)
 
 
 def _long_tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -475,53 +475,15 @@ static int check(const decode_args *a, const int64_t *parts_start) {
     return 0;
 }
 
-/* o [D] * inv into a row of dtype DT: one loop per dtype, so that each vectorises */
-static inline __attribute__((always_inline)) void store_row(int DT, char *dst, const float *o, float inv, int D) {
-    if (DT == 0)
-        for (int d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
-    else if (DT == 1)
-        for (int d = 0; d < D; d++) ((bf16_t *)dst)[d] = f32_to_bf16(o[d] * inv);
-    else
-        for (int d = 0; d < D; d++) ((_Float16 *)dst)[d] = (_Float16)(o[d] * inv);
-}
-
-/* An (item, head)'s output row from its n parts' rows in the scratch (D + 2 floats each: sums, maximum, normaliser;
- * `stride` floats apart): the sums merged by their maxima (flash-decoding), the head's sink in the normaliser. */
-static void merge_head(const decode_args *a, const float *rows, int64_t n, int64_t stride, int h, int64_t row) {
-    const int D = a->head_size;
-    float mx = a->sinks ? a->sinks[h] : -INFINITY;
-    for (int64_t p = 0; p < n; p++) {
-        const float *src = rows + p * stride;
-        mx = src[D] > mx ? src[D] : mx;
-    }
-    float o[MAX_HEAD];
-    float den = a->sinks ? exp_neg(a->sinks[h] - mx) : 0.0f;
-    memset(o, 0, sizeof(float) * D);
-    if (mx != -INFINITY) {
-        for (int64_t p = 0; p < n; p++) {
-            const float *src = rows + p * stride;
-            if (src[D + 1] == 0.0f) continue;
-            const float w = exp_neg(src[D] - mx);
-            den += w * src[D + 1];
-            for (int d = 0; d < D; d++) o[d] += w * src[d];
-        }
-    }
-    char *dst = (char *)a->out + (row * a->o_row + h * a->o_head) * (a->dtype == 0 ? 4 : 2);
-    store_row(a->dtype, dst, o, den > 0.0f ? 1.0f / den : 0.0f, D);
-}
-
 /* parts_start[i]: the first part of item i (prefix sums of the items' part counts, parts_start[n] = total).
- * Returns 0, check()'s code with nothing written, or 5 where a thread's state could not be allocated (some rows may
- * be written). An item of one part is finished by the thread that ran it, from the rows it has just written; items of
- * several parts once every part ran (a second loop, behind a barrier that a step whose items are all of one part, a
- * serving step's usual case, does without). */
+ * Returns 0, or check()'s code with nothing written. */
 int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
     const int bad = check(a, parts_start);
     if (bad) return bad;
-    const int H = a->num_heads;
-    const int64_t n_parts = parts_start[a->num_items], stride = a->head_size + 2;
-    int failed = 0, several = 0;
-    for (int64_t i = 0; i < a->num_items && !several; i++) several = parts_start[i + 1] - parts_start[i] > 1;
+    const int D = a->head_size;
+    const int64_t n_parts = parts_start[a->num_items];
+    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    int failed = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
         float *state = malloc(sizeof(float) * state_floats(a));
@@ -530,7 +492,7 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
             failed = 1;
         }
         /* parts in order (item, part), handed out one at a time: parts of unequal length balance */
-#pragma omp for schedule(dynamic, 1) nowait
+#pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < n_parts; p++) {
             if (!state) continue;
             int64_t lo = 0, hi = a->num_items;  /* the item holding part p */
@@ -539,23 +501,37 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
                 if (parts_start[mid] <= p) lo = mid; else hi = mid;
             }
             unit_any(a, state, p, lo, (int)(p - parts_start[lo]));
-            if (parts_start[lo + 1] - parts_start[lo] == 1)
-                for (int h = 0; h < H; h++)
-                    merge_head(a, a->scratch + (p * H + h) * stride, 1, H * stride, h, a->items[4 * lo]);
         }
         free(state);
-        if (several) {  /* the same in every thread */
-#pragma omp barrier
-            int merge;
+        int merge;
 #pragma omp atomic read
-            merge = failed;
-            merge = !merge;  /* the same in every thread, after the barrier */
+        merge = failed;
+        merge = !merge;  /* the same in every thread: the loop above ended with a barrier */
 #pragma omp for schedule(static)
-            for (int64_t ih = 0; ih < (merge ? a->num_items * H : 0); ih++) {
-                const int64_t item = ih / H, p0 = parts_start[item], n = parts_start[item + 1] - p0;
-                const int h = (int)(ih % H);
-                if (n > 1) merge_head(a, a->scratch + (p0 * H + h) * stride, n, H * stride, h, a->items[4 * item]);
+        for (int64_t ih = 0; ih < (merge ? a->num_items * a->num_heads : 0); ih++) {
+            const int64_t item = ih / a->num_heads;
+            const int h = (int)(ih % a->num_heads);
+            const int64_t row = a->items[4 * item];
+            float mx = a->sinks ? a->sinks[h] : -INFINITY;
+            for (int64_t p = parts_start[item]; p < parts_start[item + 1]; p++) {
+                const float *src = a->scratch + (p * a->num_heads + h) * (int64_t)(D + 2);
+                mx = src[D] > mx ? src[D] : mx;
             }
+            float o[MAX_HEAD];
+            float den = a->sinks ? exp_neg(a->sinks[h] - mx) : 0.0f;
+            memset(o, 0, sizeof(float) * D);
+            if (mx != -INFINITY) {
+                for (int64_t p = parts_start[item]; p < parts_start[item + 1]; p++) {
+                    const float *src = a->scratch + (p * a->num_heads + h) * (int64_t)(D + 2);
+                    if (src[D + 1] == 0.0f) continue;
+                    const float w = exp_neg(src[D] - mx);
+                    den += w * src[D + 1];
+                    for (int d = 0; d < D; d++) o[d] += w * src[d];
+                }
+            }
+            char *dst = (char *)a->out + (row * a->o_row + h * a->o_head) * esz;
+            const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+            for (int d = 0; d < D; d++) store_dt(a->dtype, dst, d, o[d] * inv);
         }
     }
     return failed ? 5 : 0;

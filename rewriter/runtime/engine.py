@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -76,7 +76,6 @@ class DecodeRun:
     taken: int = 0  # steps run so far
     steps: Optional[DecodeSteps] = None  # the steps prepared to run back to back (greedy runs), else None
     stops: Optional[list[frozenset]] = None  # each request's stop tokens (its own and the model's), where any has some
-    greedy: Optional[Callable] = None  # with steps: write(logits, j), step j - 1's tokens into steps.ids[j], returned
     tokens: list[list[int]] = field(default_factory=list)  # step j's tokens, computed when given or before
 
 
@@ -673,7 +672,6 @@ class PagedEngine:
         if all(r.params.temperature == 0 for r in reqs):  # a sampled token would draw from its generator ahead
             ids = [r.token_slice(c, c + 1)[0] for r, c in zip(reqs, starts)]
             run.steps = self.servable.decode_steps(self._packed_call, metas, starts, ids)
-            run.greedy = self.backend.argmax_writer(run.steps.ids) if run.steps is not None else None
             stops = [frozenset(r.params.stop_token_ids) | self._eos for r in reqs]
             run.stops = stops if any(stops) else None
         return run
@@ -696,7 +694,7 @@ class PagedEngine:
         t0 = time.perf_counter()
         with steps.bound():
             for i in range(j, j + count):
-                toks = run.greedy(steps.logits(i), i + 1)
+                toks = steps.greedy(i)
                 run.tokens.append(toks)
                 if run.stops is not None and any(t in s for t, s in zip(toks, run.stops)):
                     break

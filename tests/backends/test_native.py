@@ -579,6 +579,10 @@ def test_argmax_writer_binds_the_kernel_to_the_first_logits_and_checks_any_other
     wide = torch.randn(3, 120)
     wide[1, 40] = float("nan")
     assert write(wide[:, :100], 1) == wide[:, :100].argmax(-1).tolist() == out[1].tolist()  # another layout
+    wide[:, 100:] = 1e9  # past the rows' 100 columns: a stride taken as the width would read these
+    for i in (2, 3):  # that layout again: the kernel straight, with the rows 120 elements apart
+        wide[2, 7 * i] = 50.0
+        assert write(wide[:, :100], i) == wide[:, :100].argmax(-1).tolist() == out[i].tolist()
     assert write(torch.zeros(3, 5, dtype=torch.float64), 2) == [-5] and fell_back == [2]  # one the kernel cannot read
     with pytest.raises(ValueError, match="int64 CPU matrix"):
         native.ArgmaxWriter(lib, torch.zeros(3, dtype=torch.long), fell_back.append)
