@@ -56,7 +56,7 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
            "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
-           "linear_panel_bytes", "onednn_bytes", "build_shared", "SOURCES"]
+           "linear_panel_bytes", "onednn_bytes", "build_shared", "SOURCES", "CLOCK_KINDS", "kernel_clock"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
@@ -333,7 +333,35 @@ def build_library(defines: tuple[str, ...] = (),
     lib.pagedattn_linear_features.restype = ctypes.c_int
     lib.pagedattn_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.pagedattn_linear.restype = ctypes.c_int
+    if hasattr(lib, "pagedattn_clock"):  # another commit's sources (benchmarks/kernel_ab.py) may predate the clock
+        lib.pagedattn_clock.argtypes = [ctypes.c_int32]
+        lib.pagedattn_clock.restype = None
+        lib.pagedattn_clock_read.argtypes = [ctypes.c_void_p]
+        lib.pagedattn_clock_read.restype = None
     return lib
+
+
+# the kernel clock's kinds, in the order of pagedattn_abi.h's PAGEDATTN_CLOCK_* (each entry point of the library)
+CLOCK_KINDS = ("linear", "decode", "prefill", "write", "silu_mul", "argmax")
+
+
+@contextlib.contextmanager
+def kernel_clock(lib: ctypes.CDLL) -> Iterator[dict[str, tuple[int, float]]]:
+    """Counts the library's calls while the block runs: the dict it gives is filled on leaving it with each kind of
+    :data:`CLOCK_KINDS` mapped to (calls, seconds of wall time on the calling threads, OpenMP workers' work inside
+    them). For breakdowns of a step (``benchmarks/roofline.py``): no profiler between the calls, ~0.1 us a call of
+    its own. The counters are the library's (the C++ operators call the same kernels); one clock at a time."""
+    if not hasattr(lib, "pagedattn_clock"):
+        raise ValueError("this build of the native library has no kernel clock: build this checkout's (native.load)")
+    totals: dict[str, tuple[int, float]] = {}
+    lib.pagedattn_clock(1)
+    try:
+        yield totals
+    finally:
+        lib.pagedattn_clock(0)
+        counts = (ctypes.c_int64 * (2 * len(CLOCK_KINDS)))()
+        lib.pagedattn_clock_read(counts)
+        totals.update({k: (counts[2 * i], counts[2 * i + 1] / 1e9) for i, k in enumerate(CLOCK_KINDS)})
 
 
 FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products

@@ -7,8 +7,10 @@ GQA 6/2, vocab 8000), 16 prompts of 16-256 tokens, 48 new tokens each. Greedy. B
 on the left-padded batch (DynamicCache, sdpa), (b) `generate` one request at a time, (c) transformers'
 continuous batching `generate_batch` (`attn_implementation="paged|sdpa"`, needs psutil on CPU). Also KV
 bytes allocated per cached token against the padded cache, and the share of step time the engine spends around
-the model call; ``--breakdown`` splits a decode step at the workload's batch into its kernels (linears, attention,
-cache writes, timed by ``torch.profiler``) and the rest (Python, dispatch, Inductor's small kernels, sampling).
+the model call; ``--breakdown`` splits a decode step at the workload's batch into its native kernels (linears,
+attention, cache writes, SiLU x up, argmax: timed inside the library by its kernel clock, ``native.kernel_clock``;
+``torch.profiler``'s operator times where the step calls none) and the rest (Python, the runner and dispatch,
+Inductor's small kernels, the threads' start and end).
 
 Rounds (``--rounds``, default 3): the engine, the padded batch and ``generate_batch`` run in turn that many times,
 each round on fresh prompts of the same lengths (the same steps, no prefix-cache hits from the round before). The

@@ -346,17 +346,23 @@ def step_kinds(engine, shape: ModelShape, machine: Machine, *, vocab: int, conte
 # native C++ operators, their Python fallbacks and oneDNN's or ATen's GEMMs)
 KERNEL_RECORDS = (("linears", ("linear", "aten::mm", "aten::addmm")), ("attention", ("paged_attention",)),
                   ("cache writes", ("write_kv_cache",)))
+# the native library's kernel clock (pagedattn.backends.native.kernel_clock): its kinds as a breakdown names them
+CLOCK_PARTS = (("linears", "linear"), ("attention", "decode"), ("cache writes", "write"), ("SiLU x up", "silu_mul"),
+               ("argmax", "argmax"))
 
 
 def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200, steps: int = 20,
                      seed: int = 1) -> str:
     """Where a decode step's time goes: ``batch`` requests of ``context`` random tokens (fewer where the engine's free
-    blocks would not hold them) decoding, ``steps`` steps timed as they run, then as many under ``torch.profiler``,
-    whose records give the time the step's kernels take on the calling thread (:data:`KERNEL_RECORDS`; their OpenMP
-    threads work inside it). The rest of the step is the unprofiled step less theirs: Python (the engine's, Dynamo's
-    and the generated code's), the dispatcher, Inductor's small kernels and sampling. Each ``step()`` computes its own
-    step here (``burst_ms=0``: steps computed ahead would fall in one window's ``step()`` calls and be timed in
-    another's). One line of text."""
+    blocks would not hold them) decoding, ``steps`` steps timed as they run, then as many with the native library's
+    kernel clock on (:func:`pagedattn.backends.native.kernel_clock`: each kernel's wall time on the calling thread,
+    its OpenMP threads' work inside it, taken inside the library). The rest of the step is the unclocked step less the
+    kernels': Python (the engine's and the generated code's), the AOT runner, the dispatcher and the operators around
+    the kernels, Inductor's small kernels, the threads' start and end. Where the step calls no native kernel (another
+    backend, the library off), ``torch.profiler``'s records of the step's operators stand in (:data:`KERNEL_RECORDS`:
+    their self time, the profiler's own cost in it, which makes them ~10-45 % long on this benchmark's machine). Each
+    ``step()`` computes its own step here (``burst_ms=0``: steps computed ahead would fall in one window's ``step()``
+    calls and be timed in another's). One line of text."""
     burst = getattr(engine, "burst_ms", None)
     if burst is not None:
         engine.burst_ms = 0.0
@@ -368,23 +374,58 @@ def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200,
 
 
 def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, seed: int) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
     g = torch.Generator().manual_seed(seed)
-    new = 2 * steps + 4 + -(-batch * context // engine.scheduler.max_num_tokens)
+    new = 2 * steps + 5 + -(-batch * context // engine.scheduler.max_num_tokens)
     bs = engine.block_size
     context = min(context, engine.blocks.num_free // batch * bs - new)  # every request keeps its blocks: no preemption
     rec = StepRecorder(engine)
     rids = _decoding(engine, rec, [torch.randint(1, vocab, (context,), generator=g).tolist() for _ in range(batch)],
                      new)
+    lib = _clock_library(rec)
 
     def timed():
         for _ in range(steps):
             rec.step()
 
+    rec.steps.clear()
     call_with_frame_room(timed)  # as a serving loop runs its steps (pagedattn.runtime.frames)
     assert all(len(s.chunks) == batch and step_kind(s.chunks) == "decode" for s in rec.steps)
     wall = sum(s.seconds for s in rec.steps) / steps
+    own, how = _clocked_kernels(lib, timed, steps) if lib is not None else _profiled_operators(timed, steps)
+    _finish(engine, rec, rids)
+    rest = wall - sum(own.values())
+    parts = ", ".join(f"{n} {1e3 * t:.2f} ms ({t / wall:.0%})" for n, t in own.items())
+    return (f"  decode step at batch {batch} (ctx {context}): {1e3 * wall:.2f} ms; {how}: {parts}; the rest (Python, "
+            f"the runner and dispatch, Inductor's small kernels, threads' start and end) {1e3 * rest:.2f} ms "
+            f"({rest / wall:.0%})")
+
+
+def _clock_library(rec: "StepRecorder"):
+    """The native library where one decode step (run here) calls its linear or decode kernel, else None."""
+    from pagedattn.backends import native
+
+    lib = native.library()
+    if lib is None:
+        return None
+    with native.kernel_clock(lib) as totals:
+        call_with_frame_room(rec.step)
+    return lib if totals["linear"][0] or totals["decode"][0] else None
+
+
+def _clocked_kernels(lib, timed: Callable[[], None], steps: int) -> tuple[dict[str, float], str]:
+    """Each native kernel's seconds a step over ``steps`` steps of ``timed`` (the library's kernel clock)."""
+    from pagedattn.backends import native
+
+    with native.kernel_clock(lib) as totals:
+        call_with_frame_room(timed)
+    own = {name: totals[kind][1] / steps for name, kind in CLOCK_PARTS if totals[kind][0]}
+    return own, "native kernels (timed inside the library)"
+
+
+def _profiled_operators(timed: Callable[[], None], steps: int) -> tuple[dict[str, float], str]:
+    """The step's operators' self time a step under ``torch.profiler`` (:data:`KERNEL_RECORDS`)."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         call_with_frame_room(timed)
     own = dict.fromkeys((name for name, _ in KERNEL_RECORDS), 0.0)
@@ -392,11 +433,7 @@ def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, 
         name = next((n for n, keys in KERNEL_RECORDS if any(k in record.key for k in keys)), None)
         if name is not None:
             own[name] += record.self_cpu_time_total / 1e6 / steps  # microseconds over the profiled steps
-    _finish(engine, rec, rids)
-    rest = wall - sum(own.values())
-    parts = ", ".join(f"{n} {1e3 * t:.2f} ms ({t / wall:.0%})" for n, t in own.items())
-    return (f"  decode step at batch {batch} (ctx {context}): {1e3 * wall:.2f} ms; {parts}; the rest (Python, "
-            f"dispatch, Inductor's small kernels, sampling) {1e3 * rest:.2f} ms ({rest / wall:.0%})")
+    return own, "operators (torch.profiler's self times)"
 
 
 def _decoding(engine, rec: StepRecorder, prompts, new: int) -> list[int]:

@@ -17,6 +17,8 @@
  */
 #include "paged_common.h"
 
+#include <time.h>
+
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192  /* K and V bytes read ahead of the key being scored (prefetch_ahead): on a 2-core EPYC,
                               * half as far made decodes from DRAM 7-15 % slower, twice as far 0-9 % */
@@ -487,7 +489,7 @@ static int check(const decode_args *a, const int64_t *parts_start) {
 
 /* parts_start[i]: the first part of item i (prefix sums of the items' part counts, parts_start[n] = total).
  * Returns 0, or check()'s code with nothing written. */
-int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
+static int paged_decode(const decode_args *a, const int64_t *parts_start) {
     const int bad = check(a, parts_start);
     if (bad) return bad;
     const int D = a->head_size;
@@ -550,7 +552,7 @@ int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
 /* ---- the cache write (write_args, pagedattn_abi.h) */
 
 /* 0, or 6 when a slot is outside the cache (other than -1) with nothing written */
-int pagedattn_write_kv(const write_args *a) {
+static int write_kv(const write_args *a) {
     const int64_t num_slots = a->num_blocks * a->block_size;
     for (int64_t t = 0; t < a->num_tokens; t++) {
         const int64_t s = a->slots_are_64_bit ? ((const int64_t *)a->slots)[t] : ((const int32_t *)a->slots)[t];
@@ -616,8 +618,8 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const char *x, i
 }
 
 /* 0, or 1 for a bad call (a dtype it does not read, no columns or 2^31 - 1 and more) with nothing written */
-int pagedattn_argmax_rows(const void *x, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                          int64_t *out) {
+static int argmax_rows(const void *x, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                       int64_t *out) {
     if (dtype < 0 || dtype > 2 || cols <= 0 || cols >= INT32_MAX || rows < 0) return 1;
     const int64_t esz = dtype == 0 ? 4 : 2;
     for (int64_t r = 0; r < rows; r++) {
@@ -626,4 +628,48 @@ int pagedattn_argmax_rows(const void *x, int32_t dtype, int64_t rows, int64_t co
                                                                      : argmax_row(row, cols, 2);
     }
     return 0;
+}
+
+
+/* ---- the entry points, timed while the kernel clock is on (pagedattn_abi.h) */
+
+static int32_t clock_on;
+static int64_t clock_counts[2 * PAGEDATTN_CLOCK_KINDS];
+
+static int64_t clock_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void pagedattn_clock(int32_t on) {
+    __atomic_store_n(&clock_on, 0, __ATOMIC_RELEASE);
+    if (!on) return;
+    for (int k = 0; k < 2 * PAGEDATTN_CLOCK_KINDS; k++) __atomic_store_n(&clock_counts[k], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&clock_on, 1, __ATOMIC_RELEASE);
+}
+
+void pagedattn_clock_read(int64_t *out) {
+    for (int k = 0; k < 2 * PAGEDATTN_CLOCK_KINDS; k++) out[k] = __atomic_load_n(&clock_counts[k], __ATOMIC_RELAXED);
+}
+
+int64_t pagedattn_clock_start(void) { return __atomic_load_n(&clock_on, __ATOMIC_RELAXED) ? clock_now() : 0; }
+
+void pagedattn_clock_stop(int32_t kind, int64_t start) {
+    if (!start || kind < 0 || kind >= PAGEDATTN_CLOCK_KINDS) return;
+    __atomic_fetch_add(&clock_counts[2 * kind], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&clock_counts[2 * kind + 1], clock_now() - start, __ATOMIC_RELAXED);
+}
+
+int pagedattn_paged_decode(const decode_args *a, const int64_t *parts_start) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_DECODE, paged_decode(a, parts_start));
+}
+
+int pagedattn_write_kv(const write_args *a) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_WRITE, write_kv(a));
+}
+
+int pagedattn_argmax_rows(const void *x, int32_t dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                          int64_t *out) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_ARGMAX, argmax_rows(x, dtype, rows, cols, row_stride, out));
 }

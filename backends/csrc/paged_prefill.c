@@ -282,7 +282,7 @@ static int prefill_check(const prefill_args *a) {
     return 0;
 }
 
-int pagedattn_prefill(const prefill_args *a) {
+static int prefill(const prefill_args *a) {
     const int bad = prefill_check(a);
     if (bad) return bad;
     const int H = a->num_heads, Hkv = a->num_kv_heads, G = H / Hkv, D = a->head_size;
@@ -343,3 +343,7 @@ int pagedattn_prefill(const prefill_args *a) {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
+
+int pagedattn_prefill(const prefill_args *a) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_PREFILL, prefill(a));
+}

@@ -104,6 +104,31 @@ int pagedattn_write_kv(const write_args *a);
 int pagedattn_linear(const linear_args *a);
 int pagedattn_silu_mul(const silu_mul_args *a);
 
+/* The kernel clock, for benchmarks' breakdowns of a step (benchmarks/roofline.py's decode_breakdown): while it is on,
+ * each entry point of the library adds one call and its wall time on the calling thread (its OpenMP workers' work
+ * inside it) to its kind's counters. Off until turned on: a call then pays one relaxed load. */
+enum {
+    PAGEDATTN_CLOCK_LINEAR,
+    PAGEDATTN_CLOCK_DECODE,
+    PAGEDATTN_CLOCK_PREFILL,
+    PAGEDATTN_CLOCK_WRITE,
+    PAGEDATTN_CLOCK_SILU_MUL,
+    PAGEDATTN_CLOCK_ARGMAX,
+    PAGEDATTN_CLOCK_KINDS
+};
+void pagedattn_clock(int32_t on);                       /* on: the counters zeroed, then counting; off: stopped */
+void pagedattn_clock_read(int64_t *out);                /* [2 * KINDS]: kind k's calls, then its nanoseconds */
+int64_t pagedattn_clock_start(void);                    /* 0 while off, else the time now (ns) */
+void pagedattn_clock_stop(int32_t kind, int64_t start); /* one call of kind since start (0: nothing counted) */
+/* the body of an entry point that returns `call`'s result, timed as a call of `kind` */
+#define PAGEDATTN_TIMED(kind, call)                            \
+    do {                                                       \
+        const int64_t pagedattn_t0_ = pagedattn_clock_start(); \
+        const int pagedattn_r_ = (call);                       \
+        pagedattn_clock_stop((kind), pagedattn_t0_);           \
+        return pagedattn_r_;                                   \
+    } while (0)
+
 #ifdef __cplusplus
 }
 #endif

@@ -613,7 +613,7 @@ static int linear_amx(const linear_args *a, const int cols) {
 
 /* 0 done; 1 a dtype, layout or size this build does not take, 2 a weight buffer of another size than the layout's
  * (nothing written) */
-int pagedattn_linear(const linear_args *a) {
+static int linear_kernel(const linear_args *a) {
     if (a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30)) return 1;
     if (a->dtype == 1 ? !HAVE_LINEAR_BF16 : a->dtype != 0) return 1;
     const int64_t esz = a->dtype == 1 ? 2 : 4, step_k = a->dtype == 1 ? 32 : 16;
@@ -683,7 +683,7 @@ static inline __m512 silu_load(const char *p, int bf, __mmask16 mk) {
 static inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1u) : 0; }
 
 /* 0 done; 1 a dtype or size this build does not take (nothing written) */
-int pagedattn_silu_mul(const silu_mul_args *a) {
+static int silu_mul_kernel(const silu_mul_args *a) {
     if (a->rows < 0 || a->cols < 0 || (a->dtype != 0 && (a->dtype != 1 || !HAVE_SILU_BF16))) return 1;
     const int bf = a->dtype == 1;
     const size_t esz = bf ? 2 : 4;
@@ -714,12 +714,21 @@ int pagedattn_silu_mul(const silu_mul_args *a) {
 
 #else
 static int linear_amx_ready(void) { return 0; }
-int pagedattn_linear(const linear_args *a) {
+static int linear_kernel(const linear_args *a) {
     (void)a;
     return 1;
 }
-int pagedattn_silu_mul(const silu_mul_args *a) {
+static int silu_mul_kernel(const silu_mul_args *a) {
     (void)a;
     return 1;
 }
 #endif
+
+/* the entry points, timed while the kernel clock is on (pagedattn_abi.h) */
+int pagedattn_linear(const linear_args *a) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_LINEAR, linear_kernel(a));
+}
+
+int pagedattn_silu_mul(const silu_mul_args *a) {
+    PAGEDATTN_TIMED(PAGEDATTN_CLOCK_SILU_MUL, silu_mul_kernel(a));
+}

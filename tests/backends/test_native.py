@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -606,3 +607,32 @@ def test_argmax_rows_leaves_tensors_it_does_not_read_to_torch():
         assert native.argmax_rows(lib, logits, out) is None and torch.equal(out, kept)
     out = torch.zeros(2, dtype=torch.long)
     assert sdpa_cpu.SdpaCpuBackend().argmax_rows_into(logits.double(), out) == [1, 0] and out.tolist() == [1, 0]
+
+
+def test_the_kernel_clock_counts_each_entry_points_calls_while_it_is_on():
+    # benchmarks' breakdowns take each kernel's time from it (roofline.decode_breakdown): every call of a kind once,
+    # none before or after the block, a new block from zero, the time within the block's own
+    lib = native.load()
+    b = make_batch([(5, 1), (20, 1)], num_heads=4, num_kv_heads=2, dtype=torch.float32)
+    p = batch_params(b, 0.125)
+    x, w = torch.randn(3, 64), torch.randn(8, 64)
+    logits = torch.randn(3, 50)
+    _call(b, 64, 2, p, lib=lib)  # before the block: not counted
+    with native.kernel_clock(lib) as first:
+        assert first == {}  # filled on leaving the block
+        t0 = time.perf_counter()
+        for _ in range(2):
+            native.write(lib, b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+            _call(b, 64, 2, p, lib=lib)
+        native.argmax_rows(lib, logits)
+        linear = native.linear(lib, x, w, None, 2) if torch.float32 in native.linear_dtypes(lib) else None
+        took = time.perf_counter() - t0
+    native.argmax_rows(lib, logits)  # after it: not counted
+    assert set(first) == set(native.CLOCK_KINDS)
+    assert first["decode"][0] == 2 and first["argmax"][0] == 1 and first["prefill"] == (0, 0.0)
+    assert first["write"][0] == 4  # two of its own, two of _call's (the Python op's kernel)
+    assert first["linear"][0] == (linear is not None)
+    assert 0 < sum(s for _, s in first.values()) < took
+    with native.kernel_clock(lib) as second:
+        native.argmax_rows(lib, logits)
+    assert second["argmax"][0] == 1 and second["decode"] == (0, 0.0)
