@@ -349,8 +349,9 @@ CLOCK_KINDS = ("linear", "decode", "prefill", "write", "silu_mul", "argmax")
 def kernel_clock(lib: ctypes.CDLL) -> Iterator[dict[str, tuple[int, float]]]:
     """Counts the library's calls while the block runs: the dict it gives is filled on leaving it with each kind of
     :data:`CLOCK_KINDS` mapped to (calls, seconds of wall time on the calling threads, OpenMP workers' work inside
-    them). For breakdowns of a step (``benchmarks/roofline.py``): no profiler between the calls, ~0.1 us a call of
-    its own. The counters are the library's (the C++ operators call the same kernels); one clock at a time."""
+    them). For breakdowns of a step (``benchmarks/roofline.py``): no profiler between the calls, two clock reads a call
+    of its own (below the noise of a 1.3 us call on a 2-vCPU EPYC). The counters are the library's (the C++
+    operators call the same kernels); one clock at a time."""
     if not hasattr(lib, "pagedattn_clock"):
         raise ValueError("this build of the native library has no kernel clock: build this checkout's (native.load)")
     totals: dict[str, tuple[int, float]] = {}

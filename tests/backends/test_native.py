@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedattn.backends import native, sdpa_cpu
+from pagedattn.backends import native, native_ops, sdpa_cpu
 
 from ..support import TOL, batch_params, make_batch, reference_step, skip_unless_missing_prerequisite
 
@@ -617,6 +617,9 @@ def test_the_kernel_clock_counts_each_entry_points_calls_while_it_is_on():
     p = batch_params(b, 0.125)
     x, w = torch.randn(3, 64), torch.randn(8, 64)
     logits = torch.randn(3, 50)
+    q, k, v = torch.randn(5, 4, 64), torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    gate, up = torch.randn(3, 40), torch.randn(3, 40)
+    silu = native_ops.silu_mul_op()  # the C++ operator: the library's kernel by address (None without a C++ compiler)
     _call(b, 64, 2, p, lib=lib)  # before the block: not counted
     with native.kernel_clock(lib) as first:
         assert first == {}  # filled on leaving the block
@@ -626,12 +629,16 @@ def test_the_kernel_clock_counts_each_entry_points_calls_while_it_is_on():
             _call(b, 64, 2, p, lib=lib)
         native.argmax_rows(lib, logits)
         linear = native.linear(lib, x, w, None, 2) if torch.float32 in native.linear_dtypes(lib) else None
+        native.prefill(lib, torch.empty_like(q), q, k, v, torch.tensor([(0, 5, 0, 0, 5, 0)]), scale=0.2,
+                       causal=True, window=0, num_threads=2)
+        if silu is not None:
+            torch.testing.assert_close(silu(gate, up), torch.nn.functional.silu(gate) * up)
         took = time.perf_counter() - t0
     native.argmax_rows(lib, logits)  # after it: not counted
     assert set(first) == set(native.CLOCK_KINDS)
-    assert first["decode"][0] == 2 and first["argmax"][0] == 1 and first["prefill"] == (0, 0.0)
+    assert first["decode"][0] == 2 and first["argmax"][0] == 1 and first["prefill"][0] == 1
     assert first["write"][0] == 4  # two of its own, two of _call's (the Python op's kernel)
-    assert first["linear"][0] == (linear is not None)
+    assert first["linear"][0] == (linear is not None) and first["silu_mul"][0] == (silu is not None)
     assert 0 < sum(s for _, s in first.values()) < took
     with native.kernel_clock(lib) as second:
         native.argmax_rows(lib, logits)
