@@ -354,13 +354,16 @@ CLOCK_PARTS = (("linears", "linear"), ("attention", "decode"), ("cache writes", 
 def decode_breakdown(engine, *, vocab: int, batch: int = 16, context: int = 200, steps: int = 20,
                      seed: int = 1) -> str:
     """Where a decode step's time goes: ``batch`` requests of ``context`` random tokens (fewer where the engine's free
-    blocks would not hold them) decoding, ``steps`` steps timed as they run, then as many with the native library's
-    kernel clock on (:func:`pagedattn.backends.native.kernel_clock`: each kernel's wall time on the calling thread,
-    its OpenMP threads' work inside it, taken inside the library). The rest of the step is the unclocked step less the
-    kernels': Python (the engine's and the generated code's), the AOT runner, the dispatcher and the operators around
-    the kernels, Inductor's small kernels, the threads' start and end. Where the step calls no native kernel (another
+    blocks would not hold them) decoding, ``steps`` steps timed as they run with the native library's kernel clock on
+    (:func:`pagedattn.backends.native.kernel_clock`: each kernel's wall time on the calling thread, its OpenMP threads'
+    work inside it, taken inside the library; two clock reads a call). The rest of the step is the same steps' time
+    less the kernels': Python (the engine's and the generated code's), the AOT runner, the dispatcher and the operators
+    around the kernels, Inductor's small kernels, the threads' start and end. The steps and their kernels are timed in
+    one window: on a host whose speed moves by 20 % from one window to the next, kernels timed in a window of their own
+    could take longer than the steps of another (a negative rest). Where the step calls no native kernel (another
     backend, the library off), ``torch.profiler``'s records of the step's operators stand in (:data:`KERNEL_RECORDS`:
-    their self time, the profiler's own cost in it, which makes them ~10-45 % long on this benchmark's machine). Each
+    their self time, the profiler's own cost in it, which makes them ~10-45 % long on this benchmark's machine), and
+    the steps are timed in a window of their own, without the profiler. Each
     ``step()`` computes its own step here (``burst_ms=0``: steps computed ahead would fall in one window's ``step()``
     calls and be timed in another's). One line of text."""
     burst = getattr(engine, "burst_ms", None)
@@ -388,10 +391,15 @@ def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, 
             rec.step()
 
     rec.steps.clear()
-    call_with_frame_room(timed)  # as a serving loop runs its steps (pagedattn.runtime.frames)
-    assert all(len(s.chunks) == batch and step_kind(s.chunks) == "decode" for s in rec.steps)
+    if lib is not None:
+        own, how = _clocked_kernels(lib, timed, steps)  # the steps timed as they run, in the same window
+    else:
+        call_with_frame_room(timed)  # as a serving loop runs its steps (pagedattn.runtime.frames)
+    assert len(rec.steps) == steps and all(len(s.chunks) == batch and step_kind(s.chunks) == "decode"
+                                           for s in rec.steps)
     wall = sum(s.seconds for s in rec.steps) / steps
-    own, how = _clocked_kernels(lib, timed, steps) if lib is not None else _profiled_operators(timed, steps)
+    if lib is None:
+        own, how = _profiled_operators(timed, steps)
     _finish(engine, rec, rids)
     rest = wall - sum(own.values())
     parts = ", ".join(f"{n} {1e3 * t:.2f} ms ({t / wall:.0%})" for n, t in own.items())

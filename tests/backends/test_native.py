@@ -304,7 +304,9 @@ def test_a_build_lands_in_the_cache_once(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
     built = _answer_library()
     assert built is not None and built.parent == tmp_path and ctypes.CDLL(str(built)).answer() == 42
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # under its key's name, no temporary files left
+    # under its key's name, its unit kept beside it, no temporary files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([built.name, "objects"])
+    assert [p.suffix for p in (tmp_path / "objects").iterdir()] == [".o"]
     calls = []
     monkeypatch.setattr(native, "_compile_units", lambda *a: calls.append(a))
     assert _answer_library() == built and not calls  # found, not compiled again
@@ -340,7 +342,37 @@ def test_processes_starting_at_once_build_once(tmp_path):
     assert all(p.returncode == 0 for p in procs) and len(paths) == 1
     assert log.read_text().count("x") == 1  # one build; the others waited for it and loaded it
     built = Path(paths.pop())
-    assert ctypes.CDLL(str(built)).answer() == 42 and [p.name for p in cache.iterdir()] == [built.name]
+    assert ctypes.CDLL(str(built)).answer() == 42
+    assert sorted(p.name for p in cache.iterdir()) == sorted([built.name, "objects"])
+
+
+_UNITS = {"value.h": b"#define VALUE 1\n",
+          "a.c": b'#include "value.h"\n#ifdef TWICE\nint a(void) { return 2 * VALUE; }\n#else\n'
+                 b"int a(void) { return VALUE; }\n#endif\n",
+          "b.c": b"int b(void) { return 7; }\n"}
+
+
+def test_a_build_with_another_macro_or_header_compiles_only_the_units_they_change(monkeypatch, tmp_path):
+    # the library's variant builds (PAGEDATTN_PREFILL_PAIRS, PAGEDATTN_NO_DPBF16) compile only the units the macro
+    # reaches; the counter-example: a unit whose header changed is compiled again, never taken stale from the cache
+    cc = shutil.which("cc") or shutil.which("gcc")
+    log = tmp_path / "compiles"
+    noting = tmp_path / "noting-cc"
+    noting.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) for a; do case "$a" in *.c) basename "$a" >> "{log}";; '
+                      f'esac; done;; esac\nexec "{cc}" "$@"\n')
+    noting.chmod(0o755)
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
+
+    def build(sources, *defines):
+        log.write_text("")
+        built = native.build_shared(sources, str(noting), ("-O2", "-shared", "-fPIC", *defines), "units")
+        lib = ctypes.CDLL(str(built))
+        return sorted(log.read_text().split()), lib.a(), lib.b()
+
+    assert build(_UNITS) == (["a.c", "b.c"], 1, 7)
+    assert build(_UNITS, "-DTWICE") == (["a.c"], 2, 7)  # b.c's text is the same with the macro: its object is kept
+    assert build(_UNITS, "-DUNUSED") == ([], 1, 7)  # a macro no unit reads: both objects kept, a new library
+    assert build({**_UNITS, "value.h": b"#define VALUE 5\n"}, "-DTWICE") == (["a.c"], 10, 7)
 
 
 def test_a_build_held_up_elsewhere_past_the_wait_is_made_here(monkeypatch, tmp_path, caplog):
