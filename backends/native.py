@@ -193,13 +193,14 @@ def _build(sources: dict[str, bytes], cc: str, defines: tuple[str, ...] = ()) ->
 
 
 def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str], stem: str, *, key: bytes = b"",
-                 libs: Sequence[str] = ()) -> Optional[Path]:
+                 libs: Sequence[str] = (), unit_cache: bool = True) -> Optional[Path]:
     """The shared object of ``sources`` (file name: text) built by ``compiler`` with ``flags``: cached under
     ``stem-<hash>.so``, else compiled into the cache (one process at a time builds it, then moves it in atomically);
     None where it does not compile. The hash covers the sources, the compiler's version, the flags, the machine and
-    ``key``. Its units are compiled through an :class:`ObjectCache` in the same folder (another build of the same
-    files with another macro compiles only the units the macro changes). A cache folder others may write to is not
-    used: the object is then built afresh in a private temporary folder, every unit compiled."""
+    ``key``. With ``unit_cache``, its units are compiled through an :class:`ObjectCache` in the same folder (another
+    build of the same files with another macro compiles only the units the macro changes; off for units whose text
+    would differ at every build, see :meth:`ObjectCache.key`). A cache folder others may write to is not used: the
+    object is then built afresh in a private temporary folder, every unit compiled."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     named = [b"%s\0%s" % (name.encode(), text) for name, text in sorted(sources.items())]
     digest = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(), " ".join(libs).encode(),
@@ -212,9 +213,9 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         log.debug("pagedattn: %s is writable by others: %s is built in a private folder instead", target.parent,
                   target.name)
         target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
-    else:
+    elif unit_cache:
         host = b"\0".join([version.encode(), platform.machine().encode(), platform.node().encode(),
-                           _cpu_features().encode()])
+                           _cpu_features().encode(), key])
         objects = ObjectCache(target.parent / "objects", host)
     if target.exists() and _private(target):
         return target
@@ -229,7 +230,7 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
 class ObjectCache:
     """Compiled units kept beside the shared objects (``folder``), each under a key of what it was compiled from: its
     text after the preprocessor (the sources it includes, the macros its flags define) and the flags that shape its
-    code, on ``machine`` (the compiler's version, the CPU). A library built again with another macro, or with one of
+    code, on ``machine`` (the compiler's version, the CPU, the library's own key). A library built again with another macro, or with one of
     its files changed, compiles only the units whose preprocessed text changed: a build of the kernels with
     ``PAGEDATTN_PREFILL_PAIRS`` compiles ``paged_prefill.c`` alone (~7 s), not the three units (~12 s of the decode
     unit, ~4 s of the linears'). An object is taken only from a folder and file this user alone can write (it is
@@ -240,7 +241,8 @@ class ObjectCache:
 
     def key(self, compiler: str, flags: Sequence[str], unit: Path) -> Optional[str]:
         """The unit's key; None where the preprocessor fails on it (the compile then says why) or where its text names
-        the temporary folder it is compiled in (``__FILE__`` in torch's headers: a key of its own at every build)."""
+        the temporary folder it is compiled in (``__FILE__`` in torch's headers: a key of its own at every build, which
+        is why the C++ operators' build leaves the cache off: ~0.3-0.4 s of preprocessing a unit for nothing)."""
         pre = subprocess.run([compiler, *flags, "-E", "-P", str(unit)], capture_output=True, check=False)
         if pre.returncode or os.fsencode(unit.parent) in pre.stdout:
             return None

@@ -79,7 +79,8 @@ def load() -> bool:
     sources = {name: csrc.joinpath(name).read_bytes() for name in SOURCES}
     key = f"{torch.__version__} {torch.version.git_version}".encode()
     try:
-        path = native.build_shared(sources, cxx, _flags(), "native_ops", key=key, libs=_libs())
+        # no object cache: torch's headers name the build's own temporary folder (__FILE__), so no unit would be found
+        path = native.build_shared(sources, cxx, _flags(), "native_ops", key=key, libs=_libs(), unit_cache=False)
         if path is None:
             return False
         torch.ops.load_library(str(path))

@@ -375,6 +375,19 @@ def test_a_build_with_another_macro_or_header_compiles_only_the_units_they_chang
     assert build({**_UNITS, "value.h": b"#define VALUE 5\n"}, "-DTWICE") == (["a.c"], 10, 7)
 
 
+def test_units_whose_text_names_their_build_folder_are_not_kept(monkeypatch, tmp_path):
+    # __FILE__ (torch's headers, in the C++ operators) names the temporary folder each build compiles in: such a unit
+    # has a key of its own at every build, so it is not kept at all; and a build may leave the cache off
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    cc = shutil.which("cc") or shutil.which("gcc")
+    named = {"named.c": b"const char *named(void) { return __FILE__; }\n"}
+    for flags in (("-O2",), ("-O1",)):
+        assert native.build_shared(named, cc, (*flags, "-shared", "-fPIC"), "named") is not None
+    assert not list(tmp_path.glob("objects/*"))
+    assert native.build_shared({"b.c": _UNITS["b.c"]}, cc, ("-O2", "-shared", "-fPIC"), "plain", unit_cache=False)
+    assert not list(tmp_path.glob("objects/*"))
+
+
 def test_a_build_held_up_elsewhere_past_the_wait_is_made_here(monkeypatch, tmp_path, caplog):
     # counter-example to waiting for ever: a lock some other process never lets go of
     from filelock import FileLock
