@@ -268,6 +268,7 @@ class ObjectCache:
         if not done:
             part = cached.with_name(f"{cached.name}.{os.getpid()}.part")
             shutil.copyfile(out, part)
+            os.chmod(part, 0o600)  # this user's alone whatever the umask: else it would never be taken again
             os.replace(part, cached)
         return done
 
@@ -314,6 +315,9 @@ def _compile_into(sources: dict[str, bytes], compiler: str, flags: Sequence[str]
         if done:
             log.debug("pagedattn: %s did not compile (%s): %s", stem, compiler, done[-2000:])
             return None
+        # this user's alone whatever the umask (Ubuntu's 002 made it group-writable, and then never loaded again:
+        # every process built the library afresh)
+        os.chmod(obj, 0o700)
         os.replace(obj, target)
     return target
 

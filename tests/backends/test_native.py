@@ -312,6 +312,21 @@ def test_a_build_lands_in_the_cache_once(monkeypatch, tmp_path):
     assert _answer_library() == built and not calls  # found, not compiled again
 
 
+def test_a_build_is_found_again_under_a_umask_that_lets_the_group_write(monkeypatch, tmp_path):
+    # a umask of 002 (Ubuntu's for users with a group of their own) made the library and its objects group-writable,
+    # which the cache refuses to load: every process then built them again
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))
+    old = os.umask(0o002)
+    try:
+        built = _answer_library()
+        calls = []
+        monkeypatch.setattr(native, "_compile_units", lambda *a: calls.append(a))
+        assert _answer_library() == built and not calls
+        assert all(not p.stat().st_mode & 0o022 for p in [built, *tmp_path.glob("objects/*")])
+    finally:
+        os.umask(old)
+
+
 _BUILDER = """
 import os, sys, time
 from pathlib import Path
