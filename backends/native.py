@@ -56,7 +56,7 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
            "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
-           "linear_panel_bytes", "onednn_bytes", "build_shared", "SOURCES", "CLOCK_KINDS", "kernel_clock"]
+           "linear_panel_bytes", "onednn_bytes", "build_shared", "ObjectCache", "SOURCES", "CLOCK_KINDS", "kernel_clock"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
