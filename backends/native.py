@@ -201,11 +201,11 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
     build of the same files with another macro compiles only the units the macro changes; off for units whose text
     would differ at every build, see :meth:`ObjectCache.key`). A cache folder others may write to is not used: the
     object is then built afresh in a private temporary folder, every unit compiled."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout.encode()
+    host = [platform.machine().encode(), platform.node().encode(), _cpu_features().encode()]
     named = [b"%s\0%s" % (name.encode(), text) for name, text in sorted(sources.items())]
-    digest = hashlib.sha256(b"\0".join([*named, version.encode(), " ".join(flags).encode(), " ".join(libs).encode(),
-                                        platform.machine().encode(), platform.node().encode(),
-                                        _cpu_features().encode(), key])).hexdigest()[:24]
+    digest = hashlib.sha256(b"\0".join([*named, version, " ".join(flags).encode(), " ".join(libs).encode(), *host,
+                                        key])).hexdigest()[:24]
     target = _cache_dir() / f"{stem}-{digest}.so"
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     objects: Optional[ObjectCache] = None
@@ -214,9 +214,7 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
                   target.name)
         target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
     elif unit_cache:
-        host = b"\0".join([version.encode(), platform.machine().encode(), platform.node().encode(),
-                           _cpu_features().encode(), key])
-        objects = ObjectCache(target.parent / "objects", host)
+        objects = ObjectCache(target.parent / "objects", b"\0".join([version, *host, key]))
     if target.exists() and _private(target):
         return target
     # processes starting at once on a fresh machine (a server's workers, a test run's) build it once: the others
@@ -230,8 +228,9 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
 class ObjectCache:
     """Compiled units kept beside the shared objects (``folder``), each under a key of what it was compiled from: its
     text after the preprocessor (the sources it includes, the macros its flags define) and the flags that shape its
-    code, on ``machine`` (the compiler's version, the CPU, the library's own key). A library built again with another macro, or with one of
-    its files changed, compiles only the units whose preprocessed text changed: a build of the kernels with
+    code, on ``machine`` (the compiler's version, the CPU, the library's own key). A library built again with another
+    macro, or with one of its files changed, compiles only the units whose preprocessed text changed (comments
+    included: the preprocessor drops them): a build of the kernels with
     ``PAGEDATTN_PREFILL_PAIRS`` compiles ``paged_prefill.c`` alone (~7 s), not the three units (~12 s of the decode
     unit, ~4 s of the linears'). An object is taken only from a folder and file this user alone can write (it is
     linked into a library that is then loaded), and put there whole (renamed in)."""
@@ -254,17 +253,16 @@ class ObjectCache:
         """``unit`` compiled into ``out``: the cached object where there is one, else compiled and kept; the
         compiler's complaint, or ""."""
         key = self.key(compiler, flags, unit)
-        command = [compiler, *flags, "-c", str(unit), "-o", str(out)]
         if key is None:
-            return _run(command)
+            return _compile_unit(compiler, flags, unit, out)
         self.folder.mkdir(exist_ok=True, mode=0o700)
         if not _private(self.folder):
-            return _run(command)
+            return _compile_unit(compiler, flags, unit, out)
         cached = self.folder / f"{unit.stem}-{key}.o"
         if cached.exists() and _private(cached):
             shutil.copyfile(cached, out)
             return ""
-        done = _run(command)
+        done = _compile_unit(compiler, flags, unit, out)
         if not done:
             part = cached.with_name(f"{cached.name}.{os.getpid()}.part")
             shutil.copyfile(out, part)
@@ -334,15 +332,15 @@ def _compile_units(compiler: str, flags: Sequence[str], units: Sequence[Path],
     2 cores a first start's two builds take ~21 s this way, ~38 s one unit after another); the first complaint, or
     ""."""
     compile_flags = [f for f in flags if f != "-shared"]  # the link's
-
-    def one(unit: Path) -> str:
-        out = unit.with_suffix(".o")
-        if cache is None:
-            return _run([compiler, *compile_flags, "-c", str(unit), "-o", str(out)])
-        return cache.compile(compiler, compile_flags, unit, out)
-
+    one = _compile_unit if cache is None else cache.compile
     with concurrent.futures.ThreadPoolExecutor(max(1, min(len(units), os.cpu_count() or 1))) as pool:
-        return next((e for e in pool.map(one, units) if e), "")
+        return next((e for e in pool.map(lambda u: one(compiler, compile_flags, u, u.with_suffix(".o")), units)
+                     if e), "")
+
+
+def _compile_unit(compiler: str, flags: Sequence[str], unit: Path, out: Path) -> str:
+    """``unit`` compiled into the object ``out``: the compiler's complaint, or ""."""
+    return _run([compiler, *flags, "-c", str(unit), "-o", str(out)])
 
 
 def missing_prerequisite() -> Optional[str]:

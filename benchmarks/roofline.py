@@ -393,12 +393,10 @@ def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, 
     rec.steps.clear()
     if lib is not None:
         own, how = _clocked_kernels(lib, timed, steps)  # the steps timed as they run, in the same window
+        wall = _decode_seconds(rec, batch, steps)
     else:
         call_with_frame_room(timed)  # as a serving loop runs its steps (pagedattn.runtime.frames)
-    assert len(rec.steps) == steps and all(len(s.chunks) == batch and step_kind(s.chunks) == "decode"
-                                           for s in rec.steps)
-    wall = sum(s.seconds for s in rec.steps) / steps
-    if lib is None:
+        wall = _decode_seconds(rec, batch, steps)
         own, how = _profiled_operators(timed, steps)
     _finish(engine, rec, rids)
     rest = wall - sum(own.values())
@@ -406,6 +404,13 @@ def _decode_breakdown(engine, vocab: int, batch: int, context: int, steps: int, 
     return (f"  decode step at batch {batch} (ctx {context}): {1e3 * wall:.2f} ms; {how}: {parts}; the rest (Python, "
             f"the runner and dispatch, Inductor's small kernels, threads' start and end) {1e3 * rest:.2f} ms "
             f"({rest / wall:.0%})")
+
+
+def _decode_seconds(rec: "StepRecorder", batch: int, steps: int) -> float:
+    """The mean seconds of the ``steps`` steps ``rec`` recorded, each a decode step of ``batch`` requests."""
+    assert len(rec.steps) == steps and all(len(s.chunks) == batch and step_kind(s.chunks) == "decode"
+                                           for s in rec.steps)
+    return sum(s.seconds for s in rec.steps) / steps
 
 
 def _clock_library(rec: "StepRecorder"):

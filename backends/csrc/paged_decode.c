@@ -12,8 +12,8 @@
  * Work is cut into units of (item, part of the item's keys); each unit keeps the running maximum, normaliser and
  * weighted sum of its part for every head, and a second pass merges the parts of every (item, query head) by their
  * maxima (flash-decoding). Keys and values are read once per unit, a tile of keys at a time through the block table,
- * each key row once for the query heads that share it. Head sizes that are multiples of 16 take a vector path
- * (16 keys scored at once, bfloat16 and float16 widened in registers); others a scalar one.
+ * each key row once for the query heads that share it. Head sizes 32, 64, 128 and 256 take a vector path (16 keys
+ * scored at once, bfloat16 and float16 widened in registers); others a scalar one.
  */
 #include "paged_common.h"
 
