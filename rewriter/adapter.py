@@ -236,8 +236,13 @@ class DecodeSteps:
                  write: Callable[[torch.Tensor, int], list[int]]):
         self.prepared, self.ids, self.kept, self.rows, self.write = prepared, ids, kept, rows, write
 
+    @contextlib.contextmanager
     def bound(self):
-        return self.prepared.call.bound()
+        """The context the steps run in: the call's (:meth:`PagedCall.bound`) and the grad mode a single step runs in
+        (:func:`~pagedattn.runtime.context.step_mode`: on the CPU inference mode, which spares every op of the step
+        the autograd layer, and which a ``torch.compile``'d step's guards check)."""
+        with step_mode(self.ids.device), self.prepared.call.bound():
+            yield
 
     def greedy(self, j: int) -> list[int]:
         """Step ``j``'s greedy tokens, one per sequence, also written into ``ids[j + 1]``."""

@@ -288,6 +288,30 @@ def test_a_step_runs_in_inference_mode_and_returns_logits_callers_may_update(com
     assert graph_count() == before  # start-up compiled the step in the mode it runs in: no recompile
 
 
+@pytest.mark.parametrize("which", ["compiled", "eager"])
+def test_steps_computed_ahead_run_in_the_mode_a_single_step_runs_in(which, eager, request, monkeypatch):
+    # a greedy run's steps computed in bursts run in inference mode on the CPU, as a single step does: in grad mode
+    # every op of the step would pass the autograd layer (and an eager step's would record a graph for the weights'
+    # gradients); nothing compiles again
+    from pagedattn import adapter
+
+    engine = request.getfixturevalue(which)
+    engine = engine[0] if which == "compiled" else engine
+    real, modes = adapter.DecodeSteps.greedy, []
+
+    def spy(self, j):
+        modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return real(self, j)
+
+    monkeypatch.setattr(adapter.DecodeSteps, "greedy", spy)
+    monkeypatch.setattr(engine, "burst_ms", 1e9)
+    ps = prompts()[:3]
+    ahead, before = engine.stats["ahead_steps"], graph_count()
+    assert engine.generate(ps, max_new_tokens=8) == eager.generate(ps, max_new_tokens=8)
+    assert engine.stats["ahead_steps"] > ahead and modes and set(modes) == {(True, False)}
+    assert graph_count() == before
+
+
 def test_the_cpu_backend_warms_onednns_sizes_for_reduced_precision_steps_only():
     from pagedattn.backends import get_backend
     from pagedattn.backends.cpu_linear import onednn_rows
