@@ -173,6 +173,13 @@ static inline __attribute__((always_inline)) vf vload_as_float(const char *p, co
 #endif
 }
 
+/* x's lanes rounded to bfloat16's precision (to nearest even), kept as floats; for the weights of a softmax: finite
+ * and not negative */
+static inline vf round_bf16(vf x) {
+    const vi u = (vi)x;
+    return (vf)((u + 0x7fff + ((u >> 16) & 1)) & (int32_t)0xffff0000u);
+}
+
 /* the maximum and the sum of a vector's 16 lanes (a tree of halvings, no lane-by-lane loop) */
 static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
                              {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},

@@ -7,7 +7,10 @@
  *
  *   s_j = scale * (q . k_j);  s_j = cap * tanh(s_j / cap) if cap > 0;  s_j += slope * (j - (hi - 1)) with ALiBi;
  *   p = softmax over j in [lo, hi) (plus the head's sink logit in the normalisation, with no value);
- *   out = sum_j p_j v_j,  in float32, cast to the cache's dtype.
+ *   out = sum_j p_j v_j,  in float32, cast to the cache's dtype; for bfloat16 each weight p_j (before the
+ *   normalisation) rounded to bfloat16 first, as the model's own bfloat16 attention rounds its weights (Hugging
+ *   Face's eager softmax cast to the model's dtype, ATen's CPU flash kernel): the vector path then sums two keys'
+ *   exact products at a time by AVX512-BF16 pair dot products where the CPU has them.
  *
  * Work is cut into units of (item, part of the item's keys); each unit keeps the running maximum, normaliser and
  * weighted sum of its part for every head, and a second pass merges the parts of every (item, query head) by their
@@ -113,8 +116,8 @@ static inline __attribute__((always_inline)) void unit_start(const decode_args *
     }
 }
 
-/* 32 sums kept de-interleaved (accumulate(): the 16 even elements, then the 16 odd ones) back in order: two
- * two-source shuffles (an element at a time, this was ~40 % of a call's fixed cost at 16 short sequences) */
+/* 32 sums kept de-interleaved (accumulate() by widening: the 16 even elements, then the 16 odd ones) back in order:
+ * two two-source shuffles (an element at a time, this was ~40 % of a call's fixed cost at 16 short sequences) */
 static inline void interleave32(float *dst, const float *src) {
     const vi lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
     const vi hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -123,17 +126,33 @@ static inline void interleave32(float *dst, const float *src) {
     vstore(dst + VL, __builtin_shuffle(even, odd, hi));
 }
 
-/* a unit's sums, maxima and normalisers into its rows of the scratch, for the merge; sums kept de-interleaved
- * (the vector path's bfloat16 ones, D a multiple of 32) are put back in order */
+/* 32 sums kept as accumulate()'s pair dot products leave them back in order: the first vector holds elements 0-3,
+ * 8-11, 16-19 and 24-27, the second 4-7, 12-15, 20-23 and 28-31 (vpunpck{l,h}wd's lanes of 128 bits) */
+static inline void unpair32(float *dst, const float *src) {
+    const vi lo = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    const vi hi = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vf a = vload(src), b = vload(src + VL);
+    vstore(dst, __builtin_shuffle(a, b, lo));
+    vstore(dst + VL, __builtin_shuffle(a, b, hi));
+}
+
+/* how accumulate() keeps a unit's sums: in order, de-interleaved (bfloat16 widened), or as its pair dot products
+ * leave them (bfloat16 by pairs) */
+enum { SUMS_IN_ORDER, SUMS_EVEN_ODD, SUMS_PAIRED };
+
+/* a unit's sums, maxima and normalisers into its rows of the scratch, for the merge; sums kept in another order (the
+ * vector path's bfloat16 ones, D a multiple of 32) are put back in order */
 static inline __attribute__((always_inline)) void unit_finish(const decode_args *a, const float *state, int64_t unit,
-                                                              const int D, int interleaved) {
+                                                              const int D, int order) {
     const int H = a->num_heads;
     const float *acc = state + (int64_t)H * D, *m = acc + (int64_t)H * D, *l = m + H;
     for (int h = 0; h < H; h++) {
         float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
         const float *src = acc + h * D;
-        if (interleaved)
+        if (order == SUMS_EVEN_ODD)
             for (int d = 0; d < D; d += 2 * VL) interleave32(dst + d, src + d);
+        else if (order == SUMS_PAIRED)
+            for (int d = 0; d < D; d += 2 * VL) unpair32(dst + d, src + d);
         else
             memcpy(dst, src, sizeof(float) * D);
         dst[D] = m[h];
@@ -214,7 +233,8 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
 #pragma omp simd
                 for (int d = 0; d < D; d++) ah[d] *= alpha;
                 for (int t = 0; t < n; t++) {
-                    const float pt = sg[t];
+                    /* bfloat16: the weight rounded to bfloat16, as the vector path's pairs take it */
+                    const float pt = a->dtype == 1 ? bf16_to_f32(f32_to_bf16(sg[t])) : sg[t];
                     const float *v = vr[t];
 #pragma omp simd
                     for (int d = 0; d < D; d++) ah[d] += pt * v[d];
@@ -223,7 +243,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
         }
         t0 += n;
     }
-    unit_finish(a, state, unit, D, 0);
+    unit_finish(a, state, unit, D, SUMS_IN_ORDER);
 }
 
 /* B heads' sums plus a chunk's weighted value rows: acc[b] [D] += sum over the chunk's keys of p[b][key] * v[key].
@@ -241,6 +261,31 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
     vf x[6][VEC_MAX_NV];  /* fixed sizes, not NV and B: a variable-length array would live in memory */
     for (int b = 0; b < B; b++)
         for (int c = 0; c < NV; c++) x[b][c] = vload(acc + (int64_t)b * D + c * VL);
+#if HAVE_DPBF16
+    if (DT == 1) {  /* two keys a product: their rows' elements interleaved, the weights as bfloat16 pairs */
+        for (int i = 0; i < nt; i++) {
+            uint32_t pb[6][VL / 2];  /* head b's weights of the tile's keys (2k, 2k + 1) */
+            for (int b = 0; b < B; b++)
+                _mm256_storeu_si256((__m256i *)pb[b], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + b * pstride + i * VL)));
+            const char *row = v + base[i];
+            for (int t = 0; t < len[i]; t += 2, row += 2 * token_bytes) {
+                __m512i vt[VEC_MAX_NV];
+                for (int c = 0; c < NV / 2; c++) {
+                    const __m512i r0 = _mm512_loadu_si512(row + c * 2 * VL * esz);
+                    /* an odd tile's last key: paired with a zero row (its weight 0), nothing read past the tile */
+                    const __m512i r1 = t + 1 < len[i] ? _mm512_loadu_si512(row + token_bytes + c * 2 * VL * esz)
+                                                      : _mm512_setzero_si512();
+                    vt[2 * c] = _mm512_unpacklo_epi16(r0, r1);
+                    vt[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
+                }
+                for (int b = 0; b < B; b++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[b][t / 2]);
+                    for (int c = 0; c < NV; c++) x[b][c] = (vf)_mm512_dpbf16_ps((__m512)x[b][c], (__m512bh)vt[c], pp);
+                }
+            }
+        }
+    } else
+#endif
     for (int i = 0; i < nt; i++) {
         const char *row = v + base[i];
         for (int t = 0; t < len[i]; t++, row += token_bytes) {
@@ -432,7 +477,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             for (int i = 0; i < nt; i++) {
                 float *si = sc + h * pstride + i * VL;
                 const vf pv = (vf)((vi)vexp_neg(vload(si) - mx) & (lane < len[i]));  /* missing keys weigh 0 */
-                vstore(si, pv);
+                vstore(si, DT == 1 && !HAVE_DPBF16 ? round_bf16(pv) : pv);  /* as accumulate()'s pairs take them */
                 sum += pv;
             }
             l[h] = l[h] * alpha + hadd16(sum);
@@ -442,7 +487,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             accumulate_group(acc + (int64_t)kvh * G * D, sc + kvh * G * pstride, pstride,
                              cv + kvh * a->c_head * esz, base, len, nt, token_bytes, D, DT, G);
     }
-    unit_finish(a, state, unit, D, DT == 1);
+    unit_finish(a, state, unit, D, DT != 1 ? SUMS_IN_ORDER : HAVE_DPBF16 ? SUMS_PAIRED : SUMS_EVEN_ODD);
 }
 
 #define UNIT_VEC_DTYPES(D)                                                                                     \

@@ -1,6 +1,7 @@
 /* Prefill on the CPU (one library with paged_decode.c, built by native.py): the queries of a run of a sequence over
  * that sequence's own keys (K/V rows of a tensor, not the paged cache): causal, optionally within a window, or not
- * causal; float32 sums over any of the three dtypes.
+ * causal; float32 sums over any of the three dtypes, the softmax's weights rounded to bfloat16 before they weigh
+ * bfloat16 values (as paged_decode.c's, and the model's own bfloat16 attention).
  *
  * The keys are first transposed, per item and KV head, into tiles of [D][16] floats: a tile's scores for one query
  * row are then D fused multiply-adds on 16 keys at once, the row's query element broadcast. A unit is (item, KV head,
@@ -30,6 +31,44 @@ static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_
     *klo = lo > 0 ? lo : 0;
     *khi = hi < it[4] ? hi : it[4];
 }
+
+#if HAVE_DPBF16
+/* a chunk's weighted value rows by pair dot products: acc [PM][D] += sum over its keys t < n of bf16(p[r][t]) * v[t]
+ * (p [PM][PCH * 16], v[t] at vrow + t * v_row_bytes, bfloat16), two keys a product. The weights are rounded to
+ * bfloat16 first, as a bfloat16 model's own attention rounds them (Hugging Face's eager softmax cast to the model's
+ * dtype, ATen's CPU flash kernel); the products are exact and their sums float32 */
+static inline __attribute__((always_inline)) void weighted_pairs(float *acc, const float *p, const char *vrow,
+                                                                 int64_t v_row_bytes, int64_t n, int nt, const int D) {
+    uint32_t pb[PM][PCH * VL / 2];  /* row r's weights as bfloat16 pairs: pb[r][i] = (p[r][2i], p[r][2i + 1]) */
+    for (int r = 0; r < PM; r++)
+        for (int i = 0; 2 * i < nt; i++) {
+            const __m512 lo = _mm512_loadu_ps(p + r * (PCH * VL) + 32 * i);
+            const __m512 hi = 2 * i + 1 < nt ? _mm512_loadu_ps(p + r * (PCH * VL) + 32 * i + VL) : _mm512_setzero_ps();
+            _mm512_storeu_si512(pb[r] + VL * i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    /* two value rows' 16 elements interleaved: element 2i of key t's, 2i + 1 of key t + 1's */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int c = 0; c < D / VL; c++) {
+        __m512 x[PM];
+#pragma GCC unroll 24
+        for (int r = 0; r < PM; r++) x[r] = _mm512_loadu_ps(acc + r * D + c * VL);
+        for (int64_t t = 0; t < n; t += 2) {
+            const char *row = vrow + t * v_row_bytes + c * VL * 2;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)row);
+            /* an odd count's last pair: a zero row, never read past the keys */
+            const __m256i v1 = t + 1 < n ? _mm256_loadu_si256((const __m256i *)(row + v_row_bytes)) : _mm256_setzero_si256();
+            const __m512bh vp = (__m512bh)_mm512_permutexvar_epi16(
+                pairs, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1));
+#pragma GCC unroll 24
+            for (int r = 0; r < PM; r++)
+                x[r] = _mm512_dpbf16_ps(x[r], vp, (__m512bh)_mm512_set1_epi32((int)pb[r][t / 2]));
+        }
+#pragma GCC unroll 24
+        for (int r = 0; r < PM; r++) _mm512_storeu_ps(acc + r * D + c * VL, x[r]);
+    }
+}
+#endif
 
 /* one unit: row r is position qb * QB + r / hb of the item's queries, head g0 + r % hb of KV head kvh's group;
  * rows past the queries, the block or the group are padding (zero queries, nothing written) */
@@ -148,6 +187,15 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
         /* keys from `last` on are no live row's (their weights are zeros): their values are left out */
         const int64_t n = last - j0 < nt * VL ? last - j0 : nt * VL;
         const char *vrow = (const char *)a->value + ((it[3] + j0) * a->v_row + kvh * a->v_head) * esz;
+#if HAVE_DPBF16
+        if (DP) {
+            weighted_pairs(acc, p, vrow, a->v_row * esz, n, nt, D);
+            continue;
+        }
+#endif
+        if (DT == 1)  /* the weights rounded to bfloat16, as weighted_pairs takes them */
+            for (int r = 0; r < PM; r++)
+                for (int64_t t = 0; t < n; t += VL) vstore(p + r * (PCH * VL) + t, round_bf16(vload(p + r * (PCH * VL) + t)));
         for (int c = 0; c < NV; c++) {
             vf x[PM];
 #pragma GCC unroll 24
