@@ -45,7 +45,8 @@ from pagedattn.backends import metadata, native
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
-           "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES"]
+           "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
+           "onednn_from_buffer"]
 
 SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
 
@@ -156,6 +157,16 @@ def linear_op():
 def silu_mul_op():
     """``torch.ops.pagedattn_native.silu_mul.default`` where the operators run here (:func:`load`), else None."""
     return torch.ops.pagedattn_native.silu_mul.default if native.enabled() and load() else None
+
+
+def onednn_from_buffer(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A oneDNN tensor laid out as ``like`` (a oneDNN tensor: its sizes, dtype and memory descriptor) over the bytes of
+    ``buffer`` (contiguous uint8, CPU) from ``offset`` on, which it does not own: the caller keeps ``buffer``. None where
+    the operators do not run here. The bytes are ``buffer``'s as they are: copying ``like``'s in is the caller's."""
+    if not (native.enabled() and load()):
+        return None
+    descriptor = torch.ops.mkldnn._get_mkldnn_serialized_md(like)
+    return torch.ops.pagedattn_native.onednn_from_buffer(buffer, offset, list(like.shape), like.dtype, descriptor)
 
 
 def paged_ops() -> Optional[tuple]:

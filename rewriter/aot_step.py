@@ -408,9 +408,11 @@ class CpuPackage:
     :func:`load_cpu_package`); it answers what :class:`AotStep` asks of
     AOTInductor's package loader (``loader.boxed_run``, ``get_metadata``)."""
 
-    def __init__(self, runner, metadata: dict[str, str], constants: dict[str, torch.Tensor]):
+    def __init__(self, runner, metadata: dict[str, str], constants: dict[str, torch.Tensor],
+                 buffer: Optional[torch.Tensor] = None):
         self._runner, self._metadata = runner, dict(metadata)
         self._constants = constants  # the runner reads these tensors in place
+        self._buffer = buffer  # the memory they lie in, where they share one (copies_on_huge_pages)
         self.loader = self
 
     def boxed_run(self, tensors: list) -> list:
@@ -426,7 +428,8 @@ class CpuPackage:
 
 def load_cpu_package(path: str) -> Optional[CpuPackage]:
     """The model of the CPU package at ``path`` (one shared library holding its constants) run by AOTInductor's
-    container runner, every constant copied into memory of its own (as torch allocates it: 64-byte aligned) and the
+    container runner, its constants copied one after another into one buffer on huge pages, each 64-byte aligned
+    (:func:`copies_on_huge_pages`; where that cannot be, each into memory of its own, as torch allocates it), and the
     runner's blob freed; None where the package is of another kind or this torch has no such runner (the caller then
     loads it with AOTInductor's package loader). The copies are the package's constants byte for byte.
 
@@ -459,13 +462,57 @@ def _load_cpu_package(path: str, mtime_ns: int, size: int) -> Optional[CpuPackag
                         shutil.copyfileobj(src, dst)
             runner = make(os.path.join(d, f"{stem}.so"), 1)  # loaded: the files may go
     names_of = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
-    constants = {names_of.get(fqn, fqn): t.clone() for fqn, t in runner.extract_constants_map(False).items()}
-    if set(constants) != set(names_of.values()):
+    extracted = {names_of.get(fqn, fqn): t for fqn, t in runner.extract_constants_map(False).items()}
+    if set(extracted) != set(names_of.values()):
         return None
-    for t in constants.values():  # a decode step streams its weights: fewer TLB misses on huge pages
-        huge_pages.advise_huge_pages(t)
+    packed = copies_on_huge_pages(extracted)
+    if packed is not None:
+        buffer, constants = packed
+    else:  # each copy on its own: huge pages only on the whole 2 MiB stretches inside each
+        buffer, constants = None, {name: t.clone() for name, t in extracted.items()}
+        for t in constants.values():
+            huge_pages.advise_huge_pages(t)
     # the copies into the spare set, read in place; it becomes the one runs read, and the first set's blob is freed
     runner.update_constant_buffer(constants, True, False, True)
     runner.swap_constant_buffer()
     runner.free_inactive_constant_buffer()
-    return CpuPackage(runner, metadata, constants)
+    return CpuPackage(runner, metadata, constants, buffer)
+
+
+COPY_ALIGNMENT = 64  # bytes: a cache line, and oneDNN's alignment for its buffers
+
+
+def copies_on_huge_pages(tensors: dict[str, torch.Tensor]) -> Optional[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``(buffer, copies)``: a copy of each of ``tensors`` (CPU, oneDNN or contiguous), one after another at
+    :data:`COPY_ALIGNMENT` in one uint8 ``buffer`` asked onto huge pages before it is first touched, the copies byte
+    for byte the tensors (checked) and reading the buffer in place (the caller keeps it). A decode step streams its
+    weights: on 4 KiB pages each page of them is a TLB miss, which a hypervisor's nested page tables make dearer, and a
+    small model's weights (llama16m's are 0.3-1.5 MiB each) hold no whole 2 MiB page of their own (on a 2-vCPU EPYC
+    VM, the 25 bf16 linears of a llama16m decode step took 0.91x the time with their weights in one huge-page buffer,
+    float32 0.88x: ``benchmarks/RESULTS.md``). None where a copy cannot be made so (a strided view, a oneDNN tensor
+    where pagedattn's C++ operators do not run, huge pages off): the caller copies them one by one."""
+    from pagedattn.backends import native, native_ops
+
+    if not huge_pages.enabled():
+        return None
+    places, total = {}, 0
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or not (t.is_mkldnn or (t.is_contiguous() and t.storage_offset() == 0)):
+            return None
+        size = huge_pages.buffer_span(t)[1] if t.is_mkldnn else t.numel() * t.element_size()
+        places[name] = (total, size)
+        total += -(-size // COPY_ALIGNMENT) * COPY_ALIGNMENT
+    buffer = huge_pages.zeros((total,), torch.uint8)
+    copies = {}
+    for name, t in tensors.items():
+        offset, size = places[name]
+        if t.is_mkldnn:
+            raw = native.onednn_bytes(t)
+            buffer[offset:offset + size].copy_(raw)
+            copy = native_ops.onednn_from_buffer(buffer, offset, t)
+            if copy is None or not torch.equal(native.onednn_bytes(copy), raw):
+                return None
+        else:
+            copy = buffer[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)
+        copies[name] = copy
+    return buffer, copies

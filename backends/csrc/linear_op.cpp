@@ -14,6 +14,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
@@ -197,6 +199,37 @@ void bind_linear(int64_t kernel, int64_t rows_float32, int64_t rows_bfloat16) {
 
 void set_validation(int64_t mode) { validation.store(mode < 0 ? -1 : mode ? 1 : 0); }
 
+/* A oneDNN tensor of `sizes` and `dtype` over buffer's bytes from `offset` on, in the layout that `descriptor` (a
+   oneDNN tensor's serialized memory descriptor, torch.ops.mkldnn._get_mkldnn_serialized_md) gives, made as
+   AOTInductor makes its oneDNN constants from its blob (its C shim): the tensor does not own the bytes, so the caller
+   keeps `buffer` as long as the tensor is used. Refused (nothing made) where the layout's bytes would not lie inside
+   the buffer. */
+at::Tensor onednn_from_buffer(const at::Tensor &buffer, int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype,
+                              const at::Tensor &descriptor) {
+    TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 1 &&
+                    buffer.is_contiguous() && !buffer.is_mkldnn(),
+                "onednn_from_buffer: the buffer must be a contiguous uint8 CPU tensor");
+    TORCH_CHECK(descriptor.device().is_cpu() && descriptor.scalar_type() == at::kByte && descriptor.dim() == 1 &&
+                    descriptor.is_contiguous() && descriptor.numel() > 0,
+                "onednn_from_buffer: the descriptor must be a serialized oneDNN memory descriptor (uint8)");
+    TORCH_CHECK(offset >= 0 && offset <= buffer.numel(), "onednn_from_buffer: offset ", offset, " outside the buffer");
+    AtenTensorHandle handle = nullptr;
+    const std::vector<int64_t> strides(sizes.size(), 0); /* a oneDNN tensor has none: the descriptor lays it out */
+    const AOTITorchError err = aoti_torch_create_tensor_from_blob_v2(
+        static_cast<char *>(buffer.data_ptr()) + offset, static_cast<int64_t>(sizes.size()), sizes.data(),
+        strides.data(), 0, static_cast<int32_t>(dtype), aoti_torch_device_type_cpu(), 0, &handle,
+        aoti_torch_layout__mkldnn(), descriptor.data_ptr<uint8_t>(), descriptor.numel());
+    TORCH_CHECK(err == AOTI_TORCH_SUCCESS && handle, "onednn_from_buffer: oneDNN refused the descriptor");
+    at::Tensor out = *torch::aot_inductor::tensor_handle_to_tensor_pointer(handle);
+    aoti_torch_delete_tensor_object(handle);
+    static auto size = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_nbytes", "")
+                           .typed<int64_t(const at::Tensor &)>();
+    TORCH_CHECK(offset + size.call(out) <= buffer.numel(), "onednn_from_buffer: the layout's ", size.call(out),
+                " bytes from offset ", offset, " pass the buffer's end (", buffer.numel(), " bytes)");
+    return out;
+}
+
 } // namespace
 
 TORCH_LIBRARY(pagedattn_native, m) {
@@ -205,6 +238,7 @@ TORCH_LIBRARY(pagedattn_native, m) {
     m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
     m.def("bind_silu_mul(int kernel) -> ()");
     m.def("set_validation(int mode) -> ()");
+    m.def("onednn_from_buffer(Tensor buffer, int offset, int[] sizes, ScalarType dtype, Tensor descriptor) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
@@ -218,4 +252,5 @@ TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {
     m.impl("bind_linear", &bind_linear);
     m.impl("bind_silu_mul", &bind_silu_mul);
     m.impl("set_validation", &set_validation);
+    m.impl("onednn_from_buffer", &onednn_from_buffer);
 }

@@ -614,3 +614,20 @@ def test_the_pass_leaves_other_products_alone(spelling):
     gm = _decomposed(fn, *args)
     native_ops.SiluMul()(gm.graph)
     assert not _fused(gm)
+
+
+def test_a_onednn_tensor_over_a_buffer_is_refused_past_the_buffers_end():
+    w = torch.randn(64, 128).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    size = torch.ops.mkldnn._nbytes(packed)
+    buffer = torch.zeros(size + 64, dtype=torch.uint8)
+    buffer[64:].copy_(native.onednn_bytes(packed))
+    view = native_ops.onednn_from_buffer(buffer, 64, packed)
+    assert torch.equal(view.to_dense(), packed.to_dense())  # the buffer's bytes in the weight's layout
+    with pytest.raises(RuntimeError, match="pass the buffer's end"):
+        native_ops.onednn_from_buffer(buffer, 65, packed)
+    with pytest.raises(RuntimeError, match="outside the buffer"):
+        native_ops.onednn_from_buffer(buffer, size + 65, packed)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        native_ops.onednn_from_buffer(buffer.view(torch.int16), 0, packed)
+

@@ -15,7 +15,7 @@ import pagedattn
 from pagedattn import aot_step
 from pagedattn.adapter import prepare_model
 from pagedattn.aot_step import AotStep, InputGuard, load_or_build, package_key
-from pagedattn.backends import build_metadata, huge_pages, set_validation
+from pagedattn.backends import build_metadata, huge_pages, native_ops, set_validation
 from pagedattn.runtime.shapes import graph_count
 
 from ..support import engine_example, hf_generate, prompts, tiny_model
@@ -109,6 +109,9 @@ def test_a_cpu_package_runs_from_aligned_constants_as_the_package_loader_runs_it
     constants = step.runner.constants()
     assert constants and all(huge_pages.buffer_span(t)[0] % 64 == 0 for t in constants.values())  # cache lines
     assert any(t.is_mkldnn for t in constants.values())  # frozen linear weights, packed for oneDNN
+    if native_ops.load() and huge_pages.enabled():  # all of them in one buffer (asked onto huge pages)
+        start, size = huge_pages.buffer_span(step.runner._buffer)
+        assert all(start <= a and a + n <= start + size for a, n in map(huge_pages.buffer_span, constants.values()))
     path = next(p for p in packages.iterdir() if p.suffix == ".pt2" and
                 aot_step.load_cpu_package(str(p)).get_metadata() == step.runner.get_metadata())
     unpadded = dataclasses.replace(aot, min_step=1)
@@ -123,6 +126,43 @@ def test_a_cpu_package_runs_from_aligned_constants_as_the_package_loader_runs_it
         assert torch.equal(a, b)  # the same bytes read by the same code
     # AOTInductor holds the constants it is handed for good: a package is loaded once a process, then shared
     assert aot_step.load_cpu_package(str(path)) is aot_step.load_cpu_package(str(path))
+
+
+def _onednn_weight(dtype, n=96, k=160):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    return torch.ops.mkldnn._reorder_linear_weight(w, 16), w
+
+
+def test_copies_on_huge_pages_are_the_tensors_bytes_side_by_side_in_one_buffer():
+    if not (native_ops.load() and huge_pages.enabled()):
+        pytest.skip("pagedattn's C++ operators or huge pages are off here")
+    from pagedattn.backends import native
+
+    packed16, w16 = _onednn_weight(torch.bfloat16)
+    packed32, w32 = _onednn_weight(torch.float32, 70, 33)
+    tensors = {"a": packed16, "norm": torch.randn(7), "ids": torch.arange(5), "b": packed32, "scalar": torch.tensor(2.5)}
+    buffer, copies = aot_step.copies_on_huge_pages(tensors)
+    start, size = huge_pages.buffer_span(buffer)
+    spans = sorted(huge_pages.buffer_span(c) if c.is_mkldnn else (c.data_ptr(), c.numel() * c.element_size())
+                   for c in copies.values())
+    assert all(a % aot_step.COPY_ALIGNMENT == 0 and start <= a and a + n <= start + size for a, n in spans)
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))  # one after another, none overlapping
+    for name, t in tensors.items():
+        c = copies[name]
+        assert c.is_mkldnn == t.is_mkldnn and c.shape == t.shape and c.dtype == t.dtype
+        assert torch.equal(native.onednn_bytes(c), native.onednn_bytes(t)) if t.is_mkldnn else torch.equal(c, t)
+    x = torch.randn(3, 160).bfloat16()  # oneDNN reads the copy in place, as the original
+    linear = torch.ops.mkldnn._linear_pointwise
+    assert torch.equal(linear(x, copies["a"], None, "none", [], ""), linear(x, packed16, None, "none", [], ""))
+    buffer.zero_()
+    assert not native.onednn_bytes(copies["a"]).any() and not copies["norm"].any()  # the buffer's bytes, not copies
+
+
+def test_copies_on_huge_pages_leave_views_and_a_process_without_huge_pages_to_the_caller(monkeypatch):
+    assert aot_step.copies_on_huge_pages({"w": torch.randn(8, 8)[:, :4]}) is None  # strided: the caller clones
+    assert aot_step.copies_on_huge_pages({"w": torch.randn(8)[2:]}) is None  # an offset into a larger storage
+    monkeypatch.setenv("PAGEDATTN_HUGE_PAGES", "0")
+    assert aot_step.copies_on_huge_pages({"w": torch.randn(8)}) is None
 
 
 def test_packages_of_other_kinds_are_left_to_the_package_loader(tmp_path):
