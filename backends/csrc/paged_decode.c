@@ -116,24 +116,20 @@ static inline __attribute__((always_inline)) void unit_start(const decode_args *
     }
 }
 
-/* 32 sums kept de-interleaved (accumulate() by widening: the 16 even elements, then the 16 odd ones) back in order:
- * two two-source shuffles (an element at a time, this was ~40 % of a call's fixed cost at 16 short sequences) */
-static inline void interleave32(float *dst, const float *src) {
-    const vi lo = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-    const vi hi = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const vf even = vload(src), odd = vload(src + VL);
-    vstore(dst, __builtin_shuffle(even, odd, lo));
-    vstore(dst + VL, __builtin_shuffle(even, odd, hi));
-}
+/* the orders in which accumulate() keeps 32 of a unit's bfloat16 sums, as indices into its two vectors: by widening,
+ * the 16 even elements, then the 16 odd ones; by pair dot products, elements 0-3, 8-11, 16-19 and 24-27, then 4-7,
+ * 12-15, 20-23 and 28-31 (vpunpck{l,h}wd's lanes of 128 bits) */
+static const vi EVEN_ODD[2] = {{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23},
+                               {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}};
+static const vi PAIRED[2] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                             {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
 
-/* 32 sums kept as accumulate()'s pair dot products leave them back in order: the first vector holds elements 0-3,
- * 8-11, 16-19 and 24-27, the second 4-7, 12-15, 20-23 and 28-31 (vpunpck{l,h}wd's lanes of 128 bits) */
-static inline void unpair32(float *dst, const float *src) {
-    const vi lo = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-    const vi hi = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+/* 32 sums kept in one of those orders put back in order: two two-source shuffles (an element at a time, this was
+ * ~40 % of a call's fixed cost at 16 short sequences) */
+static inline __attribute__((always_inline)) void reorder32(float *dst, const float *src, const vi *order) {
     const vf a = vload(src), b = vload(src + VL);
-    vstore(dst, __builtin_shuffle(a, b, lo));
-    vstore(dst + VL, __builtin_shuffle(a, b, hi));
+    vstore(dst, __builtin_shuffle(a, b, order[0]));
+    vstore(dst + VL, __builtin_shuffle(a, b, order[1]));
 }
 
 /* how accumulate() keeps a unit's sums: in order, de-interleaved (bfloat16 widened), or as its pair dot products
@@ -149,12 +145,10 @@ static inline __attribute__((always_inline)) void unit_finish(const decode_args 
     for (int h = 0; h < H; h++) {
         float *dst = a->scratch + (unit * H + h) * (int64_t)(D + 2);
         const float *src = acc + h * D;
-        if (order == SUMS_EVEN_ODD)
-            for (int d = 0; d < D; d += 2 * VL) interleave32(dst + d, src + d);
-        else if (order == SUMS_PAIRED)
-            for (int d = 0; d < D; d += 2 * VL) unpair32(dst + d, src + d);
-        else
+        if (order == SUMS_IN_ORDER)
             memcpy(dst, src, sizeof(float) * D);
+        else
+            for (int d = 0; d < D; d += 2 * VL) reorder32(dst + d, src + d, order == SUMS_EVEN_ODD ? EVEN_ODD : PAIRED);
         dst[D] = m[h];
         dst[D + 1] = l[h];
     }
