@@ -509,7 +509,11 @@ def copies_on_huge_pages(tensors: dict[str, torch.Tensor]) -> Optional[tuple[tor
         if t.is_mkldnn:
             raw = native.onednn_bytes(t)
             buffer[offset:offset + size].copy_(raw)
-            copy = native_ops.onednn_from_buffer(buffer, offset, t)
+            try:
+                copy = native_ops.onednn_from_buffer(buffer, offset, t)
+            except RuntimeError as e:  # a layout the operator refuses: the copies one by one instead
+                log.debug("a oneDNN constant could not be made over the buffer (%s)", first_line(e))
+                return None
             if copy is None or not torch.equal(native.onednn_bytes(copy), raw):
                 return None
         else:

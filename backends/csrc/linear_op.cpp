@@ -10,6 +10,9 @@
    pagedattn_native::silu_mul is a gated MLP's SiLU(gate) * up by small_linear.c's kernel (bound likewise), which a
    compiled CPU step calls in place of Inductor's kernel (native_ops.SiluMul).
 
+   pagedattn_native::onednn_from_buffer makes a oneDNN tensor over bytes of a buffer it does not own, as AOTInductor
+   makes its packed constants from its blob: aot_step.py lays a CPU package's constants in one huge-page buffer so.
+
    Built by native_ops.py with the torch headers only (no Python or pybind headers: a few seconds to compile). */
 
 #include <ATen/Parallel.h>
