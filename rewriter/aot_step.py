@@ -54,7 +54,7 @@ from pagedattn.report import first_line
 log = logging.getLogger("pagedattn")
 
 __all__ = ["AotStep", "InputGuard", "package_key", "package_dir", "load_or_build", "CpuPackage", "load_cpu_package",
-           "AotUnsupported", "program_inputs", "hinted_inputs"]
+           "AotUnsupported", "program_inputs", "hinted_inputs", "copies_on_huge_pages", "COPY_ALIGNMENT"]
 
 # the package format's version: bump when what a package holds, or how it is keyed, changes
 SCHEMA = "pagedattn-aot-step/1"
