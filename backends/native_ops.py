@@ -165,7 +165,11 @@ def onednn_from_buffer(buffer: torch.Tensor, offset: int, like: torch.Tensor) ->
     the operators do not run here. The bytes are ``buffer``'s as they are: copying ``like``'s in is the caller's."""
     if not (native.enabled() and load()):
         return None
-    descriptor = torch.ops.mkldnn._get_mkldnn_serialized_md(like)
+    try:
+        serialized = torch.ops.mkldnn._get_mkldnn_serialized_md
+    except AttributeError:  # a torch without it: no descriptor to make the tensor from
+        return None
+    descriptor = serialized(like)
     return torch.ops.pagedattn_native.onednn_from_buffer(buffer, offset, list(like.shape), like.dtype, descriptor)
 
 
