@@ -485,12 +485,13 @@ COPY_ALIGNMENT = 64  # bytes: a cache line, and oneDNN's alignment for its buffe
 def copies_on_huge_pages(tensors: dict[str, torch.Tensor]) -> Optional[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``(buffer, copies)``: a copy of each of ``tensors`` (CPU, oneDNN or contiguous), one after another at
     :data:`COPY_ALIGNMENT` in one uint8 ``buffer`` asked onto huge pages before it is first touched, the copies byte
-    for byte the tensors (checked) and reading the buffer in place (the caller keeps it). A decode step streams its
-    weights: on 4 KiB pages each page of them is a TLB miss, which a hypervisor's nested page tables make dearer, and a
-    small model's weights (llama16m's are 0.3-1.5 MiB each) hold no whole 2 MiB page of their own (on a 2-vCPU EPYC
-    VM, the 25 bf16 linears of a llama16m decode step took 0.91x the time with their weights in one huge-page buffer,
-    float32 0.88x: ``benchmarks/RESULTS.md``). None where a copy cannot be made so (a strided view, a oneDNN tensor
-    where pagedattn's C++ operators do not run, huge pages off): the caller copies them one by one."""
+    for byte the tensors, each reading its own bytes of the buffer in place (checked; the caller keeps the buffer).
+    A decode step streams its weights: on 4 KiB pages each page of them is a TLB miss, which a hypervisor's nested
+    page tables make dearer, and a small model's weights (llama16m's are 0.3-1.5 MiB each) hold no whole 2 MiB page of
+    their own (on a 2-vCPU EPYC VM, the 25 bf16 linears of a llama16m decode step took 0.91x the time with their
+    weights in one huge-page buffer, float32 0.88x: ``benchmarks/RESULTS.md``). None where a copy cannot be made so (a
+    strided view, a oneDNN tensor where pagedattn's C++ operators do not run, huge pages off): the caller copies them
+    one by one."""
     from pagedattn.backends import native, native_ops
 
     if not huge_pages.enabled():
@@ -514,7 +515,8 @@ def copies_on_huge_pages(tensors: dict[str, torch.Tensor]) -> Optional[tuple[tor
             except RuntimeError as e:  # a layout the operator refuses: the copies one by one instead
                 log.debug("a oneDNN constant could not be made over the buffer (%s)", first_line(e))
                 return None
-            if copy is None or not torch.equal(native.onednn_bytes(copy), raw):
+            # it reads these bytes, where they were just copied in
+            if copy is None or huge_pages.buffer_span(copy) != (buffer.data_ptr() + offset, size):
                 return None
         else:
             copy = buffer[offset:offset + size].view(t.dtype).view(t.shape).copy_(t)

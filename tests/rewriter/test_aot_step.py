@@ -158,6 +158,14 @@ def test_copies_on_huge_pages_are_the_tensors_bytes_side_by_side_in_one_buffer()
     assert not native.onednn_bytes(copies["a"]).any() and not copies["norm"].any()  # the buffer's bytes, not copies
 
 
+def test_copies_on_huge_pages_refuse_a_onednn_copy_that_reads_other_bytes(monkeypatch):
+    if not (native_ops.load() and huge_pages.enabled()):
+        pytest.skip("pagedattn's C++ operators or huge pages are off here")
+    packed, _ = _onednn_weight(torch.bfloat16)
+    monkeypatch.setattr(native_ops, "onednn_from_buffer", lambda buffer, offset, like: like)  # the original's bytes
+    assert aot_step.copies_on_huge_pages({"w": packed}) is None
+
+
 def test_copies_on_huge_pages_leave_views_and_a_process_without_huge_pages_to_the_caller(monkeypatch):
     assert aot_step.copies_on_huge_pages({"w": torch.randn(8, 8)[:, :4]}) is None  # strided: the caller clones
     assert aot_step.copies_on_huge_pages({"w": torch.randn(8)[2:]}) is None  # an offset into a larger storage
