@@ -761,10 +761,15 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def onednn_bytes(weight: Tensor) -> Tensor:
-    """A copy of the bytes of a oneDNN (``is_mkldnn``) tensor's buffer, as uint8: what its packed layout holds."""
+def onednn_bytes(weight: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """A copy of the bytes of a oneDNN (``is_mkldnn``) tensor's buffer, as uint8: what its packed layout holds;
+    copied into ``out`` (uint8, as many bytes) where given, and that returned."""
     if _onednn_nbytes is None or _onednn_data_ptr is None:
         raise RuntimeError("this torch has no oneDNN tensors")
     n = _onednn_nbytes(weight)
-    return torch.frombuffer((ctypes.c_uint8 * n).from_address(_onednn_data_ptr(weight)), dtype=torch.uint8,
-                            count=n).clone() if n else torch.empty(0, dtype=torch.uint8)
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != n):
+        raise ValueError(f"onednn_bytes: out must be {n} uint8 bytes, got {out.numel()} {out.dtype}")
+    if not n:
+        return torch.empty(0, dtype=torch.uint8) if out is None else out
+    view = torch.frombuffer((ctypes.c_uint8 * n).from_address(_onednn_data_ptr(weight)), dtype=torch.uint8, count=n)
+    return view.clone() if out is None else out.copy_(view)

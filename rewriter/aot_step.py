@@ -508,8 +508,7 @@ def copies_on_huge_pages(tensors: dict[str, torch.Tensor]) -> Optional[tuple[tor
     for name, t in tensors.items():
         offset, size = places[name]
         if t.is_mkldnn:
-            raw = native.onednn_bytes(t)
-            buffer[offset:offset + size].copy_(raw)
+            native.onednn_bytes(t, out=buffer[offset:offset + size])
             try:
                 copy = native_ops.onednn_from_buffer(buffer, offset, t)
             except RuntimeError as e:  # a layout the operator refuses: the copies one by one instead

@@ -621,7 +621,9 @@ def test_a_onednn_tensor_over_a_buffer_is_refused_past_the_buffers_end():
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     size = torch.ops.mkldnn._nbytes(packed)
     buffer = torch.zeros(size + 64, dtype=torch.uint8)
-    buffer[64:].copy_(native.onednn_bytes(packed))
+    native.onednn_bytes(packed, out=buffer[64:])
+    with pytest.raises(ValueError, match="uint8 bytes"):
+        native.onednn_bytes(packed, out=buffer[65:])  # one byte short: nothing copied
     view = native_ops.onednn_from_buffer(buffer, 64, packed)
     assert torch.equal(view.to_dense(), packed.to_dense())  # the buffer's bytes in the weight's layout
     with pytest.raises(RuntimeError, match="pass the buffer's end"):
