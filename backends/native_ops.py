@@ -45,7 +45,7 @@ from pagedattn.backends import metadata, native
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
-           "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
+           "bind_kernels", "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
            "onednn_from_buffer"]
 
 SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
@@ -88,15 +88,7 @@ def load() -> bool:
     except (OSError, RuntimeError) as e:
         log.debug("pagedattn: C++ operators off: %s", e)
         return False
-    from pagedattn.backends.cpu_linear import SMALL_ROWS  # the policy's module imports this one
-
-    rows = {dtype: SMALL_ROWS.get(dtype, 0) if dtype in native.linear_dtypes(lib) else 0
-            for dtype in (torch.float32, torch.bfloat16)}
-    address = functools.partial(_address, lib)
-    ops = torch.ops.pagedattn_native
-    ops.bind_linear(address("pagedattn_linear"), rows[torch.float32], rows[torch.bfloat16])
-    ops.bind_silu_mul(address("pagedattn_silu_mul"))
-    bind_paged_kernels()
+    bind_kernels()
     from pagedattn.backends import ops  # the paged ops' own fakes (ops imports this module through base)
 
     torch.library.register_fake("pagedattn_native::linear", _fake_linear)
@@ -108,21 +100,42 @@ def load() -> bool:
     return True
 
 
+def bind_kernels(lib: Optional[ctypes.CDLL] = None) -> None:
+    """Bind the operators to ``lib``'s kernels: the linears, SiLU x up, and the paged write, decode and prefill (as
+    :func:`bind_paged_kernels` binds them); None: the C library's, as :func:`load` binds them. Which calls go to a
+    kernel stays the C library's policy whatever ``lib`` is: the linears of up to ``cpu_linear.SMALL_ROWS`` rows in the
+    dtypes it has a kernel for. Another library with the same symbols stands in for the kernels
+    (``benchmarks/host_step.py`` binds no-ops to time the compiled step's own work around them). Needs :func:`load`'s
+    operators."""
+    from pagedattn.backends.cpu_linear import SMALL_ROWS  # the policy's module imports this one
+
+    kernels = native.load()
+    lib = kernels if lib is None else lib
+    rows = {dtype: SMALL_ROWS.get(dtype, 0) if dtype in native.linear_dtypes(kernels) else 0
+            for dtype in (torch.float32, torch.bfloat16)}
+    address = functools.partial(_address, lib)
+    ops = torch.ops.pagedattn_native
+    ops.bind_linear(address("pagedattn_linear"), rows[torch.float32], rows[torch.bfloat16])
+    ops.bind_silu_mul(address("pagedattn_silu_mul"))
+    bind_paged_kernels(lib=lib)
+
+
 def bind_paged_kernels(sdpa_prefill_tokens: Optional[int] = None,
                        sdpa_chunk_bounds: Optional[tuple[int, int]] = None,
-                       rest_batch_bytes: Optional[int] = None) -> None:
+                       rest_batch_bytes: Optional[int] = None, *, lib: Optional[ctypes.CDLL] = None) -> None:
     """Bind the paged stand-ins to the C library's write, decode and prefill kernels, leaving to the Python op the
     steps that SDPA's kernel serves in part: a fresh bfloat16 prompt of ``sdpa_prefill_tokens`` or more, a bfloat16
     chunk after cached keys of at least ``sdpa_chunk_bounds``' queries and query-key pairs (None: where
     ``sdpa_cpu.sdpa_prefill_pays`` and ``sdpa_chunk_pays`` send such prompts and chunks to SDPA's kernel on this
     machine; 0: none). Chunks over cached keys are gathered in batches of at most ``rest_batch_bytes`` of K/V (None:
-    ``sdpa_cpu.REST_BATCH_BYTES``, as the Python path batches them). Needs :func:`load`'s library."""
+    ``sdpa_cpu.REST_BATCH_BYTES``, as the Python path batches them). ``lib``: the library whose kernels are bound
+    (None: the C library, :func:`native.load`). Needs :func:`load`'s operators."""
     from pagedattn.backends import sdpa_cpu  # it imports this module's package
 
     tokens = sdpa_cpu.sdpa_prefill_tokens() if sdpa_prefill_tokens is None else sdpa_prefill_tokens
     chunk_tokens, chunk_work = sdpa_cpu.sdpa_chunk_bounds() if sdpa_chunk_bounds is None else sdpa_chunk_bounds
     batch = sdpa_cpu.REST_BATCH_BYTES if rest_batch_bytes is None else rest_batch_bytes
-    address = functools.partial(_address, native.load())
+    address = functools.partial(_address, native.load() if lib is None else lib)
     torch.ops.pagedattn_native.bind_paged(address("pagedattn_paged_decode"), address("pagedattn_write_kv"),
                                           address("pagedattn_prefill"), tokens, chunk_tokens, chunk_work, batch)
 

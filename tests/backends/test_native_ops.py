@@ -633,3 +633,52 @@ def test_a_onednn_tensor_over_a_buffer_is_refused_past_the_buffers_end():
     with pytest.raises(RuntimeError, match="contiguous uint8"):
         native_ops.onednn_from_buffer(buffer.view(torch.int16), 0, packed)
 
+
+
+
+STAND_IN = b"""
+extern "C" {
+int calls;
+static int stand_in(const void *args) { (void)args; return ++calls, 0; }
+int pagedattn_linear(const void *a) { return stand_in(a); }
+int pagedattn_silu_mul(const void *a) { return stand_in(a); }
+int pagedattn_paged_decode(const void *a) { return stand_in(a); }
+int pagedattn_write_kv(const void *a) { return stand_in(a); }
+int pagedattn_prefill(const void *a) { return stand_in(a); }
+}
+"""
+
+
+def test_bind_kernels_stands_another_librarys_kernels_in_and_takes_the_c_librarys_back():
+    # what benchmarks/host_step.py does to time a step's own work: every kernel the operators call (a linear, SiLU x
+    # up, a step's cache write, its decodes and its prompt) is the stand-in's, each call counted and nothing computed;
+    # then the C library's again, whose results the operators give
+    import ctypes
+
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    path = native.build_shared({"stand_in.cpp": STAND_IN}, native_ops.cxx_compiler(), ("-O2", "-shared", "-fPIC"),
+                               "test_stand_in", unit_cache=False)
+    calls = ctypes.c_int.in_dll(ctypes.CDLL(str(path)), "calls")
+    dtype = _dtypes()[0]
+    x, w = torch.randn(4, 64).to(dtype), torch.randn(32, 64).to(dtype)
+    gate, up = torch.randn(4, 48).to(dtype), torch.randn(4, 48).to(dtype)
+
+    def run():
+        b = make_batch([(20, 1), (33, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+        with use_backend(SdpaCpuBackend()):
+            out = _native_paged(b, batch_params(b, 0.125))
+        return (torch.ops.pagedattn_native.linear(x, w, None, native.LINEAR_PLAIN),
+                torch.ops.pagedattn_native.silu_mul(gate, up), out, b.kv_cache)
+
+    expected = run()
+    try:
+        native_ops.bind_kernels(ctypes.CDLL(str(path)))
+        run()
+        assert calls.value == 5  # one call of each kernel, from the operators
+    finally:
+        native_ops.bind_kernels()
+    got = run()
+    assert calls.value == 5
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
