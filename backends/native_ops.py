@@ -1,4 +1,4 @@
-"""pagedattn's C++ operators (``csrc/linear_op.cpp``, ``csrc/paged_ops.cpp``): kernels a compiled CPU step calls many
+"""pagedattn's C++ operators (``csrc/linear_op.cpp``, ``csrc/paged_ops.cpp``, ``csrc/step_allocator.cpp``): kernels a compiled CPU step calls many
 times a step, registered with torch's dispatcher so that a call runs no Python.
 
 ``pagedattn_native::linear`` is ``pagedattn::linear`` (a serving step's linears over frozen weights, see
@@ -19,6 +19,11 @@ and otherwise goes to the ``pagedattn::`` op unchanged, which then does what it 
 While validation is on (``PAGEDATTN_VALIDATE``, ``metadata.set_validation``) every call goes to the ``pagedattn::``
 op (the linear's re-proves the weight's layout).
 
+While a thread has the plain CPU backend bound (the serving scope), torch's CPU tensors come from a caching allocator
+(``csrc/step_allocator.cpp``, :func:`step_memory`): a compiled step's ~90 buffers a decode step are then free-list
+blocks, not malloc's (``PAGEDATTN_STEP_ALLOCATOR=0`` or :func:`set_step_allocator`: torch's allocator throughout;
+:func:`release_step_memory`).
+
 Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~12 s on 2 cores for
 both files), cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
 the compiler, torch's version and the machine) and loaded with ``torch.ops.load_library``. Without a C++ compiler,
@@ -29,6 +34,7 @@ or where the C library is not built, :func:`load` returns False and steps keep t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -45,10 +51,11 @@ from pagedattn.backends import metadata, native
 log = logging.getLogger("pagedattn")
 
 __all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
-           "bind_kernels", "bind_paged_kernels", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
+           "bind_kernels", "bind_paged_kernels", "StepMemory", "step_memory", "set_step_allocator",
+           "release_step_memory", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
            "onednn_from_buffer"]
 
-SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp")
+SOURCES = ("pagedattn_abi.h", "linear_op.cpp", "paged_ops.cpp", "step_allocator.cpp")
 
 
 def cxx_compiler() -> Optional[str]:
@@ -207,6 +214,40 @@ def bind_backend(backend) -> Optional[bool]:
 def restore_backend(was: bool) -> None:
     """Give this thread's C++ paged ops back the setting :func:`bind_backend` returned."""
     torch.ops.pagedattn_native.set_plain_backend(was)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The serving scope's CPU allocator (``csrc/step_allocator.cpp``): while a thread has the plain CPU backend bound
+    it makes torch's CPU tensors, keeping freed blocks for the next tensors of their size class."""
+
+    active: bool  # it makes CPU tensors now
+    kept_bytes: int  # free blocks it keeps
+    made: int  # blocks it took from the system
+    reused: int  # blocks it handed out again
+
+
+def step_memory() -> Optional[StepMemory]:
+    """Where the serving scope's CPU allocator stands; None where the operators are not loaded."""
+    if not loaded():
+        return None
+    active, kept, made, reused = torch.ops.pagedattn_native.step_allocator_stats()
+    return StepMemory(bool(active), kept, made, reused)
+
+
+def set_step_allocator(on: bool) -> Optional[bool]:
+    """Whether the serving scope's CPU tensors come from its caching allocator from now on (the default unless
+    ``PAGEDATTN_STEP_ALLOCATOR=0``; inside the scope it changes at once); the previous setting, or None where the
+    operators are not loaded."""
+    if not loaded():
+        return None
+    return torch.ops.pagedattn_native.set_step_allocator(bool(on))
+
+
+def release_step_memory() -> None:
+    """Give the free blocks the serving scope's CPU allocator keeps back to the system (tensors still in use stay)."""
+    if loaded():
+        torch.ops.pagedattn_native.release_step_memory()
 
 
 try:

@@ -31,6 +31,7 @@
 
 namespace pagedattn_native {
 bool validating(); /* linear_op.cpp's */
+void step_allocator_scope(bool enter); /* step_allocator.cpp's */
 }
 
 namespace {
@@ -437,6 +438,7 @@ bool set_plain_backend(bool on) {
     const bool was = plain_backend;
     plain_backend = on;
     if (!on) plans.clear(); /* the tensors they hold go with the step that used them */
+    if (on != was) pagedattn_native::step_allocator_scope(on); /* the scope's CPU allocator (step_allocator.cpp) */
     return was;
 }
 

@@ -682,3 +682,135 @@ def test_bind_kernels_stands_another_librarys_kernels_in_and_takes_the_c_library
     got = run()
     assert calls.value == 5
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+# ---- the serving scope's CPU allocator (csrc/step_allocator.cpp)
+
+
+def _scope():
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    return use_backend(SdpaCpuBackend())
+
+
+def test_the_serving_scope_makes_cpu_tensors_from_the_blocks_of_freed_ones():
+    # inside the plain CPU backend's scope a freed tensor's block is kept and handed to the next tensor of its size
+    # class (64-byte aligned); outside it torch's allocator makes tensors and the counts do not move
+    native_ops.release_step_memory()
+    assert not native_ops.step_memory().active
+    with _scope():
+        assert native_ops.step_memory().active
+        a = torch.empty(3000)  # 12,000 bytes: the class of 12,288 (8 to an octave past 4 KiB)
+        first, kept = a.data_ptr(), native_ops.step_memory()
+        del a
+        freed = native_ops.step_memory()
+        assert freed.kept_bytes == kept.kept_bytes + 12288
+        b = torch.empty(2990, dtype=torch.float32)  # 11,960 bytes: the same class
+        got = native_ops.step_memory()
+        assert b.data_ptr() == first and b.data_ptr() % 64 == 0
+        assert (got.reused, got.made, got.kept_bytes) == (freed.reused + 1, freed.made, kept.kept_bytes)
+        c = torch.empty(5000)  # another class: a new block
+        assert native_ops.step_memory().made == freed.made + 1 and c.data_ptr() != first
+    outside = native_ops.step_memory()
+    assert not outside.active
+    d = torch.empty(3000)
+    del b  # made inside, freed outside: kept all the same
+    assert native_ops.step_memory().kept_bytes == outside.kept_bytes + 12288
+    with _scope():
+        del d  # made by torch's allocator: freed by its own deleter, not kept
+        e = torch.ones(2990)
+        assert native_ops.step_memory().reused == outside.reused + 1  # b's block
+    assert torch.equal(e, torch.ones(2990)) and torch.equal(c.fill_(2.0), torch.full((5000,), 2.0))
+    native_ops.release_step_memory()
+    assert native_ops.step_memory().kept_bytes == 0
+
+
+def test_the_step_allocator_stays_until_the_last_thread_leaves_the_scope_and_can_be_turned_off_inside_it():
+    import threading
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with _scope():
+            entered.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert entered.wait(30)
+        with _scope():
+            assert native_ops.step_memory().active
+            assert native_ops.set_step_allocator(False) is True  # at once, inside the scope
+            assert not native_ops.step_memory().active
+            assert native_ops.set_step_allocator(True) is False
+            assert native_ops.step_memory().active
+        assert native_ops.step_memory().active  # the other thread is still inside
+    finally:
+        leave.set()
+        t.join(30)
+    assert not native_ops.step_memory().active
+
+
+def test_memory_made_on_one_side_of_the_scopes_edge_and_freed_on_the_other():
+    # oneDNN's tensors take their buffers by the raw interface, which frees by the current allocator: made in the scope
+    # and freed outside it, or the other way round (a frozen step's packed weights, its GEMMs' buffers), each is freed
+    # rightly (an allocator whose blocks the other cannot free aborts the process here), and tensors the same
+    import gc
+
+    with _scope():
+        made_inside = torch.randn(256, 256).to_mkldnn()
+        packed_inside = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96), 16)
+        plain_inside = torch.randn(300)
+    made_outside = torch.randn(256, 256).to_mkldnn()
+    plain_outside = torch.randn(300)
+    with _scope():
+        expected = made_outside.to_dense().sum()
+        del made_outside, plain_outside
+        gc.collect()
+    assert torch.equal(made_inside.to_dense(), made_inside.to_dense())
+    del made_inside, packed_inside, plain_inside
+    gc.collect()
+    with _scope():
+        again = torch.randn(256, 256).to_mkldnn()
+        assert again.to_dense().shape == (256, 256) and torch.isfinite(expected)
+
+
+def test_a_block_past_the_largest_kept_goes_back_to_the_system():
+    native_ops.release_step_memory()
+    with _scope():
+        big = torch.empty(5 << 20, dtype=torch.uint8)  # past STEP_BLOCK_MAX (4 MiB)
+        del big
+        assert native_ops.step_memory().kept_bytes == 0
+
+
+def test_the_environment_turns_the_step_allocator_off():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom pagedattn.backends import native_ops, use_backend\n"
+            "from pagedattn.backends.sdpa_cpu import SdpaCpuBackend\nassert native_ops.load()\n"
+            "with use_backend(SdpaCpuBackend()):\n    print(native_ops.step_memory().active)\n")
+    for value, active in (("0", "False"), ("1", "True")):
+        env = {**__import__("os").environ, "PAGEDATTN_STEP_ALLOCATOR": value}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip() == active
+
+
+def test_an_engine_generates_the_same_tokens_with_and_without_the_step_allocator():
+    # every CPU tensor of its steps from kept blocks, or from torch's allocator: nothing they compute changes
+    import pagedattn
+
+    from ..support import prompts, tiny_model
+
+    engine = pagedattn.PagedEngine(tiny_model("llama", "eager"), compile=False, progress=False)
+    try:
+        out = {}
+        for on in (False, True, False, True):
+            native_ops.set_step_allocator(on)
+            out.setdefault(on, []).append(engine.generate(prompts(), max_new_tokens=8))
+        assert out[True][0] == out[True][1] == out[False][0] == out[False][1]
+    finally:
+        native_ops.set_step_allocator(True)
