@@ -1,5 +1,5 @@
-"""pagedattn's C++ operators (``csrc/linear_op.cpp``, ``csrc/paged_ops.cpp``, ``csrc/step_allocator.cpp``): kernels a compiled CPU step calls many
-times a step, registered with torch's dispatcher so that a call runs no Python.
+"""pagedattn's C++ operators (``csrc/linear_op.cpp``, ``csrc/paged_ops.cpp``, ``csrc/step_allocator.cpp``): kernels a
+compiled CPU step calls many times a step, registered with torch's dispatcher so that a call runs no Python.
 
 ``pagedattn_native::linear`` is ``pagedattn::linear`` (a serving step's linears over frozen weights, see
 :mod:`pagedattn.backends.cpu_linear`) with its CPU kernel in C++: the same native kernel (``csrc/small_linear.c``,
@@ -24,8 +24,8 @@ While a thread has the plain CPU backend bound (the serving scope), torch's CPU 
 blocks, not malloc's (``PAGEDATTN_STEP_ALLOCATOR=0`` or :func:`set_step_allocator`: torch's allocator throughout;
 :func:`release_step_memory`).
 
-Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~12 s on 2 cores for
-both files), cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
+Built on first use with a C++ compiler and torch's headers alone (no Python or pybind headers: ~15 s on 2 cores for
+the three files), cached like the C library (:func:`pagedattn.backends.native.build_shared`: private cache folder, keyed by the sources,
 the compiler, torch's version and the machine) and loaded with ``torch.ops.load_library``. Without a C++ compiler,
 or where the C library is not built, :func:`load` returns False and steps keep the ``pagedattn::`` ops.
 ``PAGEDATTN_NATIVE=0`` turns both off.
