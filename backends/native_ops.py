@@ -223,7 +223,7 @@ class StepMemory:
 
     active: bool  # it makes CPU tensors now
     kept_bytes: int  # free blocks it keeps
-    made: int  # blocks it took from the system
+    made: int  # blocks of its size classes it took from the system
     reused: int  # blocks it handed out again
 
 

@@ -99,6 +99,10 @@ struct StepAllocator final : at::Allocator {
     at::DataPtr allocate(size_t bytes) override {
         if (bytes == 0) return {nullptr, nullptr, &give_back, at::Device(at::DeviceType::CPU)};
         const size_t cls = size_class(bytes);
+        if (cls > STEP_BLOCK_MAX) { /* never kept: no more than asked for */
+            void *block = c10::alloc_cpu(bytes);
+            return {block, block, &give_back, at::Device(at::DeviceType::CPU)};
+        }
         FreeBlocks &f = free_blocks();
         {
             std::lock_guard<std::mutex> lock(f.mu);

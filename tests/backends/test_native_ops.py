@@ -780,9 +780,10 @@ def test_memory_made_on_one_side_of_the_scopes_edge_and_freed_on_the_other():
 def test_a_block_past_the_largest_kept_goes_back_to_the_system():
     native_ops.release_step_memory()
     with _scope():
+        made = native_ops.step_memory().made
         big = torch.empty(5 << 20, dtype=torch.uint8)  # past STEP_BLOCK_MAX (4 MiB)
         del big
-        assert native_ops.step_memory().kept_bytes == 0
+        assert native_ops.step_memory().kept_bytes == 0 and native_ops.step_memory().made == made
 
 
 def test_the_environment_turns_the_step_allocator_off():
