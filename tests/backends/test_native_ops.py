@@ -726,6 +726,41 @@ def test_the_serving_scope_makes_cpu_tensors_from_the_blocks_of_freed_ones():
     assert native_ops.step_memory().kept_bytes == 0
 
 
+def _class_edges():
+    """Request sizes at every size class's edges up to the largest kept (4 MiB): 64-byte steps to 4 KiB, then 8 to an
+    octave; each class's size, one byte over it, and one under the next."""
+    classes = list(range(64, 4097, 64))
+    octave = 4096
+    while octave < 4 << 20:
+        classes += [octave + i * (octave // 8) for i in range(1, 9)]
+        octave *= 2
+    return sorted({n + d for n in classes for d in (-1, 0, 1) if 0 < n + d <= 4 << 20})
+
+
+def _reused_at(nbytes: int) -> None:
+    with _scope():
+        a = torch.empty(nbytes, dtype=torch.uint8)
+        first = a.data_ptr()
+        del a
+        b = torch.empty(nbytes, dtype=torch.uint8)
+        assert b.data_ptr() == first, nbytes
+        b.fill_(7)  # the whole request lies in the block
+        assert int(b[-1]) == 7
+
+
+def test_a_freed_block_is_the_next_one_of_its_size_at_every_class_edge():
+    # a block's class is read back from its usable size at its free: at every class's edges up to 4 MiB (heap chunks
+    # and mapped ones) the next tensor of the same size takes the block, which holds it
+    for nbytes in _class_edges():
+        _reused_at(nbytes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4 << 20))
+def test_a_freed_block_is_the_next_one_of_its_size_at_any_size_kept(nbytes):
+    _reused_at(nbytes)
+
+
 def test_the_step_allocator_stays_until_the_last_thread_leaves_the_scope_and_can_be_turned_off_inside_it():
     import threading
 
