@@ -24,6 +24,7 @@
 #include "pagedattn_abi.h"
 
 #if defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_LINEAR_F32 1
 #else
@@ -245,13 +246,32 @@ static int linear_plain(const linear_args *a) {
 #define LINEAR_CHUNK_STEPS 4 /* steps of K (4 KiB of a panel each) a chunk holds: 2 or 8 no faster */
 #endif
 
-/* a weight line asked for: non-temporal where every pass reads it from L1 (one group of rows, or K in chunks) and the
- * CPU is AMD's, so that streaming the weights does not evict what the step reads again (its K/V, activations, the
- * interpreter's data) from L2 and L3 (a 2-core EPYC, Zen 5, llama16m decode steps at 16 requests with the chunks:
- * bf16 2-3 %, fp32 3-7 % faster; a 64 MB model 6 %; a 10 MB one, whose weights L3 could keep, no slower); otherwise
- * into every level. On a Xeon (Sapphire Rapids class) non-temporal requests made llama16m's 25 linears 1.5-4.5x
- * slower: its hardware prefetchers do not follow them (lin_nta_pays) */
-static inline int lin_nta_pays(void) { return __builtin_cpu_is("amd"); }
+/* a weight line asked for: non-temporal where every pass reads it from L1 and the CPU is AMD's, so that streaming the
+ * weights does not evict what the step reads again (its K/V, activations, the interpreter's data) from L2 and L3;
+ * otherwise into every level. Every pass reads from L1 where the call has one group of rows, and where K is taken in
+ * chunks (a decode step's batch); the chunked calls only on Zen 5 and later (family 26 on), which measured them faster
+ * (a 2-core EPYC, llama16m decode steps at 16 requests: bf16 2-3 %, fp32 3-7 %; a 64 MB model 6 %; a 10 MB one, whose
+ * weights L3 could keep, no slower). On Zen 4 (family 25) the chunked calls' weights asked for into L2 instead made
+ * llama16m's 25 linears at 8-24 rows 12-22 % faster from DRAM and its decode steps 4-20 % faster at 8-16 requests of
+ * 176-600 keys (benchmarks/RESULTS.md). On a Xeon (Sapphire Rapids class) non-temporal requests made the 25 linears
+ * 1.5-4.5x slower: its hardware prefetchers do not follow them */
+static int amd_family(void) {
+    static int family = -1; /* -1 not read yet (cpuid traps to a VM's hypervisor: read once); 0 not AMD */
+    if (__atomic_load_n(&family, __ATOMIC_RELAXED) < 0) {
+        unsigned int eax = 0, ebx, ecx, edx;
+        int f = 0;
+        if (__builtin_cpu_is("amd") && __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+            f = (int)((eax >> 8) & 0xf);
+            if (f == 0xf) f += (int)((eax >> 20) & 0xff);
+        }
+        __atomic_store_n(&family, f, __ATOMIC_RELAXED);
+    }
+    return __atomic_load_n(&family, __ATOMIC_RELAXED);
+}
+static inline int lin_nta_pays(int chunked) {
+    const int family = amd_family();
+    return family > 0 && (!chunked || family >= 26);
+}
 
 /* where a requested weight line goes: PF_NTA (above), PF_L1 where one group of rows reads each line once, PF_L2 where
  * several groups do (K in chunks or not). A 2-vCPU Xeon (Emerald Rapids class), llama16m's 25 float32 linears with the
@@ -426,7 +446,7 @@ static int linear_panels(const linear_args *a) {
      * group and then from L1 by the others, which meanwhile bring in the next chunk */
     const int groups = (int)((a->M + MAX_MR - 1) / MAX_MR);
     const int64_t chunk = groups > 1 && a->M <= CHUNKED_ROWS ? LINEAR_CHUNK_STEPS : steps;
-    const int where = (groups == 1 || chunk < steps) && lin_nta_pays() ? PF_NTA /* every pass reads its lines from L1 */
+    const int where = (groups == 1 || chunk < steps) && lin_nta_pays(groups > 1) ? PF_NTA /* every pass from L1 */
                     : groups == 1 ? PF_L1 : PF_L2;
 #pragma omp parallel num_threads(threads)
     {
