@@ -27,6 +27,7 @@ keeps its SDPA path. ``PAGEDATTN_NATIVE=0`` turns it off.
 from __future__ import annotations
 
 import array
+import atexit
 import concurrent.futures
 import contextlib
 import ctypes
@@ -212,7 +213,7 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
     if not _private(target.parent):
         log.debug("pagedattn: %s is writable by others: %s is built in a private folder instead", target.parent,
                   target.name)
-        target = Path(tempfile.mkdtemp(prefix="pagedattn-")) / target.name
+        target = _private_folder() / target.name
     elif unit_cache:
         objects = ObjectCache(target.parent / "objects", b"\0".join([version, *host, key]))
     if target.exists() and _private(target):
@@ -223,6 +224,15 @@ def build_shared(sources: dict[str, bytes], compiler: str, flags: Sequence[str],
         if target.exists() and _private(target):
             return target
         return _compile_into(sources, compiler, flags, stem, libs, target, objects)
+
+
+def _private_folder() -> Path:
+    """A new folder of this user's alone for one build, removed as the process exits: a loaded library needs its file
+    no longer, and each process that cannot use the cache builds its own (otherwise every such process would leave
+    its build in the temporary folder)."""
+    folder = Path(tempfile.mkdtemp(prefix="pagedattn-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class ObjectCache:

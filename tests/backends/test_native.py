@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -449,6 +450,23 @@ def test_a_cache_folder_others_may_write_is_not_loaded_from(monkeypatch, tmp_pat
     (shared / built.name).write_bytes(b"not a shared object")
     again = _answer_library()
     assert again is not None and not again.is_relative_to(shared) and ctypes.CDLL(str(again)).answer() == 42
+
+
+def test_a_private_build_is_removed_as_the_process_exits(monkeypatch, tmp_path):
+    # a process that cannot use the cache builds in a folder of its own: left behind, every such process would add one
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(shared))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    at_exit = []
+    monkeypatch.setattr(native.atexit, "register", lambda fn, *args, **kw: at_exit.append((fn, args, kw)))
+    built = _answer_library()
+    assert built is not None and built.parent.parent == tmp_path and ctypes.CDLL(str(built)).answer() == 42
+    assert len(at_exit) == 1
+    fn, args, kw = at_exit[0]
+    fn(*args, **kw)  # what the interpreter runs as it exits
+    assert not built.parent.exists()
 
 
 def test_block_tables_of_another_dtype_are_refused():
