@@ -251,8 +251,8 @@ static int linear_plain(const linear_args *a) {
  * otherwise into every level. Every pass reads from L1 where the call has one group of rows, and where K is taken in
  * chunks (a decode step's batch); the chunked calls only on Zen 5 and later (family 26 on), which measured them faster
  * (a 2-core EPYC, llama16m decode steps at 16 requests: bf16 2-3 %, fp32 3-7 %; a 64 MB model 6 %; a 10 MB one, whose
- * weights L3 could keep, no slower). On Zen 4 (family 25) the chunked calls' weights asked for into L2 instead made
- * llama16m's 25 linears at 8-24 rows 12-22 % faster from DRAM and its decode steps 4-20 % faster at 8-16 requests of
+ * weights L3 could keep, no slower). On Zen 4 (family 25) the chunked calls' weights asked for into L2 instead took
+ * llama16m's 25 linears at 8-24 rows 10-18 % less time from DRAM and its decode steps 5-17 % less at 8-16 requests of
  * 176-600 keys (benchmarks/RESULTS.md). On a Xeon (Sapphire Rapids class) non-temporal requests made the 25 linears
  * 1.5-4.5x slower: its hardware prefetchers do not follow them */
 static int amd_family(void) {
