@@ -310,11 +310,15 @@ def step_kinds(engine, shape: ModelShape, machine: Machine, *, vocab: int, conte
     rows = [COST_HEADER]
     budget = engine.scheduler.max_num_tokens
     for b in batches:
-        # the first requests decode while the last ones still prefill: enough new tokens to outlast that
-        new = repeats + 2 + -(-b * context // budget)
+        # the first requests decode while the last ones still prefill: enough new tokens to outlast that, and to
+        # reach a burst's edge before and after the timed steps (a run plans at most plan_ahead steps)
+        new = repeats + 2 + -(-b * context // budget) + 2 * getattr(engine, "plan_ahead", 0)
         rids = _decoding(engine, rec, [prompt(context) for _ in range(b)], new)
+        to_burst_edge(engine, rec)
+        rec.steps.clear()
         for _ in range(repeats):
             rec.step()
+        to_burst_edge(engine, rec)  # the steps the last timed call computed ahead, timed in it, counted
         assert all(len(s.chunks) == b and step_kind(s.chunks) == "decode" for s in rec.steps)
         rows.append(format_cost_row(f"decode, batch {b} (ctx {context})",
                                     *summarise(rec.steps, shape, machine)["all"]))
@@ -447,6 +451,16 @@ def _profiled_operators(timed: Callable[[], None], steps: int) -> tuple[dict[str
         if name is not None:
             own[name] += record.self_cpu_time_total / 1e6 / steps  # microseconds over the profiled steps
     return own, "operators (torch.profiler's self times)"
+
+
+def to_burst_edge(engine, rec: StepRecorder) -> None:
+    """Step until no decode step computed ahead is left (``PagedEngine.steps_ahead``, ``burst_ms``): a step that
+    computes ahead takes the time of the steps it computes, and the later ``step()`` calls that give them take none,
+    so a window of recorded steps that starts and ends here holds the model's time of exactly its steps (one that
+    ends inside a burst holds the time of steps it does not record, and one that starts inside it records steps
+    whose time it does not hold)."""
+    while getattr(engine, "steps_ahead", 0):
+        rec.step()
 
 
 def _decoding(engine, rec: StepRecorder, prompts, new: int) -> list[int]:

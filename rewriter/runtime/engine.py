@@ -520,6 +520,14 @@ class PagedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._inbox or self._aborts) or self.scheduler.has_work()
 
+    @property
+    def steps_ahead(self) -> int:
+        """Decode steps computed ahead (``burst_ms``) that later ``step()`` calls will give without running the model.
+        A timing of steps that starts and ends where this is 0 counts the model's time of every step it records, and
+        of no other."""
+        run = self._run
+        return len(run.tokens) - run.taken if run is not None and run.steps is not None else 0
+
     def unfinished_outputs(self, since: Optional[dict[int, int]] = None) -> dict[int, list[int]]:
         """Tokens generated so far by each unfinished request, by id (for streaming between steps); with
         ``since``, only those after the first ``since[id]`` (0 for ids not in it), so a streamer copies each

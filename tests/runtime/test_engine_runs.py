@@ -138,6 +138,35 @@ def test_bursts_start_at_one_step_after_dropped_steps_and_grow_again(mistral):
     assert engine.blocks.num_free == engine.num_blocks
 
 
+def test_steps_ahead_counts_the_steps_a_burst_computed_that_step_has_not_given(mistral):
+    """``steps_ahead`` is what a timing of steps needs to start and end at a burst's edge: after a step that computed
+    k steps ahead (``stats["ahead_steps"]`` grows by k) it is k, each later ``step()`` gives one of them without a
+    burst of its own, and it is 0 once they are given, in runs that compute nothing ahead (a sampled request), and
+    without a run."""
+    rewritten = mistral[2]
+    engine = _engine(rewritten, 16, burst_ms=1e9)
+    assert engine.steps_ahead == 0
+    for p in prompts()[:3]:
+        engine.add_request(p, max_new_tokens=24)
+    seen = []
+    while engine.has_unfinished():
+        left, computed = engine.steps_ahead, engine.stats["ahead_steps"]
+        engine.step()
+        grew = engine.stats["ahead_steps"] - computed
+        if left:  # a step computed earlier, given now
+            assert grew == 0 and engine.steps_ahead == left - 1
+        else:  # this step ran the model, and a burst's later steps wait for the next calls
+            assert engine.steps_ahead == grew
+        seen.append(engine.steps_ahead)
+    assert max(seen) > 1 and seen[-1] == 0  # bursts of several steps, all given by the end
+    sampled = _engine(rewritten, 16, burst_ms=1e9)
+    sampled.add_request(prompts()[0], max_new_tokens=NEW, temperature=0.8, seed=1)
+    while sampled.has_unfinished():
+        sampled.step()
+        assert sampled.steps_ahead == 0  # counter-example: a sampled run computes each step as it is given
+    assert sampled.stats["planned_steps"] > 0
+
+
 def test_a_run_with_a_sampled_request_computes_nothing_ahead(mistral):
     """A sampled token draws from its request's generator: drawing ahead for a step the run may drop would change the
     tokens sampled after it, so such runs compute each step as it is given."""
