@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import logging
 import statistics
 import time
@@ -41,15 +42,22 @@ int pagedattn_prefill(const void *a) { return stand_in(a); }
 """
 
 
-def _steps_seconds(engine, steps: int) -> float:
-    """Seconds per step over ``steps`` steps, run as a serving loop runs them (backend bound, one frame chunk)."""
+def _steps_seconds(engine, steps: int) -> tuple[float, int]:
+    """Seconds per step over at least ``steps`` steps, run as a serving loop runs them (backend bound, one frame
+    chunk), and how many: from a burst's edge to a burst's edge (``PagedEngine.steps_ahead`` 0 before and after), so
+    that the window holds the time of exactly the steps it counts (``roofline.to_burst_edge``)."""
     def loop():
         with engine.bound():
-            for _ in range(steps):
+            while engine.steps_ahead:
                 engine.step()
-    t0 = time.perf_counter()
-    call_with_frame_room(loop)
-    return (time.perf_counter() - t0) / steps
+            t0 = time.perf_counter()
+            n = 0
+            while n < steps or engine.steps_ahead:
+                engine.step()
+                n += 1
+            return time.perf_counter() - t0, n
+    seconds, n = call_with_frame_room(loop)
+    return seconds / n, n
 
 
 def _stand_ins():
@@ -108,7 +116,9 @@ def main(argv=None) -> None:
     logging.getLogger("pagedattn").setLevel(logging.ERROR)
     model = generate_cpu.build(getattr(torch, a.dtype), "sdpa", a.model)
     vocab = model.config.vocab_size
-    new = a.steps * (2 * a.repeats + 1) + 8  # every timed step, stubbed ones too, adds a token
+    # every timed step, stubbed ones too, adds a token, and so does each window's way to a burst's edge at both ends
+    edge = inspect.signature(pagedattn.PagedEngine).parameters["plan_ahead"].default  # the most a burst computes
+    new = (a.steps + 2 * edge) * (2 * a.repeats + 1) + 8
     blocks = a.requests * -(-(a.context + new) // 16) + 16
     engine = pagedattn.PagedEngine(model, num_blocks=blocks, block_size=16, max_num_tokens=1024, progress=False)
     step = engine.model.graph_module
@@ -119,7 +129,7 @@ def main(argv=None) -> None:
         engine.add_request(torch.randint(1, vocab, (a.context,), generator=g).tolist(), max_new_tokens=new)
     while any(not r.output for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)):
         engine.step()
-    real = min(_steps_seconds(engine, a.steps) for _ in range(a.repeats))
+    real = min(_steps_seconds(engine, a.steps)[0] for _ in range(a.repeats))
     inside = [0.0]
     runner = step.runner  # the step calls runner.loader.boxed_run, directly or through prepared steps
 
@@ -133,8 +143,8 @@ def main(argv=None) -> None:
         return out
 
     step.runner = _Runner(timed)
-    with_runner = _steps_seconds(engine, a.steps)
-    runner_s = inside[0] / a.steps
+    with_runner, counted = _steps_seconds(engine, a.steps)
+    runner_s = inside[0] / counted
     kept = {}  # the runner's output for the first stubbed step, returned for every later one
 
     def stub(tensors):
@@ -143,7 +153,7 @@ def main(argv=None) -> None:
         return kept["out"]
 
     step.runner = _Runner(stub)
-    host = min(_steps_seconds(engine, a.steps) for _ in range(a.repeats))
+    host = min(_steps_seconds(engine, a.steps)[0] for _ in range(a.repeats))
     step.runner = runner
     print(f"{a.model} {a.dtype}, decode steps of {a.requests} requests (context {a.context}+):")
     print(f"  a step {real * 1e3:.3f} ms (best of {a.repeats} x {a.steps}); outside the runner "

@@ -88,7 +88,8 @@ class LM(nn.Module):
 
 def engine_at_context(model: nn.Module, context: int, batch: int, steps: int) -> PagedEngine:
     """An engine whose ``batch`` requests have prefilled ``context`` tokens and have ``steps`` decodes left."""
-    engine = PagedEngine(model, block_size=16, max_num_tokens=2048, compile=False, progress=False)
+    # each step() computes its own step (burst_ms=0): the steps are timed one by one
+    engine = PagedEngine(model, block_size=16, max_num_tokens=2048, compile=False, progress=False, burst_ms=0)
     g = torch.Generator().manual_seed(0)
     for _ in range(batch):
         engine.add_request(torch.randint(0, VOCAB, (context,), generator=g).tolist(),
