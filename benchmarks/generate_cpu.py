@@ -342,7 +342,8 @@ def main(argv=None) -> None:
             print(f"  greedy tokens equal to padded-batch HF generate: {same}/{a.prompts * a.rounds} prompts "
                   f"({a.rounds} round{'s' if a.rounds > 1 else ''})")
         if a.step_kinds:
-            kinds = pagedattn.PagedEngine(model, num_blocks=64 * -(-(256 + 16) // 16) + 128, block_size=16,
+            # 64 requests of 256 tokens, their timed steps, a burst's edge at each end and a run's blocks reserved ahead
+            kinds = pagedattn.PagedEngine(model, num_blocks=64 * -(-(256 + 64) // 16) + 128, block_size=16,
                                           max_num_tokens=1024, max_num_seqs=64, progress=False,
                                           compile=False if a.eager else None)
             print("  step kinds (synthetic steps through a fresh engine, per step):")

@@ -51,8 +51,16 @@ def decode_steps(engine, requests: int, context: int, vocab: int, pairs: int,
     the first step of each). Each ``step()`` computes its own step here (``burst_ms=0``): a burst's steps computed
     ahead would fall in one window's ``step()`` calls and be timed in another's (``benchmarks/burst.py`` measures
     the bursts)."""
-    times: dict[int, list[float]] = {k: [] for k in SETTINGS}
     burst, engine.burst_ms = engine.burst_ms, 0.0
+    try:
+        return _decode_steps(engine, requests, context, vocab, pairs, g)
+    finally:
+        engine.burst_ms = burst
+
+
+def _decode_steps(engine, requests: int, context: int, vocab: int, pairs: int,
+                  g: torch.Generator) -> dict[int, list[float]]:
+    times: dict[int, list[float]] = {k: [] for k in SETTINGS}
     new = 2 * 17 * pairs + 8  # every step adds a token, the untimed first of each run too
     rids = [engine.add_request(torch.randint(1, vocab, (context,), generator=g).tolist(), max_new_tokens=new)
             for _ in range(requests)]
@@ -74,7 +82,6 @@ def decode_steps(engine, requests: int, context: int, vocab: int, pairs: int,
     for rid in rids:
         engine.abort(rid)
     engine.collect()
-    engine.burst_ms = burst
     return times
 
 
