@@ -6,7 +6,9 @@ A step's limit is ``max(bytes / copy bandwidth, FLOPs / matmul rate)``:
 - bytes: every weight the step multiplies by, once (the model's own dtype; embedding rows only for the
   step's tokens), the K/V it reads from the cache (each sequence's cached context, every layer) and the
   K/V it writes (its new tokens). Activations are left out (they stay in cache at these sizes), so the
-  figure is a lower bound.
+  figure is a lower bound. The bandwidth is DRAM's: a step whose weights fit the last-level cache and stay there
+  (llama16m's 25 MB in bf16 under a 32 MiB L3, while the host's other tenants leave it alone) reads them faster,
+  and a decode step at a small batch, bound by bytes, can then show more than 100 %.
 - FLOPs: ``2 * parameters`` per token for the layers' matmuls, ``2 * vocab * hidden`` per row whose logits
   are needed (the engine's ``logits_to_keep``), and ``4 * heads * head_size`` per (query, visible key)
   pair for attention (causal; a window or chunk would only lower it).
