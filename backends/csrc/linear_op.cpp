@@ -38,13 +38,23 @@ std::atomic<int> validation{-1}; /* pagedattn's set_validation: -1 none (the env
 } // namespace
 
 namespace pagedattn_native {
+/* an environment flag as pagedattn's Python reads its flags: 1/true/yes/on set, 0/false/no/off unset (any case),
+   `fallback` where it is missing or says neither (step_allocator.cpp reads one too) */
+bool env_flag(const char *name, bool fallback) {
+    const char *env = std::getenv(name);
+    if (!env) return fallback;
+    for (const char *on : {"1", "true", "yes", "on"})
+        if (!strcasecmp(env, on)) return true;
+    for (const char *off : {"0", "false", "no", "off"})
+        if (!strcasecmp(env, off)) return false;
+    return fallback;
+}
+
 /* whether pagedattn's validation is on: what metadata.validation_enabled says (paged_ops.cpp asks it too) */
 bool validating() {
     int v = validation.load(std::memory_order_relaxed);
     if (v >= 0) return v == 1;
-    const char *env = std::getenv("PAGEDATTN_VALIDATE"); /* as metadata.validation_enabled reads it */
-    return env && (!strcasecmp(env, "1") || !strcasecmp(env, "true") || !strcasecmp(env, "yes") ||
-                   !strcasecmp(env, "on"));
+    return env_flag("PAGEDATTN_VALIDATE", false); /* as metadata.validation_enabled reads it */
 }
 } // namespace pagedattn_native
 

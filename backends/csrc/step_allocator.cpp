@@ -26,13 +26,14 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <malloc.h>
 #include <mutex>
-#include <strings.h>
 #include <unordered_map>
 #include <vector>
+
+namespace pagedattn_native {
+bool env_flag(const char *name, bool fallback); /* linear_op.cpp's */
+}
 
 namespace {
 
@@ -128,14 +129,8 @@ StepAllocator &step_allocator() {
     return *a;
 }
 
-bool env_enabled() {
-    const char *env = std::getenv("PAGEDATTN_STEP_ALLOCATOR");
-    return !(env && (!std::strcmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
-                     !strcasecmp(env, "off")));
-}
-
 std::mutex scope_mu;
-bool enabled = env_enabled();      /* whether the scope uses it (set_step_allocator) */
+bool enabled = pagedattn_native::env_flag("PAGEDATTN_STEP_ALLOCATOR", true); /* whether the scope uses it */
 int64_t scopes = 0;                /* threads inside the scope */
 at::Allocator *outside = nullptr;  /* torch's allocator while this one makes CPU tensors, given back after */
 
