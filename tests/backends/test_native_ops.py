@@ -794,22 +794,23 @@ def test_memory_made_on_one_side_of_the_scopes_edge_and_freed_on_the_other():
     # rightly (an allocator whose blocks the other cannot free aborts the process here), and tensors the same
     import gc
 
+    dense_inside, dense_outside = torch.randn(256, 256), torch.randn(256, 256)
     with _scope():
-        made_inside = torch.randn(256, 256).to_mkldnn()
+        made_inside = dense_inside.to_mkldnn()
         packed_inside = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96), 16)
-        plain_inside = torch.randn(300)
-    made_outside = torch.randn(256, 256).to_mkldnn()
+        plain_inside = torch.arange(300.0)
+    made_outside = dense_outside.to_mkldnn()
     plain_outside = torch.randn(300)
     with _scope():
-        expected = made_outside.to_dense().sum()
+        assert torch.equal(made_outside.to_dense(), dense_outside)  # made outside, read inside
         del made_outside, plain_outside
         gc.collect()
-    assert torch.equal(made_inside.to_dense(), made_inside.to_dense())
+    assert torch.equal(made_inside.to_dense(), dense_inside) and torch.equal(plain_inside, torch.arange(300.0))
     del made_inside, packed_inside, plain_inside
     gc.collect()
     with _scope():
-        again = torch.randn(256, 256).to_mkldnn()
-        assert again.to_dense().shape == (256, 256) and torch.isfinite(expected)
+        again = dense_outside.to_mkldnn()
+        assert torch.equal(again.to_dense(), dense_outside)
 
 
 def test_a_block_past_the_largest_kept_goes_back_to_the_system():
@@ -843,10 +844,14 @@ def test_an_engine_generates_the_same_tokens_with_and_without_the_step_allocator
 
     engine = pagedattn.PagedEngine(tiny_model("llama", "eager"), compile=False, progress=False)
     try:
-        out = {}
+        out, handed = {}, {}
         for on in (False, True, False, True):
             native_ops.set_step_allocator(on)
+            before = native_ops.step_memory()
             out.setdefault(on, []).append(engine.generate(prompts(), max_new_tokens=8))
+            after = native_ops.step_memory()
+            handed.setdefault(on, []).append(after.made + after.reused - before.made - before.reused)
         assert out[True][0] == out[True][1] == out[False][0] == out[False][1]
+        assert min(handed[True]) > 0 and handed[False] == [0, 0]  # its steps' tensors came from it, or not at all
     finally:
         native_ops.set_step_allocator(True)
