@@ -85,6 +85,8 @@ class _Args(ctypes.Structure):
         ("dtype", ctypes.c_int32), ("part_keys", ctypes.c_int32),
         ("scratch", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
         ("num_blocks", ctypes.c_int64), ("num_rows", ctypes.c_int64), ("num_seqs", ctypes.c_int64),
+        ("bias", ctypes.c_void_p), ("bias_item", ctypes.c_int64), ("bias_head", ctypes.c_int64),
+        ("bias_numel", ctypes.c_int64),
     ]
 
 
@@ -138,6 +140,7 @@ _ERRORS = {
     3: "a sequence needs more blocks than its block table row holds",
     4: "a block table entry is not a block of the cache",
     5: "out of memory for the kernel's per-thread state",
+    7: "the bias does not cover an item's keys for every head",
 }
 # pagedattn_prefill's
 _PREFILL_ERRORS = {1: "head size or head counts outside its bounds", 2: "an item's rows outside the tensors",
@@ -474,10 +477,11 @@ class DecodeCall:
             items = torch.frombuffer(self._flat, dtype=torch.int64).view(-1, 4) if self._flat else \
                 torch.empty(0, 4, dtype=torch.int64)
         self.lib, self.items, self.part_keys, self.num_threads = lib, items, part_keys, num_threads
-        self._starts, total = array.array("q", [0]), 0
+        self._starts, total, self._widest = array.array("q", [0]), 0, 0
         for _, _, first, keys in rows:
             total += -(-max(1, keys - first) // part_keys)
             self._starts.append(total)
+            self._widest = max(self._widest, keys - first)
         self.parts_start = torch.frombuffer(self._starts, dtype=torch.int64)  # [n + 1]
         self.num_parts = total
         self._scratch: Optional[Tensor] = None
@@ -488,10 +492,13 @@ class DecodeCall:
         self._parts_ptr = self.parts_start.data_ptr()
 
     def __call__(self, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables: Tensor, scale: float,
-                 softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor]) -> None:
+                 softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                 bias: Optional[Tensor] = None) -> None:
         """Write the items' rows of ``out [T, Hq, D]`` from ``query [T, Hq, D]`` over ``kv_cache``
         ``[2, nb, bs, Hkv, D]``; ``block_tables`` int32 with contiguous rows, head dims contiguous everywhere
-        (:func:`usable` says whether a call qualifies)."""
+        (:func:`usable` says whether a call qualifies). ``bias [items, Hq or 1, W]`` float32, contiguous: added to
+        item ``i``'s score of key ``first + j`` at ``bias[i, h, j]`` (``-inf``: the query does not see the key; one
+        that sees none gets zeros)."""
         if block_tables.dtype != torch.int32 or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1):
             raise ValueError("paged_attention: the native kernel reads int32 block tables with contiguous rows, "
                              f"got {block_tables.dtype} with strides {block_tables.stride()}")
@@ -516,6 +523,17 @@ class DecodeCall:
         a.alibi_slopes = None if slopes is None else slopes.data_ptr()
         a.sinks = None if sink is None else sink.data_ptr()
         a.scratch, a.num_blocks, a.num_rows = self._scratch.data_ptr(), nb, min(query.shape[0], out.shape[0])
+        if bias is None:
+            a.bias, a.bias_item, a.bias_head, a.bias_numel = None, 0, 0, 0
+        else:
+            if bias.dtype != torch.float32 or not bias.is_contiguous() or bias.dim() != 3 or \
+                    bias.shape[0] != self.items.shape[0] or bias.shape[1] not in (1, hq):
+                raise ValueError(f"paged_attention: the native kernel reads a contiguous float32 bias [items, Hq or 1, "
+                                 f"keys], got {bias.dtype} {tuple(bias.shape)} for {self.items.shape[0]} items")
+            if bias.shape[2] < self._widest:
+                raise ValueError(f"paged_attention: {_ERRORS[7]} (check the step's metadata)")
+            a.bias, a.bias_item, a.bias_numel = bias.data_ptr(), bias.stride(0), bias.numel()
+            a.bias_head = bias.stride(1) if bias.shape[1] > 1 else 0
         bad = self.lib.pagedattn_paged_decode(self._args_ref, self._parts_ptr)
         if bad:
             raise ValueError(f"paged_attention: {_ERRORS.get(bad, f'error {bad}')} (check the step's metadata)")

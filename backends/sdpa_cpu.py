@@ -190,13 +190,12 @@ class SdpaCpuBackend(SplitKVBackend):
         found = _native_call(query, kv_cache, metadata.block_tables, split, params)
         if found is None:
             return None
-        call, tables = found
         every_row = len(split.single) == query.shape[0]  # the kernel writes every row: none left to zero
         shape = (query.shape[0], query.shape[1], kv_cache.shape[-1])
 
         def run(query, key, value, kv_cache):
             out = query.new_empty(shape) if every_row else query.new_zeros(shape)
-            call(out, query, kv_cache, tables, params.scale, params.softcap, params.alibi_slopes, params.sinks)
+            found.run(out, query, kv_cache, params)
             return out
 
         return run
@@ -342,11 +341,10 @@ class SdpaCpuBackend(SplitKVBackend):
         # the same plan, so the gathered groups are kept (``_gathered``) instead of gathered again each step.
         #
         # Where the native kernel runs (``native``: it reads the blocks in place, one call per layer), every decode
-        # whose visible keys are one run (no position program) goes to it instead.
+        # goes to it instead (a position program's keys as an additive term: its bias, -inf where it hides a key).
         native_call = _native_call(query, kv_cache, block_tables, split, params)
         if native_call is not None:
-            call, tables = native_call
-            call(out, query, kv_cache, tables, params.scale, params.softcap, params.alibi_slopes, params.sinks)
+            native_call.run(out, query, kv_cache, params)
             return
         plan = _decode_plan(kv_cache, block_tables, split, params, query.shape[1], query.dtype)
         if plan is None:
@@ -578,10 +576,7 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: 
     :func:`_plan_bias`; the memo keys on which of them are set."""
     # the fields in declaration order (a frozen dataclass's __dict__ keeps it); dataclasses.fields() alone
     # cost ~40 us a call
-    fields = tuple(v is None if isinstance(v, Tensor) or v is None else v for v in vars(params).values())
-    if params.position_data is not None:  # the step's per-request values decide the mask: part of the plan
-        fields += (tuple(params.position_data.reshape(-1).tolist()),)
-    key = (split.single_key, fields, tuple(kv_cache.shape),
+    key = (split.single_key, _params_key(params), tuple(kv_cache.shape),
            kv_cache.stride()[:2], kv_cache.dtype, kv_cache.device, num_heads, dtype, torch.get_num_threads(),
            block_tables._version)
     plans = _step_plans(block_tables)
@@ -593,12 +588,64 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: 
     return plan
 
 
+def _params_key(params: AttentionParams) -> tuple:
+    """What a step's memo keys on for a site's parameters: its fields in declaration order (a frozen dataclass's
+    ``__dict__`` keeps it; ``dataclasses.fields()`` alone cost ~40 us a call), tensors only as set or not (they differ
+    per layer, applied per call), and the step's per-request values, which decide a program's mask."""
+    fields = tuple(v is None if isinstance(v, Tensor) or v is None else v for v in vars(params).values())
+    if params.position_data is not None:
+        fields += (tuple(params.position_data.reshape(-1).tolist()),)
+    return fields
+
+
+class _NativeDecode(NamedTuple):
+    """A step's decodes as one native kernel call a layer: the call, the int32 block tables it reads, and a position
+    program's additive term ``[items, Hq or 1, keys]`` for this site (None without a program)."""
+
+    call: native.DecodeCall
+    tables: Tensor
+    bias: Optional[Tensor]
+
+    def run(self, out: Tensor, query: Tensor, kv_cache: Tensor, params: AttentionParams) -> None:
+        # a program's term already holds ALiBi's (reference.finish_terms adds it)
+        slopes = params.alibi_slopes if self.bias is None else None
+        self.call(out, query, kv_cache, self.tables, params.scale, params.softcap, slopes, params.sinks, self.bias)
+
+
+@dataclass(frozen=True)
+class _NativeTerms:
+    """What positions decide about a program's scores at a native call's items (the same for every layer)."""
+
+    terms: reference.PositionTerms
+    present: Tensor  # [items, keys]: the item's keys from its first visible one that exist
+
+
+def _native_terms(rows: list, params: AttentionParams, num_heads: int, dev) -> _NativeTerms:
+    """The program's position-only part at each item's keys ``[first, keys)``; ``rows`` as the call's items."""
+    first = torch.tensor([r[2] for r in rows], device=dev)
+    keys = torch.tensor([r[3] for r in rows], device=dev)
+    width = max(1, max(r[3] - r[2] for r in rows))
+    k_pos = first[:, None] + torch.arange(width, device=dev)  # [I, W] absolute
+    q_pos = (keys - 1)[:, None]  # [I, 1]: the query is the sequence's last key
+    terms = reference.position_terms(q_pos, k_pos, params, num_heads, keys, _seq_values(params, [r[1] for r in rows]))
+    return _NativeTerms(terms, k_pos < keys[:, None])
+
+
+def _native_bias(found: _NativeTerms, params: AttentionParams) -> Tensor:
+    """A site's additive term ``[items, Hq or 1, keys]`` float32 from the step's :class:`_NativeTerms`: the program's
+    bias (and ALiBi's), ``-inf`` where the program, causality or the sequence's end hides a key."""
+    vis, bias = reference.finish_terms(found.terms, params)  # [I, 1, W] or None; [I, Hq|1, 1, W] or None
+    ok = found.present if vis is None else found.present & vis[:, 0]
+    bias = torch.zeros((*ok.shape[:1], 1, ok.shape[1]), device=ok.device) if bias is None else bias[:, :, 0].float()
+    return bias.masked_fill(~ok[:, None], float("-inf")).contiguous()
+
+
 def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _Split,
-                 params: AttentionParams) -> Optional[tuple[native.DecodeCall, Tensor]]:
-    """The step's decodes as a native kernel call and the block tables it reads (memoised for the step, like the
-    plan), or None where the kernel does not run them: not built here, turned off, a position program (its visible
-    keys need not be one run), or tensors it does not read as they are."""
-    lib = None if params.position_mod else native.library()
+                 params: AttentionParams) -> Optional[_NativeDecode]:
+    """The step's decodes as a native kernel call (memoised for the step, like the plan; a program's term per site,
+    its position-only part memoised), or None where the kernel does not run them: not built here, turned off, or
+    tensors it does not read as they are."""
+    lib = native.library()
     if lib is None or not native.usable(query, kv_cache, params.num_kv_heads):
         return None
     threads = torch.get_num_threads()
@@ -614,8 +661,19 @@ def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _
             rows = [(s.start, s.index, 0, s.kv_len) for s in split.single]
         total = sum(keys - first for _, _, first, keys in rows)
         call = native.DecodeCall(lib, rows, native.part_keys(total, threads, kv_cache.shape[2]), threads)
-        found = plans[key] = (call, block_tables.to(torch.int32).contiguous())
-    return found
+        found = plans[key] = (call, block_tables.to(torch.int32).contiguous(), rows)
+    call, tables, rows = found
+    if not params.position_mod:
+        return _NativeDecode(call, tables, None)
+    bias_key = (key, _params_key(params), query.shape[1])
+    bias = plans.get(bias_key)
+    if bias is None:
+        bias = plans[bias_key] = _native_terms(rows, params, query.shape[1], query.device)
+    if isinstance(bias, _NativeTerms):
+        bias = _native_bias(bias, params)
+        if not _tensor_fields(params):  # the same term for every layer of the step
+            plans[bias_key] = bias
+    return _NativeDecode(call, tables, bias)
 
 
 # Fresh prompts from this many tokens on go to SDPA's flash kernel rather than the native prefill kernel, in bfloat16

@@ -6,7 +6,9 @@
  * pagedattn/backends/reference.py's for a query that sees one run of keys [lo, hi):
  *
  *   s_j = scale * (q . k_j);  s_j = cap * tanh(s_j / cap) if cap > 0;  s_j += slope * (j - (hi - 1)) with ALiBi;
- *   p = softmax over j in [lo, hi) (plus the head's sink logit in the normalisation, with no value);
+ *   s_j += bias_j with a bias (a position program's: -inf for a key the query does not see);
+ *   p = softmax over j in [lo, hi) (plus the head's sink logit in the normalisation, with no value); keys whose
+ *   score is -inf weigh exactly 0, and a query that sees no key at all gets zeros;
  *   out = sum_j p_j v_j,  in float32, cast to the cache's dtype; for bfloat16 each weight p_j (before the
  *   normalisation) rounded to bfloat16 first, as the model's own bfloat16 attention rounds its weights (Hugging
  *   Face's eager softmax cast to the model's dtype, ATen's CPU flash kernel): the vector path then sums two keys'
@@ -154,6 +156,11 @@ static inline __attribute__((always_inline)) void unit_finish(const decode_args 
     }
 }
 
+/* the item's bias for head 0, indexed by key position (NULL without one) */
+static inline const float *item_bias(const decode_args *a, int64_t item) {
+    return a->bias ? a->bias + item * a->bias_item - a->items[4 * item + 2] : NULL;
+}
+
 /* the floats one thread's units need: query and sums for every head, maxima, normalisers, slopes, a tile of
  * converted keys and values, a tile of scores per head of a group (the scalar path); a zero row, and for the vector
  * path every head's 16 keys' partial sums, a chunk's scores (then weights), every head's running maximum over the
@@ -177,6 +184,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
     const float *kr[TILE], *vr[TILE];
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
+    const float *bias = item_bias(a, item);
     const int32_t *table = a->block_tables + seq * a->table_width;
     const char *ck = (const char *)a->k_cache, *cv = (const char *)a->v_cache;
     const int64_t row_bytes = ((int64_t)(Hkv - 1) * a->c_head + D) * esz;  /* a token's heads, first to last */
@@ -211,13 +219,16 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
                     for (int t = 0; t < n; t++) sg[t] = a->softcap * tanhf(sg[t] / a->softcap);
                 if (a->alibi_slopes)
                     for (int t = 0; t < n; t++) sg[t] += slope[h] * (float)(t0 + t - (hi - 1));
+                if (bias)
+                    for (int t = 0; t < n; t++) sg[t] += bias[h * a->bias_head + t0 + t];
                 float mx = m[h];
                 for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+                if (mx == -INFINITY) continue;  /* no key seen yet: nothing to add */
                 const float alpha = exp_neg(m[h] - mx);
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int t = 0; t < n; t++) {
-                    const float e = exp_neg(sg[t] - mx);
+                    const float e = sg[t] == -INFINITY ? 0.0f : exp_neg(sg[t] - mx);
                     sg[t] = e;
                     sum += e;
                 }
@@ -409,6 +420,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
     bf16_t *qp = (bf16_t *)(((uintptr_t)(top + H * VL) + 63) & ~(uintptr_t)63);  /* [H][D] the query's rows (DP) */
     int64_t k0, k1;
     unit_start(a, state, item, part, D, &k0, &k1);
+    const float *bias = item_bias(a, item);
     for (int d = 0; d < D; d++) zero[d] = 0.0f;
     if (DP)
         for (int h = 0; h < H; h++)
@@ -445,13 +457,15 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             for (int h = 0; h < H; h++) {
                 vf s = hsum16((const vf *)(dots + h * VL * VL));
                 if (DP) s *= a->scale;
-                if (a->softcap > 0.0f || a->alibi_slopes) {
+                if (a->softcap > 0.0f || a->alibi_slopes || bias) {
                     float tmp[VL];
                     vstore(tmp, s);
                     for (int t = 0; t < VL; t++) {
                         if (a->softcap > 0.0f) tmp[t] = a->softcap * tanhf(tmp[t] / a->softcap);
                         if (a->alibi_slopes) tmp[t] += slope[h] * (float)(t0 + t - (hi - 1));
                     }
+                    if (bias)  /* the tile's keys only: a row's last tile may end before 16 */
+                        for (int t = 0; t < n; t++) tmp[t] += bias[h * a->bias_head + t0 + t];
                     s = vload(tmp);
                 }
                 s = vselect(live, s, (vf){} - INFINITY);  /* a short tile's missing keys */
@@ -463,6 +477,10 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
         }
         for (int h = 0; h < H; h++) {
             const float tmax = hmax16(vload(top + h * VL)), mx = tmax > m[h] ? tmax : m[h];
+            if (mx == -INFINITY) {  /* no key seen yet (a bias hid them all): the chunk adds nothing */
+                for (int i = 0; i < nt; i++) vstore(sc + h * pstride + i * VL, (vf){});
+                continue;
+            }
             const float alpha = exp_neg(m[h] - mx);
             float *ah = acc + (int64_t)h * D;
             if (alpha != 1.0f)
@@ -470,7 +488,9 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
             vf sum = {};
             for (int i = 0; i < nt; i++) {
                 float *si = sc + h * pstride + i * VL;
-                const vf pv = (vf)((vi)vexp_neg(vload(si) - mx) & (lane < len[i]));  /* missing keys weigh 0 */
+                vi keep = lane < len[i];  /* missing keys weigh 0, and with a bias those it hides (-inf) */
+                if (bias) keep &= vload(si) != (vf){} - INFINITY;
+                const vf pv = (vf)((vi)vexp_neg(vload(si) - mx) & keep);
                 vstore(si, DT == 1 && !HAVE_DPBF16 ? round_bf16(pv) : pv);  /* as accumulate()'s pairs take them */
                 sum += pv;
             }
@@ -512,6 +532,7 @@ static int check(const decode_args *a, const int64_t *parts_start) {
     if (a->head_size <= 0 || a->head_size > MAX_HEAD || G <= 0 || G > MAX_GROUP || a->block_size <= 0) return 1;
     if (a->num_heads != G * a->num_kv_heads || a->part_keys <= 0) return 1;
     if (parts_start[0] != 0) return 2;
+    if (a->bias && (a->bias_item < 0 || a->bias_head < 0)) return 7;
     for (int64_t i = 0; i < a->num_items; i++) {
         const int64_t *it = a->items + 4 * i;
         if (it[0] < 0 || it[0] >= a->num_rows || it[1] < 0 || it[1] >= a->num_seqs) return 2;
@@ -519,6 +540,9 @@ static int check(const decode_args *a, const int64_t *parts_start) {
         if (parts_start[i + 1] < parts_start[i] + 1) return 2;
         const int64_t keys = it[3] > it[2] ? it[3] - it[2] : 1;
         if ((parts_start[i + 1] - parts_start[i] - 1) * a->part_keys >= keys) return 2;  /* a part with no keys */
+        if (a->bias && it[3] > it[2] &&
+            (i * a->bias_item + (int64_t)(a->num_heads - 1) * a->bias_head + it[3] - it[2] > a->bias_numel))
+            return 7;
         const int32_t *table = a->block_tables + it[1] * a->table_width;
         for (int64_t b = it[2] / a->block_size; b * a->block_size < it[3]; b++)
             if (table[b] < 0 || table[b] >= a->num_blocks) return 4;

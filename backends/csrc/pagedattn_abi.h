@@ -37,6 +37,11 @@ typedef struct {
     float *scratch;            /* per unit and query head: D sums, then max and normaliser */
     int32_t num_threads;
     int64_t num_blocks, num_rows, num_seqs; /* bounds every index read is checked against */
+    /* an additive float32 term per score (a position program's bias and mask, -inf: the key not seen), or NULL:
+     * item i's key j (lo <= j < hi) for query head h at bias[i * bias_item + h * bias_head + j - lo]; bias_numel
+     * bounds every read */
+    const float *bias;
+    int64_t bias_item, bias_head, bias_numel;
 } decode_args;
 
 /* the cache write: token t's K and V rows [Hkv][D] into slot slots[t] of the paged caches (-1: padding, skipped) */

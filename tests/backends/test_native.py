@@ -168,6 +168,106 @@ def test_a_query_that_sees_no_key_gets_zeros():
         assert torch.all(out[1] == 0) and torch.isfinite(out[0]).all()
 
 
+def _bias_reference(b, items, scale, softcap, sinks, bias) -> torch.Tensor:
+    """Each item's decode over keys ``[first, keys)`` in float64 with ``bias [items, Hq or 1, W]`` added to the
+    scores (``-inf``: not seen), as reference.dense_attention computes it: ``[items, Hq, D]``."""
+    outs = []
+    hq = b.query.shape[1]
+    for i, (row, seq, first, keys) in enumerate(items.tolist()):
+        k = b.full_k[seq][first:keys].double().transpose(0, 1)  # [Hkv, L, D]
+        v = b.full_v[seq][first:keys].double().transpose(0, 1)
+        g = hq // k.shape[0]
+        q = b.query[row].double()  # [Hq, D]
+        s = torch.einsum("hd,hld->hl", q, k.repeat_interleave(g, 0)) * scale  # [Hq, L]
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        s = s + bias[i, :, :keys - first].double()
+        m = s.amax(-1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sinks.double()[:, None])
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = (s - m).exp()
+        den = e.sum(-1, keepdim=True) + (0 if sinks is None else (sinks.double()[:, None] - m).exp())
+        outs.append(torch.einsum("hl,hld->hd", e / torch.where(den > 0, den, torch.ones_like(den)),
+                                 v.repeat_interleave(g, 0)))
+    return torch.stack(outs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_size=st.sampled_from([40, 64, 128]),  # the scalar path and two vector ones
+    group=st.sampled_from([1, 2, 3]),
+    per_head=st.booleans(),
+    hidden=st.sampled_from([0.0, 0.3, 0.9, 1.0]),  # the share of keys the bias hides (1.0: every key of a query)
+    part_keys=st.sampled_from([1, 16, 64, 4096]),
+    threads=st.integers(1, 3),
+    feature=st.sampled_from([{}, {"softcap": 3.0}, {"sinks": True}, {"window": 20}]),
+    seed=st.integers(0, 2**16),
+)
+def test_decodes_with_a_bias_match_the_reference(lens, dtype, head_size, group, per_head, hidden, part_keys,
+                                                 threads, feature, seed):
+    # a position program's term: any bias, -inf wherever it hides a key, runs of hidden keys as long as whole
+    # parts and chunks (a part that sees nothing adds nothing), and queries that see no key at all (zeros)
+    g = torch.Generator().manual_seed(seed)
+    hq = 2 * group
+    b = make_batch([(n - 1, 1) for n in lens], num_heads=hq, num_kv_heads=2, head_size=head_size, block_size=16,
+                   dtype=dtype, generator=g)
+    torch.ops.pagedattn.write_kv_cache(b.key, b.value, b.kv_cache, b.meta.slot_mapping)
+    window = feature.get("window", 0)
+    items = torch.tensor([(i, i, max(0, n - window) if window else 0, n) for i, n in enumerate(lens)])
+    width = int((items[:, 3] - items[:, 2]).max())
+    bias = torch.randn(len(lens), hq if per_head else 1, width, generator=g) * 2
+    hide = torch.rand(len(lens), 1, width, generator=g) < hidden
+    if hidden and width > 40:  # a long run of hidden keys inside the row as well
+        hide[:, :, width // 4:width // 4 + 40] = True
+    bias = bias.masked_fill(hide, float("-inf")).contiguous()
+    softcap = feature.get("softcap", 0.0)
+    sinks = torch.linspace(-2.0, 3.0, hq) if feature.get("sinks") else None
+    scale = 1 / math.sqrt(head_size)
+    out = torch.full_like(b.query, float("nan"))
+    native.DecodeCall(native.load(), items, part_keys, threads)(out, b.query, b.kv_cache, b.meta.block_tables, scale,
+                                                               softcap, None, sinks, bias)
+    ref = _bias_reference(b, items, scale, softcap, sinks, bias.expand(-1, hq, -1))
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [40, 64])
+def test_a_key_the_bias_hides_weighs_exactly_nothing(dtype, head_size):
+    # the keys a query sees hold zero values, the one it does not see a huge one: any weight the hidden key kept
+    # (e^-87 from a clamped exponent) would show in the output
+    b = make_batch([(47, 1)], num_heads=2, num_kv_heads=2, head_size=head_size, dtype=dtype)
+    k, v = b.kv_cache[0], b.kv_cache[1]
+    v.zero_()
+    slot = b.meta.block_tables[0, 0]
+    v[slot, 3] = 1e30 if dtype == torch.float32 else 1e36
+    k[slot, 3] = 0  # a score no larger than the others'
+    bias = torch.zeros(1, 1, 48)
+    bias[0, 0, 3] = float("-inf")
+    out = torch.full_like(b.query, float("nan"))
+    b_query = b.query
+    native.DecodeCall(native.load(), torch.tensor([(0, 0, 0, 48)]), 16, 1)(out, b_query, b.kv_cache,
+                                                                          b.meta.block_tables, 0.125, 0.0, None,
+                                                                          None, bias)
+    assert torch.all(out == 0)
+
+
+def test_a_bias_that_does_not_cover_the_keys_is_refused_before_anything_is_written():
+    b = make_batch([(20, 1), (5, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    items = torch.tensor([(0, 0, 0, 21), (1, 1, 0, 6)])
+    call = native.DecodeCall(native.load(), items, 64, 1)
+    out = torch.zeros_like(b.query)
+    with pytest.raises(ValueError, match=r"^paged_attention: the bias does not cover .*metadata\)$"):
+        call(out, b.query, b.kv_cache, b.meta.block_tables, 0.125, 0.0, None, None, torch.zeros(2, 4, 20))
+    for bad in (torch.zeros(2, 4, 21, dtype=torch.float64), torch.zeros(2, 4, 42)[..., ::2], torch.zeros(2, 2, 21),
+                torch.zeros(3, 4, 21)):
+        with pytest.raises(ValueError, match=r"^paged_attention: the native kernel reads a contiguous float32 bias"):
+            call(out, b.query, b.kv_cache, b.meta.block_tables, 0.125, 0.0, None, None, bad)
+    assert torch.all(out == 0)
+
+
 def test_parts_and_threads_change_nothing_but_rounding():
     b = make_batch([(999, 1), (17, 1), (400, 1)], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
     p = batch_params(b, 0.125)
