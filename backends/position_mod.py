@@ -49,7 +49,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "has_bias", "ValueSpec",
+__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "by_distance", "has_bias", "ValueSpec",
            "value_spec", "values_from_input", "default_values", "spans", "NO_RUN", "ProgramText", "program_text"]
 
 # where the runs a sequence does not have begin (run r of those at NO_RUN + 2r): past every position
@@ -119,6 +119,12 @@ class _Program:
     constants: dict  # node -> its value (CPU), for nodes that read no position
     on_device: dict  # device -> constants there (filled on first use)
     values: Optional[ValueSpec] = None  # per-request values the program reads (["val", i] leaves)
+    # where the program reads positions only through their distance (:func:`_relative`): node -> (b, c), the node
+    # being b * (k - q) + c, for the nodes it reads positions through; the other nodes built from q and k by
+    # integer sums and products by constants are never evaluated. None: it reads them otherwise.
+    relative: Optional[dict] = None
+    by_form: frozenset = frozenset()  # those other nodes
+    reads_length: bool = False  # whether it reads the sequence's length (["n"])
 
 
 @functools.lru_cache(maxsize=128)
@@ -150,7 +156,61 @@ def _parse(text: str) -> _Program:
     keep = {d.get("allowed"), d.get("bias")}
     constants = _fold(nodes, dtype)
     dead, dead_tabled = _lifetimes(nodes, tabled, keep)
-    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tabled, dead, dead_tabled, constants, {}, values)
+    relative, by_form = _relative(nodes, constants, keep - {None})
+    return _Program(dtype, nodes, d.get("allowed"), d.get("bias"), tabled, dead, dead_tabled, constants, {}, values,
+                    relative, by_form, any(n[0] == "n" for n in nodes))
+
+
+def _wrap64(x: int) -> int:
+    """``x`` as int64 arithmetic leaves it (modulo 2^64, signed)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _relative(nodes: tuple, constants: dict, outputs: set) -> tuple[Optional[dict], frozenset]:
+    """Whether the program reads positions only through ``k - q``, read from its text (a proof, not a sample).
+
+    Every node built from the leaves ``q`` and ``k`` and integer constants by ``add``, ``sub``, ``neg`` and ``mul``
+    by a constant is ``a * q + b * k + c`` with integer ``a, b, c``: int64 arithmetic is exact modulo 2^64, so the
+    node's value is that form's, wrapped. Where such a node is read by any other operation (or is an output), that
+    operation sees the positions through it alone; if each of those forms has ``a == -b``, it is
+    ``b * (k - q) + c``, and the whole program is a function of the distance (and of the head, the length and the
+    per-request values). Returns those nodes' ``(b, c)`` (None when one reads ``q`` or ``k`` otherwise) and the
+    other nodes built from positions by such sums and products, which nothing else reads."""
+    forms: dict[int, tuple[int, int, int]] = {}  # node -> (a, b, c): a * q + b * k + c
+    for i, n in enumerate(nodes):
+        op = n[0]
+        c = constants.get(i)
+        if op == "q":
+            forms[i] = (1, 0, 0)
+        elif op == "k":
+            forms[i] = (0, 1, 0)
+        elif c is not None:
+            if c.dtype == torch.long and c.dim() == 0:
+                forms[i] = (0, 0, _wrap64(int(c)))
+        elif op in ("add", "sub") and n[1] in forms and n[2] in forms:
+            x, y = forms[n[1]], forms[n[2]]
+            sign = 1 if op == "add" else -1
+            forms[i] = tuple(_wrap64(u + sign * v) for u, v in zip(x, y))
+        elif op == "neg" and n[1] in forms:
+            forms[i] = tuple(_wrap64(-u) for u in forms[n[1]])
+        elif op == "mul" and n[1] in forms and n[2] in forms:
+            x, y = forms[n[1]], forms[n[2]]
+            if x[:2] == (0, 0):
+                x, y = y, x
+            if y[:2] == (0, 0):  # a form times a constant
+                forms[i] = tuple(_wrap64(u * y[2]) for u in x)
+    reads = set(outputs)  # forms some other operation reads
+    for i, n in enumerate(nodes):
+        if i not in forms:
+            reads.update(_refs(n))
+    out = {}
+    for r in reads:
+        if r in forms and forms[r][:2] != (0, 0):
+            a, b, c = forms[r]
+            if a != _wrap64(-b):
+                return None, frozenset()
+            out[r] = (b, c)
+    return out, frozenset(i for i, f in forms.items() if f[:2] != (0, 0) and i not in out)
 
 
 def _tabled(nodes: tuple) -> tuple:
@@ -298,6 +358,12 @@ def spans(spec: ValueSpec, values: Sequence[int]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in pairs if s < NO_RUN]
 
 
+def by_distance(text: str) -> bool:
+    """Whether the program reads positions only through the distance ``k - q`` (proven from its text): a step's
+    pairs of consecutive queries and keys then evaluate it once per distance (``Q + L - 1`` values, not ``Q x L``)."""
+    return _parse(text).relative is not None
+
+
 def describe(text: str) -> str:
     """A short summary for reports: how many operations, whether it masks and adds a bias."""
     p = _parse(text)
@@ -318,7 +384,8 @@ class Prepared:
     program: _Program
     env: tuple  # node -> value, for the nodes finish still needs (None elsewhere)
     leaves: dict
-    shape: tuple  # (B, 1, Q, L)
+    shape: tuple  # (B, 1, Q, L); (B, 1, 1, Q + L - 1) by distance
+    by_distance: Optional[tuple] = None  # (Q, L): evaluated at each distance, spread over the pairs by finish
 
 
 def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_heads: int,
@@ -344,18 +411,53 @@ def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_
     if dev not in p.on_device:  # a memo of pure values, per device
         p.on_device[dev] = {i: v.to(dev) for i, v in p.constants.items()}
     consts = p.on_device[dev]
+    rows = max(q_pos.shape[0], k_pos.shape[0], values.shape[0] if p.values is not None else 1)
+    nq, nk = q_pos.shape[1], k_pos.shape[1]
+    distance = _distances(p, q_pos, k_pos, leaves["n"])  # [B|1, 1, 1, Q + L - 1] or None
     env: list = []
     for i, n in enumerate(p.nodes):
         if p.tabled[i]:
             env.append(None)
             continue
         c = consts.get(i)
-        env.append(c if c is not None else _node(n, env, leaves, None, p.float_dtype, dev))
+        if distance is not None and p.relative.get(i) is not None:
+            b, c0 = p.relative[i]
+            env.append(distance * b + c0)
+        elif distance is not None and i in p.by_form:
+            env.append(None)  # a sum or product a distance node stands for: never read
+        else:
+            env.append(c if c is not None else _node(n, env, leaves, None, p.float_dtype, dev))
         for r in p.dead_after[i]:  # [Q, L]-sized intermediates: keep only those still to be read
             env[r] = None
-    rows = max(q_pos.shape[0], k_pos.shape[0], values.shape[0] if p.values is not None else 1)
-    shape = (rows, 1, q_pos.shape[1], k_pos.shape[1])
-    return Prepared(p, tuple(env), leaves, shape)
+    if distance is not None:
+        return Prepared(p, tuple(env), leaves, (rows, 1, 1, nq + nk - 1), (nq, nk))
+    return Prepared(p, tuple(env), leaves, (rows, 1, nq, nk))
+
+
+def _distances(p: _Program, q_pos: Tensor, k_pos: Tensor, lengths: Tensor) -> Optional[Tensor]:
+    """``k - q`` at each of the ``Q + L - 1`` distances a row's pairs span, ``[B|1, 1, 1, Q + L - 1]`` (entry
+    ``j - i + Q - 1`` for query ``i`` and key ``j``), where the program reads positions only through their distance
+    and every pair at one distance is alike: each row's queries and keys consecutive positions, its length (if
+    read) one for all its queries. None elsewhere: there, and for a single query or key (no pairs to share), on
+    devices where checking positions would stall the step, the program is evaluated pair by pair."""
+    nq, nk = q_pos.shape[1], k_pos.shape[1]
+    if p.relative is None or nq < 2 or nk < 2 or q_pos.device.type != "cpu":
+        return None
+    if p.reads_length and lengths.shape[2] != 1:
+        return None
+    q, k = q_pos.long(), k_pos.long()
+    if not (bool((q.diff(dim=-1) == 1).all()) and bool((k.diff(dim=-1) == 1).all())):
+        return None
+    first = k[:, :1] - q[:, :1] - (nq - 1)  # [B|1, 1]: key 0 against query Q - 1
+    return (first + torch.arange(nq + nk - 1, device=q.device))[:, None, None, :]
+
+
+def _spread(v: Tensor, nq: int, nk: int) -> Tensor:
+    """``[..., Q + L - 1]`` values by distance (entry ``j - i + Q - 1``) as ``[..., Q, L]`` over the pairs."""
+    v = v.contiguous()
+    # row Q - 1 - i of the view starts at entry Q - 1 - i: the view's rows flipped are the pairs' rows
+    view = v.as_strided((*v.shape[:-1], nq, nk), (*v.stride()[:-1], 1, 1))
+    return view.flip(-2)
 
 
 def finish(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -374,12 +476,16 @@ def finish(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tenso
         a = a if isinstance(a, Tensor) else torch.tensor(bool(a), device=dev)
         if a.dim() == 4:
             a = a[:, :1]  # the rewriter proved the mask the same for every head (it may read the bias's table)
-        allowed = a.to(torch.bool).expand(shape)[:, 0]  # [B, Q, L]
+        allowed = a.to(torch.bool).expand(shape)[:, 0]  # [B, Q, L]; by distance [B, 1, Q + L - 1]
+        if prepared.by_distance is not None:
+            allowed = _spread(allowed[:, 0], *prepared.by_distance)
     if p.bias is not None:
         b = env[p.bias]
         b = b if isinstance(b, Tensor) else torch.tensor(float(b), device=dev)
         b = b.to(torch.float32)
         bias = b.expand(shape[0], b.shape[1] if b.dim() == 4 else 1, shape[2], shape[3])
+        if prepared.by_distance is not None:
+            bias = _spread(bias[:, :, 0], *prepared.by_distance)
     return allowed, bias
 
 

@@ -1,8 +1,9 @@
 """What the generic position-program path costs a decode step, against the fast causal path.
 
 Two models with the same weights: a stack of T5-style decoder layers (bucketed relative bias, causal:
-no fast kind, so served by its position program, evaluated for each step's positions) and the same
-stack with a plain causal mask (the CPU backend's flash-decoding). Each engine prefills ``--batch``
+no fast kind, so served by its position program, evaluated once a step at the keys the step reads and
+handed to the native decode kernel as a term per score) and the same stack with a plain causal mask (the
+same kernel without the term). Each engine prefills ``--batch``
 prompts of ``--context`` tokens, then decode steps of the two engines are timed alternately (so that
 both see the same machine load), median and fastest of ``--steps``.
 
