@@ -130,6 +130,8 @@ class _PrefillArgs(ctypes.Structure):
         ("causal", ctypes.c_int32), ("window", ctypes.c_int32), ("dtype", ctypes.c_int32),
         ("scale", ctypes.c_float), ("scratch", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
         ("num_q_rows", ctypes.c_int64), ("num_k_rows", ctypes.c_int64),
+        ("rel", ctypes.c_void_p), ("rel_item", ctypes.c_int64), ("rel_head", ctypes.c_int64),
+        ("rel_numel", ctypes.c_int64),
     ]
 
 
@@ -144,7 +146,11 @@ _ERRORS = {
 }
 # pagedattn_prefill's
 _PREFILL_ERRORS = {1: "head size or head counts outside its bounds", 2: "an item's rows outside the tensors",
+                   3: "the term by distance does not cover an item's queries and keys for every head",
                    5: "out of memory for its per-thread state"}
+# what each (item, head) row of a prefill's term by distance holds past its queries + keys - 1 distances: a tile's
+# keys past an item's last one read it (csrc/pagedattn_abi.h's prefill_args)
+REL_PAD = 16
 
 
 def enabled() -> bool:
@@ -606,12 +612,16 @@ def prefill_usable(query: Tensor, key: Tensor, value: Tensor, num_kv_heads: int)
 
 
 def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Tensor, items: Tensor, *,
-            scale: float, causal: bool, window: int, num_threads: int) -> None:
+            scale: float, causal: bool, window: int, num_threads: int, rel: Optional[Tensor] = None) -> None:
     """Attend ``query [Tq, Hq, D]`` rows over ``key``/``value [Tk, Hkv, D]`` rows into ``out [Tq, Hq, D]``, one
     item at a time: ``items [n, 6]`` int64 rows of (first query row, queries, position of the first query, first
     key row, keys, position of the first key). A causal query at position p sees its item's keys at positions
     ``[p - window + 1, p]`` (from the first without a window); a non-causal one all of them. Rows of ``out`` that
-    no item covers are left as they are (:func:`prefill_usable` says whether tensors qualify)."""
+    no item covers are left as they are (:func:`prefill_usable` says whether tensors qualify).
+
+    ``rel [n, Hq or 1, W]`` float32, contiguous: a term added to each score by distance, item ``i``'s query ``r``
+    over its key ``j`` taking ``rel[i, h, j - r + queries - 1]`` (``-inf``: the query does not see the key; one that
+    sees none gets zeros); ``W`` at least the items' ``queries + keys - 1 + REL_PAD``."""
     if not prefill_usable(query, key, value, key.shape[1] if key.dim() == 3 else 0) or out.dtype != query.dtype \
             or out.dim() != 3 or out.shape[1:] != query.shape[1:] or out.stride(-1) != 1 or out.device != query.device:
         raise ValueError("paged_attention: the native prefill takes query/out [T, Hq, D] and key/value [T, Hkv, D] "
@@ -628,6 +638,15 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
                      out.stride(0), out.stride(1), items.data_ptr(), items.shape[0], query.shape[1], hkv, d,
                      int(causal), int(window), DTYPE_CODES[query.dtype], scale, scratch.data_ptr(), num_threads,
                      min(query.shape[0], out.shape[0]), min(key.shape[0], value.shape[0]))
+    if rel is not None:
+        need = int((items[:, 1] + items[:, 4]).max()) - 1 + REL_PAD if len(items) else 0
+        if rel.dtype != torch.float32 or not rel.is_contiguous() or rel.dim() != 3 or rel.device != query.device \
+                or rel.shape[0] != items.shape[0] or rel.shape[1] not in (1, query.shape[1]) or rel.shape[2] < need:
+            raise ValueError("paged_attention: the native prefill's term by distance is a contiguous float32 "
+                             f"[items, Hq or 1, queries + keys - 1 + {REL_PAD}], got {rel.dtype} "
+                             f"{tuple(rel.shape)} for {items.shape[0]} items needing {need}")
+        a.rel, a.rel_item, a.rel_numel = rel.data_ptr(), rel.stride(0), rel.numel()
+        a.rel_head = rel.stride(1) if rel.shape[1] > 1 else 0
     bad = lib.pagedattn_prefill(ctypes.byref(a))
     if bad:
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")

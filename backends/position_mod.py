@@ -49,8 +49,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "by_distance", "has_bias", "ValueSpec",
-           "value_spec", "values_from_input", "default_values", "spans", "NO_RUN", "ProgramText", "program_text"]
+__all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "by_distance", "evaluate_by_distance",
+           "has_bias", "ValueSpec", "value_spec", "values_from_input", "default_values", "spans", "NO_RUN",
+           "ProgramText", "program_text"]
 
 # where the runs a sequence does not have begin (run r of those at NO_RUN + 2r): past every position
 NO_RUN = 1 << 40
@@ -400,20 +401,22 @@ def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_
         "n": _lengths(seq_len, dev),
     }
     if p.values is not None:
-        if values is None:
-            raise ValueError(f"this position program reads per-sequence values (from input {p.values.input!r}) "
-                             "but none were given")
-        v = values.to(device=dev, dtype=torch.long)
-        if v.dim() != 2 or v.shape[-1] != p.values.count:
-            raise ValueError(f"position program: values must be [sequences, {p.values.count}], got "
-                             f"{tuple(v.shape)}")
-        leaves["val"] = [v[:, i].reshape(-1, 1, 1, 1) for i in range(v.shape[-1])]  # [B|1, 1, 1, 1] each
-    if dev not in p.on_device:  # a memo of pure values, per device
-        p.on_device[dev] = {i: v.to(dev) for i, v in p.constants.items()}
-    consts = p.on_device[dev]
+        leaves["val"] = _value_leaves(p, values, dev)
     rows = max(q_pos.shape[0], k_pos.shape[0], values.shape[0] if p.values is not None else 1)
     nq, nk = q_pos.shape[1], k_pos.shape[1]
     distance = _distances(p, q_pos, k_pos, leaves["n"])  # [B|1, 1, 1, Q + L - 1] or None
+    env = _position_part(p, leaves, distance, dev)
+    if distance is not None:
+        return Prepared(p, env, leaves, (rows, 1, 1, nq + nk - 1), (nq, nk))
+    return Prepared(p, env, leaves, (rows, 1, nq, nk))
+
+
+def _position_part(p: _Program, leaves: dict, distance: Optional[Tensor], dev) -> tuple:
+    """The program's nodes that read no table, at the leaves' positions, or at ``distance`` (``k - q``, for a
+    program that reads positions only through it)."""
+    if dev not in p.on_device:  # a memo of pure values, per device
+        p.on_device[dev] = {i: v.to(dev) for i, v in p.constants.items()}
+    consts = p.on_device[dev]
     env: list = []
     for i, n in enumerate(p.nodes):
         if p.tabled[i]:
@@ -429,9 +432,40 @@ def prepare(text: str, q_pos: Tensor, k_pos: Tensor, seq_len: Tensor | int, num_
             env.append(c if c is not None else _node(n, env, leaves, None, p.float_dtype, dev))
         for r in p.dead_after[i]:  # [Q, L]-sized intermediates: keep only those still to be read
             env[r] = None
-    if distance is not None:
-        return Prepared(p, tuple(env), leaves, (rows, 1, 1, nq + nk - 1), (nq, nk))
-    return Prepared(p, tuple(env), leaves, (rows, 1, nq, nk))
+    return tuple(env)
+
+
+def evaluate_by_distance(text: str, tables: Optional[Tensor], distances: Tensor, seq_len: Tensor | int,
+                         num_heads: int, values: Optional[Tensor] = None
+                         ) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A program that reads positions only through ``k - q`` (:func:`by_distance`) at ``distances [B|1, W]``
+    (``k - q``): ``(allowed [B|1, W] bool or None, bias [B|1, Hq|1, W] float32 or None)``, what :func:`evaluate`
+    gives every pair at that distance. ``seq_len`` (an int or ``[B|1]``) and ``values`` as there."""
+    p = _parse(text)
+    if p.relative is None:
+        raise ValueError("position program: it reads positions other than through their distance k - q")
+    dev = distances.device
+    lengths = _lengths(seq_len, dev)
+    if lengths.shape[2] != 1:
+        raise ValueError("position program by distance: one length per row, not per query")
+    leaves = {"h": torch.arange(num_heads, device=dev)[None, :, None, None], "n": lengths}
+    if p.values is not None:
+        leaves["val"] = _value_leaves(p, values, dev)
+    rows = max(distances.shape[0], lengths.shape[0], values.shape[0] if p.values is not None else 1)
+    env = _position_part(p, leaves, distances.long()[:, None, None, :], dev)
+    allowed, bias = finish(Prepared(p, env, leaves, (rows, 1, 1, distances.shape[1])), tables)
+    return (None if allowed is None else allowed[:, 0]), (None if bias is None else bias[:, :, 0])
+
+
+def _value_leaves(p: _Program, values: Optional[Tensor], dev) -> list:
+    """The per-request values' leaves, ``[B|1, 1, 1, 1]`` each."""
+    if values is None:
+        raise ValueError(f"this position program reads per-sequence values (from input {p.values.input!r}) "
+                         "but none were given")
+    v = values.to(device=dev, dtype=torch.long)
+    if v.dim() != 2 or v.shape[-1] != p.values.count:
+        raise ValueError(f"position program: values must be [sequences, {p.values.count}], got {tuple(v.shape)}")
+    return [v[:, i].reshape(-1, 1, 1, 1) for i in range(v.shape[-1])]
 
 
 def _distances(p: _Program, q_pos: Tensor, k_pos: Tensor, lengths: Tensor) -> Optional[Tensor]:
@@ -464,7 +498,7 @@ def finish(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tenso
     """Complete a prepared program with its tables: :func:`evaluate`'s result."""
     p, leaves, shape = prepared.program, prepared.leaves, prepared.shape
     env = list(prepared.env)
-    dev = leaves["q"].device
+    dev = leaves["h"].device
     for i, n in enumerate(p.nodes):
         if p.tabled[i]:
             env[i] = _node(n, env, leaves, tables, p.float_dtype, dev)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedattn.backends import native, reference
+from pagedattn.backends import native, position_mod, reference
 from pagedattn.backends.base import SplitKVBackend, register_backend
 from pagedattn.backends.metadata import AttentionMetadata
 from pagedattn.backends.params import AttentionParams
@@ -230,8 +230,9 @@ class SdpaCpuBackend(SplitKVBackend):
     def attend(self, query, key, value, kv_cache, metadata: AttentionMetadata, params: AttentionParams):
         split = _plan(metadata.query_start_loc, metadata.seq_lens, key is not None)
         out = query.new_zeros((query.shape[0], query.shape[1], kv_cache.shape[-1]))
-        # a position program's prefills take the reference's math, one sequence at a time (rows it hides
-        # entirely give zeros, as the reference defines); its decodes the flash path with its bias
+        # a position program's prefills take the native kernel where it reads positions through their distance alone
+        # (its term by distance), else the reference's math, one sequence at a time (rows it hides entirely give
+        # zeros, as the reference defines); its decodes the native kernel with its term per score
         if split.single:
             self._decode(out, query, kv_cache, metadata.block_tables, split, params, fixed=key is None)
         fresh, rest = split.fresh, split.rest
@@ -696,9 +697,11 @@ def _amx_tiles() -> bool:
 
 
 def sdpa_prefill_pays(dtype: torch.dtype, tokens: int, params: AttentionParams) -> bool:
-    """Whether a fresh prompt of ``tokens`` (every key its own, visible from the first: no window) runs faster through
-    SDPA's kernel than through the step's one native prefill call on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
-    return dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and _amx_tiles()
+    """Whether a fresh prompt of ``tokens`` (every key its own, visible from the first: no window; no position program,
+    which SDPA's kernel does not take) runs faster through SDPA's kernel than through the step's one native prefill
+    call on this machine (:data:`SDPA_PREFILL_TOKENS`)."""
+    return (dtype == torch.bfloat16 and tokens >= SDPA_PREFILL_TOKENS and not params.window and not params.position_mod
+            and _amx_tiles())
 
 
 def sdpa_chunk_bounds() -> tuple[int, int]:
@@ -715,12 +718,12 @@ def sdpa_prefill_tokens() -> int:
 
 
 def sdpa_chunk_pays(dtype: torch.dtype, tokens: int, keys: int, params: AttentionParams) -> bool:
-    """Whether a chunk of ``tokens`` queries after cached keys, ``keys`` in all (visible from the first: no window),
-    runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each takes one call per
+    """Whether a chunk of ``tokens`` queries after cached keys, ``keys`` in all (visible from the first: no window; no
+    position program), runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each takes one call per
     chunk, so the work decides: at least :data:`SDPA_CHUNK_TOKENS` queries and :data:`SDPA_CHUNK_WORK` query-key
     pairs."""
     return (dtype == torch.bfloat16 and tokens >= SDPA_CHUNK_TOKENS and tokens * keys >= SDPA_CHUNK_WORK
-            and not params.window and _amx_tiles())
+            and not params.window and not params.position_mod and _amx_tiles())
 
 
 def _chunk_by_sdpa(out: Tensor, query: Tensor, s: _Seq, k: Tensor, v: Tensor, scale: float) -> None:
@@ -812,18 +815,44 @@ def _rest_native(lib, out: Tensor, query: Tensor, kv_cache: Tensor, block_tables
 
 def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams):
     """The native kernel's library where it attends this call's prefills (every query's visible keys one run from
-    the first key or a window's start, no bias, cap or sinks), else None."""
-    plain = (params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None and not params.position_mod
+    the first key or a window's start; no ALiBi, cap or sinks; a position program only where it reads positions
+    through their distance alone and no per-request values: its term by distance), else None."""
+    plain = (params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None
+             and (not params.position_mod or _by_distance(params.position_mod))
              and not params.chunk and (params.causal or not params.window))
     if not plain or params.head_size_v != query.shape[-1] or kv_cache.device.type != "cpu":
         return None
     return native.library()
 
 
+@functools.lru_cache(maxsize=64)
+def _by_distance(text: str) -> bool:
+    """Whether the native prefill takes the program as a term by distance (a pure function of the text)."""
+    return position_mod.by_distance(text) and position_mod.value_spec(text) is None
+
+
 def _prefill(lib, out: Tensor, query: Tensor, key: Tensor, value: Tensor, items: Tensor,
              params: AttentionParams) -> None:
+    rel = _prefill_term(items, params, query.shape[1]) if params.position_mod else None
     native.prefill(lib, out, query, key, value, items, scale=params.scale, causal=params.causal,
-                   window=params.window, num_threads=torch.get_num_threads())
+                   window=params.window, num_threads=torch.get_num_threads(), rel=rel)
+
+
+def _prefill_term(items: Tensor, params: AttentionParams, num_heads: int) -> Tensor:
+    """A by-distance program's term for ``native.prefill``'s items: ``[n, Hq or 1, W]`` float32, entry ``t`` of item
+    ``i`` the program's bias at its query ``r`` and key ``j`` with ``j - r + queries - 1 == t`` (``-inf`` where it
+    hides the key). Each item's keys run to its sequence's end, the length the program reads."""
+    items = items.to(torch.int64)
+    queries, q0, keys, k0 = items[:, 1], items[:, 2], items[:, 4], items[:, 5]
+    width = int((queries + keys).max()) - 1 + native.REL_PAD
+    # k - q at entry t: (k0 + j) - (q0 + r) = k0 - q0 - (queries - 1) + t
+    distances = (k0 - q0 - (queries - 1))[:, None] + torch.arange(width)  # [n, W]
+    allowed, bias = position_mod.evaluate_by_distance(params.position_mod, params.position_tables, distances,
+                                                      k0 + keys, num_heads)
+    bias = torch.zeros((len(items), 1, width)) if bias is None else bias.float()  # [n, Hq|1, W]
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed[:, None], float("-inf"))
+    return bias.contiguous()
 
 
 def _step_plans(block_tables: Tensor) -> dict:

@@ -5,14 +5,17 @@ no fast kind, so served by its position program, evaluated once a step at the ke
 handed to the native decode kernel as a term per score) and the same stack with a plain causal mask (the
 same kernel without the term). Each engine prefills ``--batch``
 prompts of ``--context`` tokens, then decode steps of the two engines are timed alternately (so that
-both see the same machine load), median and fastest of ``--steps``.
+both see the same machine load), median and fastest of ``--steps``. Then the prefill of one prompt of
+``--context`` tokens (and of a quarter of it), the engines alternating, median of ``--prefills``: a
+program that reads positions only through their distance (T5's) is evaluated once per distance and
+handed to the native prefill kernel as a term by distance.
 
 Then the rewrite time against the number of layers, most of it the proof that the bias depends on
 positions only: causal, T5 buckets with each layer's own bucket program and table (a proof per layer:
 the programs differ in their tables), and T5 buckets computed once and shared by every layer (as Hugging
 Face's T5 passes layer 0's ``position_bias`` on: one distinct mask program, one proof).
 
-    python benchmarks/position_mod_cost.py [--context 2048] [--batch 1,8] [--layers 4] [--sweep 1,2,4,8]
+    python benchmarks/position_mod_cost.py [--context 2048] [--batch 1,8] [--layers 4] [--prefills 5] [--sweep 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -111,6 +114,22 @@ def decode_steps(engines: list, steps: int) -> list[list[float]]:
     return times
 
 
+def prefill_ms(engines: list, tokens: int, rounds: int) -> list[float]:
+    """Median milliseconds of each engine's step prefilling one fresh prompt of ``tokens``, the engines in turn."""
+    g = torch.Generator().manual_seed(1)
+    times = [[] for _ in engines]
+    for _ in range(rounds):
+        prompt = torch.randint(0, VOCAB, (tokens,), generator=g).tolist()
+        for e, t in zip(engines, times):
+            e.add_request(prompt, SamplingParams(max_new_tokens=1))
+            t0 = time.perf_counter()
+            e.step()
+            t.append(time.perf_counter() - t0)
+            while e.has_unfinished():
+                e.step()
+    return [statistics.median(t) * 1e3 for t in times]
+
+
 def rewrite_s(model: nn.Module) -> float:
     t0 = time.perf_counter()
     pagedattn.rewrite(model.eval(), (torch.randint(0, VOCAB, (1, 8)),))
@@ -123,6 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prefills", type=int, default=5, help="prefills timed per prompt length (0 to skip)")
     p.add_argument("--sweep", default="1,2,4,8", help="layer counts for the rewrite times ('' to skip)")
     a = p.parse_args(argv)
     print(f"hidden {C}, {H} heads, {a.layers} layers, context {a.context}, {torch.get_num_threads()} threads")
@@ -134,6 +154,14 @@ def main(argv=None) -> None:
             print(f"batch {batch}: decode step causal (fast path) median {mc * 1e3:.2f} ms / fastest "
                   f"{min(causal) * 1e3:.2f} ms; T5 buckets (position program) {mt * 1e3:.2f} / {min(t5) * 1e3:.2f} ms; "
                   f"ratio {mt / mc:.2f}x median, {min(t5) / min(causal):.2f}x fastest (target <= 1.5x)")
+            del engines
+        if a.prefills:
+            engines = [PagedEngine(LM(a.layers, t5=t5).eval(), block_size=16, max_num_tokens=max(2048, a.context),
+                                   compile=False, progress=False, burst_ms=0) for t5 in (False, True)]
+            for tokens in (a.context // 4, a.context):
+                causal, t5 = prefill_ms(engines, tokens, a.prefills)
+                print(f"prefill of {tokens} tokens: causal {causal:.1f} ms, T5 buckets {t5:.1f} ms, ratio "
+                      f"{t5 / causal:.2f}x (median of {a.prefills})")
             del engines
     for n in (int(x) for x in a.sweep.split(",") if x):
         times = [rewrite_s(LM(n, t5=t5, shared=shared)) for t5, shared in ((False, False), (True, False), (True, True))]

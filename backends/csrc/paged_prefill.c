@@ -8,7 +8,9 @@
  * heads of its group, block of query positions): PM query rows whose score vectors stay in registers over a tile;
  * the scores of PCH tiles are then softmaxed together (one maximum, one rescale of the sums and no masks where every
  * row sees every key: ~20 % of a prefill's time against a tile at a time), and, per 16-float chunk of the head, PM
- * weighted sums stay in registers over those tiles' value rows. Head sizes that are multiples of 16, up to 256. */
+ * weighted sums stay in registers over those tiles' value rows. Head sizes that are multiples of 16, up to 256.
+ * A term by distance (prefill_args' rel) is added to the scores after the scale: keys it makes -inf weigh exactly 0,
+ * and a query that sees no key at all gets zeros. */
 #include "paged_common.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -84,6 +86,8 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
     float *q = buf, *acc = q + PM * D, *p = acc + PM * D, *l = p + PM * PCH * VL, *m = l + PM * VL;
     int64_t klo[PM], khi[PM], first = it[4], last = 0;  /* each row's keys; the keys of any row */
     int64_t seen_lo = 0, seen_hi = it[4];  /* the keys every live row sees: [seen_lo, seen_hi) */
+    const float *rel[PM];  /* with a term by distance: row r's for key j at rel[r][j] (padding rows: a live one's) */
+    int live = -1;
     for (int r = 0; r < PM; r++) {
         const int64_t i = qb * QB + r / hb;
         const int h = kvh * G + g0 + r % hb;
@@ -106,6 +110,10 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
         }
         prefill_seen(a, it, it[2] + i, &klo[r], &khi[r]);
+        if (a->rel) {
+            rel[r] = a->rel + item * a->rel_item + h * a->rel_head + nq - 1 - i;
+            live = live < 0 ? r : live;
+        }
         if (klo[r] < khi[r]) {
             first = klo[r] < first ? klo[r] : first;
             last = khi[r] > last ? khi[r] : last;
@@ -113,6 +121,9 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             seen_hi = khi[r] < seen_hi ? khi[r] : seen_hi;
         }
     }
+    if (a->rel && live >= 0)
+        for (int r = 0; r < PM; r++)
+            if (r / hb >= QB || qb * QB + r / hb >= nq || g0 + r % hb >= G) rel[r] = rel[live];
     vi lane;
     for (int t = 0; t < VL; t++) lane[t] = t;
     for (int64_t j0 = first - first % VL; j0 < last; j0 += PCH * VL) {
@@ -144,6 +155,9 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
 #pragma GCC unroll 24
                 for (int r = 0; r < PM; r++) s[r] += q[r * D + d] * k;
             }
+            if (a->rel)
+#pragma GCC unroll 24
+                for (int r = 0; r < PM; r++) s[r] += vload(rel[r] + j0 + tt * VL);
 #pragma GCC unroll 24
             for (int r = 0; r < PM; r++) vstore(p + r * (PCH * VL) + tt * VL, s[r]);
         }
@@ -180,6 +194,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             for (int tt = 0; tt < nt; tt++) {
                 vf pv = vexp_neg(sc[tt] - mr);
                 if (!full) pv = (vf)((vi)pv & seen[tt]);
+                if (a->rel) pv = (vf)((vi)pv & (sc[tt] != (vf){} - INFINITY));  /* keys the term hides */
                 sum += pv;
                 vstore(pr + tt * VL, pv);
             }
@@ -215,7 +230,8 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
         const int64_t i = qb * QB + r / hb;
         const int h = kvh * G + g0 + r % hb;
         char *dst = (char *)a->out + ((it[0] + i) * a->o_row + h * a->o_head) * esz;
-        const float inv = 1.0f / hadd16(vload(l + r * VL));
+        const float den = hadd16(vload(l + r * VL));
+        const float inv = den > 0.0f ? 1.0f / den : 0.0f;  /* 0: a term hid every key it sees */
         for (int d = 0; d < D; d++) store_dt(DT, dst, d, acc[r * D + d] * inv);
     }
 }
@@ -319,14 +335,18 @@ int pagedattn_prefill_pairs_pay(void) {
         }                                                                                                      \
     } while (0)
 
-/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows) */
+/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows), 3 (the term's rows) */
 static int prefill_check(const prefill_args *a) {
     const int D = a->head_size;
     if (D <= 0 || D > 256 || D % VL || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 1;
+    if (a->rel && (a->rel_item < 0 || a->rel_head < 0)) return 3;
     for (int64_t i = 0; i < a->num_items; i++) {
         const int64_t *it = a->items + 6 * i;
         if (it[0] < 0 || it[1] < 0 || it[0] + it[1] > a->num_q_rows) return 2;
         if (it[3] < 0 || it[4] < 0 || it[3] + it[4] > a->num_k_rows) return 2;
+        if (a->rel && it[1] > 0 && it[4] > 0 &&
+            i * a->rel_item + (int64_t)(a->num_heads - 1) * a->rel_head + it[1] + it[4] + VL - 1 > a->rel_numel)
+            return 3;
     }
     return 0;
 }

@@ -90,6 +90,12 @@ typedef struct {
     float *scratch;  /* the transposed keys: sum over items of ceil(keys / 16) * Hkv * D * 16 floats */
     int32_t num_threads;
     int64_t num_q_rows, num_k_rows;  /* bounds every row read or written is checked against */
+    /* a term added to each score by the distance between key and query (a position program that reads positions
+     * only through it: its bias and mask, -inf where it hides a key), or NULL: item i's query r over its key j, for
+     * query head h, reads rel[i * rel_item + h * rel_head + j - r + queries - 1]; each (item, head) row holds
+     * queries + keys + 15 floats (a tile's keys past the last read it); rel_numel bounds every read */
+    const float *rel;
+    int64_t rel_item, rel_head, rel_numel;
 } prefill_args;
 
 /* small_linear.c: out = SiLU(gate) * up, row by row: [rows, cols] of float32 or bfloat16 */

@@ -624,6 +624,102 @@ def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, th
         torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def _prefill_with_term(q, k, v, q_pos0, scale, causal, window, rel):
+    """One item's rows in float64 with its term by distance ``rel [Hq or 1, W]`` (keys from position 0; -inf hides
+    a key; a query that sees none gets zeros): ``[Q, Hq, D]``."""
+    nq, nk, hq = q.shape[0], k.shape[0], q.shape[1]
+    g = hq // k.shape[1]
+    kk = k.double().repeat_interleave(g, 1).transpose(0, 1)  # [Hq, L, D]
+    vv = v.double().repeat_interleave(g, 1).transpose(0, 1)
+    s = torch.einsum("qhd,hkd->hqk", q.double(), kk) * scale  # [Hq, Q, L]
+    t = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] + nq - 1  # [Q, L]
+    s = s + rel.double().expand(hq, -1)[:, t]
+    if causal:
+        back = (q_pos0 + torch.arange(nq))[:, None] - torch.arange(nk)[None, :]
+        seen = (back >= 0) & ((back < window) if window else True)
+        s = s.masked_fill(~seen, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = (s - m).exp()
+    den = e.sum(-1, keepdim=True)
+    return torch.einsum("hqk,hkd->qhd", e / torch.where(den > 0, den, torch.ones_like(den)), vv)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 70)), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    head_size=st.sampled_from([16, 64, 128]),
+    group=st.sampled_from([1, 2, 3, 30]),
+    per_head=st.booleans(),
+    hidden=st.sampled_from([0.0, 0.3, 1.0]),  # the share of distances the term hides (1.0: every key)
+    feature=st.sampled_from([{}, {"window": 7}, {"causal": False}]),
+    threads=st.integers(1, 3),
+    widening=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_prefills_with_a_term_by_distance_match_the_reference(runs, dtype, head_size, group, per_head, hidden,
+                                                              feature, threads, widening, seed):
+    # a position program read by distance: any bias per (head, distance), -inf at the distances it hides (runs of
+    # them as long as whole chunks of keys; every distance, and queries that see nothing get zeros)
+    g = torch.Generator().manual_seed(seed)
+    hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
+    hq = group * hkv
+    nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
+    query = torch.randn(nq, hq, head_size, generator=g).to(dtype)
+    key = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    value = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    items, qr, kr = [], 0, 0
+    for q, c in runs:
+        items.append((qr, q, c, kr, q + c, 0))
+        qr, kr = qr + q, kr + q + c
+    width = max(q + q + c - 1 for q, c in runs) + native.REL_PAD
+    rel = torch.randn(len(runs), hq if per_head else 1, width, generator=g)
+    hide = torch.rand(len(runs), 1, width, generator=g) < hidden
+    if hidden and width > 60:
+        hide[..., 10:50] = True
+    rel = rel.masked_fill(hide, float("-inf"))
+    out = torch.full_like(query, float("nan"))
+    scale = head_size ** -0.5
+    lib = _widening_build() if widening else _pairs_build()
+    native.prefill(lib, out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=window,
+                   num_threads=threads, rel=rel)
+    for i, (q0, q, c, k0, n, _) in enumerate(items):
+        ref = _prefill_with_term(query[q0:q0 + q], key[k0:k0 + n], value[k0:k0 + n], c, scale, causal, window,
+                                 rel[i])
+        torch.testing.assert_close(out[q0:q0 + q].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_the_prefill_term_hides_weighs_exactly_nothing(dtype):
+    # every key but the first holds a zero value; the first a huge one, hidden from the last query by the term at
+    # its distance (-19: that pair alone); any weight the hidden key kept (e^-87 from a clamped exponent) would show
+    q = torch.randn(20, 2, 64).to(dtype)
+    k = torch.randn(20, 2, 64).to(dtype)
+    k[0] = 0  # a score no larger than the others'
+    v = torch.zeros(20, 2, 64, dtype=dtype)
+    v[0] = 1e30 if dtype == torch.float32 else 1e36
+    rel = torch.zeros(1, 1, 20 + 20 - 1 + native.REL_PAD)
+    rel[0, 0, 0] = float("-inf")  # entry j - r + 19 = 0: query 19 over key 0
+    out = torch.full_like(q, float("nan"))
+    native.prefill(native.load(), out, q, k, v, torch.tensor([(0, 20, 0, 0, 20, 0)]), scale=0.125, causal=True,
+                   window=0, num_threads=1, rel=rel)
+    assert torch.all(out[19] == 0)
+    assert torch.all(out[:19].abs().amax((1, 2)) > 1e20)  # the other queries see it
+
+
+def test_a_prefill_term_that_does_not_cover_the_items_is_refused():
+    q, k, v = torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    out = torch.zeros_like(q)
+    items = torch.tensor([(0, 4, 0, 0, 4, 0)])
+    for bad in (torch.zeros(1, 2, 4 + 4 - 1 + native.REL_PAD - 1), torch.zeros(1, 3, 30), torch.zeros(2, 2, 30),
+                torch.zeros(1, 2, 30, dtype=torch.float64), torch.zeros(1, 2, 60)[..., ::2]):
+        with pytest.raises(ValueError, match="term by distance"):
+            native.prefill(native.load(), out, q, k, v, items, scale=0.2, causal=True, window=0, num_threads=1,
+                           rel=bad)
+    assert torch.all(out == 0)
+
+
 def test_a_prefill_item_with_keys_from_a_later_position_sees_only_them():
     # keys gathered from a window's first block on: positions start at k_pos0, not 0
     g = torch.Generator().manual_seed(0)
