@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["evaluate", "prepare", "finish", "Prepared", "FUNCTIONS", "describe", "by_distance", "evaluate_by_distance",
-           "has_bias", "ValueSpec", "value_spec", "values_from_input", "default_values", "spans", "NO_RUN",
-           "ProgramText", "program_text"]
+           "prepare_by_distance", "finish_by_distance", "reads_length", "has_bias", "ValueSpec", "value_spec",
+           "values_from_input", "default_values", "spans", "NO_RUN", "ProgramText", "program_text"]
 
 # where the runs a sequence does not have begin (run r of those at NO_RUN + 2r): past every position
 NO_RUN = 1 << 40
@@ -441,6 +441,24 @@ def evaluate_by_distance(text: str, tables: Optional[Tensor], distances: Tensor,
     """A program that reads positions only through ``k - q`` (:func:`by_distance`) at ``distances [B|1, W]``
     (``k - q``): ``(allowed [B|1, W] bool or None, bias [B|1, Hq|1, W] float32 or None)``, what :func:`evaluate`
     gives every pair at that distance. ``seq_len`` (an int or ``[B|1]``) and ``values`` as there."""
+    return finish_by_distance(prepare_by_distance(text, distances, seq_len, num_heads, values), tables)
+
+
+def finish_by_distance(prepared: Prepared, tables: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """:func:`evaluate_by_distance` from :func:`prepare_by_distance`'s part and the tables."""
+    allowed, bias = finish(prepared, tables)
+    return (None if allowed is None else allowed[:, 0]), (None if bias is None else bias[:, :, 0])
+
+
+def reads_length(text: str) -> bool:
+    """Whether the program reads its sequence's length (``["n"]``)."""
+    return _parse(text).reads_length
+
+
+def prepare_by_distance(text: str, distances: Tensor, seq_len: Tensor | int, num_heads: int,
+                        values: Optional[Tensor] = None) -> Prepared:
+    """The position-only part of :func:`evaluate_by_distance` (arguments as there): layers sharing a program share
+    it, :func:`finish_by_distance` completes it with each one's tables."""
     p = _parse(text)
     if p.relative is None:
         raise ValueError("position program: it reads positions other than through their distance k - q")
@@ -453,8 +471,7 @@ def evaluate_by_distance(text: str, tables: Optional[Tensor], distances: Tensor,
         leaves["val"] = _value_leaves(p, values, dev)
     rows = max(distances.shape[0], lengths.shape[0], values.shape[0] if p.values is not None else 1)
     env = _position_part(p, leaves, distances.long()[:, None, None, :], dev)
-    allowed, bias = finish(Prepared(p, env, leaves, (rows, 1, 1, distances.shape[1])), tables)
-    return (None if allowed is None else allowed[:, 0]), (None if bias is None else bias[:, :, 0])
+    return Prepared(p, env, leaves, (rows, 1, 1, distances.shape[1]))
 
 
 def _value_leaves(p: _Program, values: Optional[Tensor], dev) -> list:

@@ -615,29 +615,63 @@ class _NativeDecode(NamedTuple):
 
 @dataclass(frozen=True)
 class _NativeTerms:
-    """What positions decide about a program's scores at a native call's items (the same for every layer)."""
+    """What positions decide about a program's scores at a native call's items (the same for every layer): its
+    position-only part pair by pair, or (a program read by distance) once over the distances the items span."""
 
-    terms: reference.PositionTerms
+    terms: Optional[reference.PositionTerms]  # pair by pair: [I, 1, W]
     present: Tensor  # [items, keys]: the item's keys from its first visible one that exist
+    by_distance: Optional[position_mod.Prepared] = None  # at k - q = -(W - 1) .. 0
+    index: Optional[Tensor] = None  # [I, W]: where each item's key t lies among those distances
 
 
 def _native_terms(rows: list, params: AttentionParams, num_heads: int, dev) -> _NativeTerms:
-    """The program's position-only part at each item's keys ``[first, keys)``; ``rows`` as the call's items."""
+    """The program's position-only part at each item's keys ``[first, keys)``; ``rows`` as the call's items. A
+    program that reads positions only through their distance (and not the sequence's length, which differs between
+    items) is evaluated once at the distances the items span, and each item reads its keys' from there."""
     first = torch.tensor([r[2] for r in rows], device=dev)
     keys = torch.tensor([r[3] for r in rows], device=dev)
     width = max(1, max(r[3] - r[2] for r in rows))
-    k_pos = first[:, None] + torch.arange(width, device=dev)  # [I, W] absolute
+    steps = torch.arange(width, device=dev)
+    k_pos = first[:, None] + steps  # [I, W] absolute
+    present = k_pos < keys[:, None]
+    if _by_distance(params.position_mod) and not position_mod.reads_length(params.position_mod) \
+            and params.alibi_slopes is None and dev.type == "cpu":
+        # every key lies at or before its query, the sequence's last: entry t of a grid of G distances is
+        # k - q = t - (G - 1); the grid's width rounded up, so that a run of steps shares one
+        grid = -(-width // _DISTANCE_GRID) * _DISTANCE_GRID
+        prepared = _distance_grid(params.position_mod, grid, num_heads)
+        index = (k_pos - keys[:, None] + grid).clamp_(0, grid - 1)  # keys past an item's: never read by the kernel
+        return _NativeTerms(None, present, prepared, index)
     q_pos = (keys - 1)[:, None]  # [I, 1]: the query is the sequence's last key
     terms = reference.position_terms(q_pos, k_pos, params, num_heads, keys, _seq_values(params, [r[1] for r in rows]))
-    return _NativeTerms(terms, k_pos < keys[:, None])
+    return _NativeTerms(terms, present)
+
+
+_DISTANCE_GRID = 256  # the distance grids' widths are multiples of this
+
+
+@functools.lru_cache(maxsize=16)
+def _distance_grid(text: str, width: int, num_heads: int) -> position_mod.Prepared:
+    """A by-distance program's position-only part at distances ``-(width - 1) .. 0`` (a pure function of its
+    arguments: the steps of a run share it; never changed by its readers)."""
+    return position_mod.prepare_by_distance(text, torch.arange(1 - width, 1)[None], 1, num_heads)
 
 
 def _native_bias(found: _NativeTerms, params: AttentionParams) -> Tensor:
     """A site's additive term ``[items, Hq or 1, keys]`` float32 from the step's :class:`_NativeTerms`: the program's
     bias (and ALiBi's), ``-inf`` where the program, causality or the sequence's end hides a key."""
+    if found.by_distance is not None:
+        # a decode's keys are all visible but for a window's or chunk's, which its items' first keys leave out
+        # already; the kernel reads no key past an item's last
+        allowed, bias = position_mod.finish_by_distance(found.by_distance, params.position_tables)  # [1, G], [1, H|1, G]
+        bias = torch.zeros((1, 1, found.by_distance.shape[3])) if bias is None else bias.float()
+        if allowed is not None:
+            bias = bias.masked_fill(~allowed[:, None], float("-inf"))
+        return bias[0][:, found.index].transpose(0, 1).contiguous()  # [I, Hq|1, W]
     vis, bias = reference.finish_terms(found.terms, params)  # [I, 1, W] or None; [I, Hq|1, 1, W] or None
     ok = found.present if vis is None else found.present & vis[:, 0]
-    bias = torch.zeros((*ok.shape[:1], 1, ok.shape[1]), device=ok.device) if bias is None else bias[:, :, 0].float()
+    bias = None if bias is None else bias[:, :, 0]
+    bias = torch.zeros((*ok.shape[:1], 1, ok.shape[1]), device=ok.device) if bias is None else bias.float()
     return bias.masked_fill(~ok[:, None], float("-inf")).contiguous()
 
 

@@ -68,6 +68,22 @@ def test_position_programs(mod, shape, dtype):
     _check(b, dtype, causal=False, mod=program)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("feature", [{}, {"window": 9}, {"window": 40}, {"sinks": True}, {"alibi": True}],
+                         ids=["causal", "window9", "window40", "sinks", "alibi"])
+def test_a_program_read_by_distance_with_the_sites_other_terms(feature, dtype):
+    # a program that reads positions only through k - q (served from one evaluation per distance, each decode's keys
+    # and each prefill's pairs reading theirs) together with causality, a window (a decode's keys from the window's
+    # start), sinks or ALiBi (whose bias the program's joins), at lengths past one grid of distances (256)
+    b = make_batch(SHAPES["many_blocks"] + [(700, 1), (255, 1), (256, 1)], num_heads=4, num_kv_heads=2, dtype=dtype)
+    kw = {"window": feature.get("window", 0)}
+    if feature.get("sinks"):
+        kw["sinks"] = torch.linspace(-2.0, 3.0, 4)
+    if feature.get("alibi"):
+        kw["alibi"] = torch.linspace(0.05, 0.5, 4)
+    _check(b, dtype, causal=True, mod=(BUCKET_BIAS_MOD, BUCKET_TABLE), **kw)
+
+
 def test_a_position_program_differs_from_the_causal_reading():
     # the check above can fail: the program's mask is not what causal attention computes
     b = make_batch(SHAPES["many_blocks"], num_heads=4, num_kv_heads=2)
