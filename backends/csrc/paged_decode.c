@@ -223,7 +223,7 @@ static inline __attribute__((always_inline)) void run_unit(const decode_args *a,
                     for (int t = 0; t < n; t++) sg[t] += bias[h * a->bias_head + t0 + t];
                 float mx = m[h];
                 for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-                if (mx == -INFINITY) continue;  /* no key seen yet: nothing to add */
+                if (bias && mx == -INFINITY) continue;  /* no key seen yet (a bias hid them all): nothing to add */
                 const float alpha = exp_neg(m[h] - mx);
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -477,7 +477,7 @@ static inline __attribute__((always_inline)) void run_unit_vec(const decode_args
         }
         for (int h = 0; h < H; h++) {
             const float tmax = hmax16(vload(top + h * VL)), mx = tmax > m[h] ? tmax : m[h];
-            if (mx == -INFINITY) {  /* no key seen yet (a bias hid them all): the chunk adds nothing */
+            if (bias && mx == -INFINITY) {  /* no key seen yet (a bias hid them all): the chunk adds nothing */
                 for (int i = 0; i < nt; i++) vstore(sc + h * pstride + i * VL, (vf){});
                 continue;
             }

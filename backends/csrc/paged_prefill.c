@@ -87,6 +87,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
     int64_t klo[PM], khi[PM], first = it[4], last = 0;  /* each row's keys; the keys of any row */
     int64_t seen_lo = 0, seen_hi = it[4];  /* the keys every live row sees: [seen_lo, seen_hi) */
     const float *rel[PM];  /* with a term by distance: row r's for key j at rel[r][j] (padding rows: a live one's) */
+    const int has_rel = a->rel != NULL;
     int live = -1;
     for (int r = 0; r < PM; r++) {
         const int64_t i = qb * QB + r / hb;
@@ -155,14 +156,13 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
 #pragma GCC unroll 24
                 for (int r = 0; r < PM; r++) s[r] += q[r * D + d] * k;
             }
-            if (a->rel)
-#pragma GCC unroll 24
-                for (int r = 0; r < PM; r++) s[r] += vload(rel[r] + j0 + tt * VL);
 #pragma GCC unroll 24
             for (int r = 0; r < PM; r++) vstore(p + r * (PCH * VL) + tt * VL, s[r]);
         }
         /* every live row sees every key of the chunk (most chunks of a long prompt): no masks */
-        const int full = j0 >= seen_lo && j0 + nt * VL <= seen_hi;
+        /* masks where some live row does not see every key of the chunk, and wherever a term by distance may hide
+         * some (-inf): those keys' weights are then exactly 0 */
+        const int masked = !(j0 >= seen_lo && j0 + nt * VL <= seen_hi) || has_rel;
         for (int r = 0; r < PM; r++) {
             float *pr = p + r * (PCH * VL);
             vf sc[PCH], top_v = (vf){} - INFINITY;
@@ -170,9 +170,13 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             if (klo[r] < khi[r]) {
                 for (int tt = 0; tt < nt; tt++) {
                     sc[tt] = vload(pr + tt * VL);
-                    if (!full) {
+                    if (masked) {
                         const vi key = lane + (int)(j0 + tt * VL);
                         seen[tt] = (key >= (int)klo[r]) & (key < (int)khi[r]);
+                        if (has_rel) {
+                            sc[tt] += vload(rel[r] + j0 + tt * VL);
+                            seen[tt] &= sc[tt] != (vf){} - INFINITY;
+                        }
                         sc[tt] = vselect(seen[tt], sc[tt], (vf){} - INFINITY);
                     }
                     top_v = vselect(sc[tt] > top_v, sc[tt], top_v);
@@ -193,8 +197,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             vf sum = vload(l + r * VL);  /* the normaliser's lanes, added up at the end */
             for (int tt = 0; tt < nt; tt++) {
                 vf pv = vexp_neg(sc[tt] - mr);
-                if (!full) pv = (vf)((vi)pv & seen[tt]);
-                if (a->rel) pv = (vf)((vi)pv & (sc[tt] != (vf){} - INFINITY));  /* keys the term hides */
+                if (masked) pv = (vf)((vi)pv & seen[tt]);
                 sum += pv;
                 vstore(pr + tt * VL, pv);
             }
