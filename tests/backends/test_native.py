@@ -588,6 +588,20 @@ def _dense_prefill(q, k, v, q_pos0, k_pos0, scale, causal, window):
     return o[0].transpose(0, 1)  # [Q, Hq, D]
 
 
+def _prefill_runs(runs, hq, hkv, head_size, dtype, g):
+    """Rows for ``native.prefill``'s items, one per ``(queries, cached keys before them)`` of ``runs``: each item's
+    queries the last of its keys. ``(query [Tq, Hq, D], key, value [Tk, Hkv, D], items)``."""
+    nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
+    query = torch.randn(nq, hq, head_size, generator=g).to(dtype)
+    key = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    value = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
+    items, qr, kr = [], 0, 0
+    for q, c in runs:
+        items.append((qr, q, c, kr, q + c, 0))
+        qr, kr = qr + q, kr + q + c
+    return query, key, value, items
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     runs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 70)), min_size=1, max_size=4),
@@ -605,14 +619,7 @@ def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, th
     # bfloat16 through both builds (pair dot products where the CPU has them, widening)
     g = torch.Generator().manual_seed(seed)
     hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
-    nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
-    query = torch.randn(nq, group * hkv, head_size, generator=g).to(dtype)
-    key = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
-    value = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
-    items, qr, kr = [], 0, 0
-    for q, c in runs:
-        items.append((qr, q, c, kr, q + c, 0))
-        qr, kr = qr + q, kr + q + c
+    query, key, value, items = _prefill_runs(runs, group * hkv, hkv, head_size, dtype, g)
     out = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
     assert native.prefill_usable(query, key, value, hkv)
@@ -665,14 +672,7 @@ def test_prefills_with_a_term_by_distance_match_the_reference(runs, dtype, head_
     g = torch.Generator().manual_seed(seed)
     hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
     hq = group * hkv
-    nq, nk = sum(q for q, _ in runs), sum(q + c for q, c in runs)
-    query = torch.randn(nq, hq, head_size, generator=g).to(dtype)
-    key = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
-    value = torch.randn(nk, hkv, head_size, generator=g).to(dtype)
-    items, qr, kr = [], 0, 0
-    for q, c in runs:
-        items.append((qr, q, c, kr, q + c, 0))
-        qr, kr = qr + q, kr + q + c
+    query, key, value, items = _prefill_runs(runs, hq, hkv, head_size, dtype, g)
     width = max(q + q + c - 1 for q, c in runs) + native.REL_PAD
     rel = torch.randn(len(runs), hq if per_head else 1, width, generator=g)
     hide = torch.rand(len(runs), 1, width, generator=g) < hidden
