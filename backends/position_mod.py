@@ -6,7 +6,11 @@ logarithmic distance bias), carries the program the rewriter read from the model
 nothing else, in ``AttentionParams.position_mod``; constant tables it reads (a learned bias per bucket)
 travel flat in ``AttentionParams.position_tables``. Every backend evaluates it for exactly the query and
 key positions a step touches, through :func:`evaluate` (called by :mod:`pagedattn.backends.reference`),
-so serving it costs ``O(queries x keys)`` per step and never a table over every length.
+so serving it costs ``O(queries x keys)`` per step and never a table over every length. A program that
+reads positions only through the distance ``k - q`` (:func:`by_distance`, proven from its text: T5's
+buckets, distance biases) costs ``O(queries + keys)``: it is evaluated once per distance the step's
+pairs span and spread over them (:func:`evaluate_by_distance` gives the values by distance, as the CPU's
+native kernels take them).
 
 The program is JSON, a list of nodes each referring to earlier ones by index::
 
@@ -178,9 +182,12 @@ def _relative(nodes: tuple, constants: dict, outputs: set) -> tuple[Optional[dic
     per-request values). Returns those nodes' ``(b, c)`` (None when one reads ``q`` or ``k`` otherwise) and the
     other nodes built from positions by such sums and products, which nothing else reads."""
     forms: dict[int, tuple[int, int, int]] = {}  # node -> (a, b, c): a * q + b * k + c
+    positional = set()  # the forms that read q or k (``q - q`` too, whose form is a constant's)
     for i, n in enumerate(nodes):
         op = n[0]
         c = constants.get(i)
+        if any(r in positional for r in _refs(n)) or op in ("q", "k"):
+            positional.add(i)
         if op == "q":
             forms[i] = (1, 0, 0)
         elif op == "k":
@@ -206,12 +213,12 @@ def _relative(nodes: tuple, constants: dict, outputs: set) -> tuple[Optional[dic
             reads.update(_refs(n))
     out = {}
     for r in reads:
-        if r in forms and forms[r][:2] != (0, 0):
+        if r in forms and r in positional:
             a, b, c = forms[r]
             if a != _wrap64(-b):
                 return None, frozenset()
             out[r] = (b, c)
-    return out, frozenset(i for i, f in forms.items() if f[:2] != (0, 0) and i not in out)
+    return out, frozenset(i for i in forms if i in positional and i not in out)
 
 
 def _tabled(nodes: tuple) -> tuple:

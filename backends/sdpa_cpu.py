@@ -753,9 +753,9 @@ def sdpa_prefill_tokens() -> int:
 
 def sdpa_chunk_pays(dtype: torch.dtype, tokens: int, keys: int, params: AttentionParams) -> bool:
     """Whether a chunk of ``tokens`` queries after cached keys, ``keys`` in all (visible from the first: no window; no
-    position program), runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each takes one call per
-    chunk, so the work decides: at least :data:`SDPA_CHUNK_TOKENS` queries and :data:`SDPA_CHUNK_WORK` query-key
-    pairs."""
+    position program), runs faster through SDPA's kernel than through the native prefill kernel on this machine. Each
+    takes one call per chunk, so the work decides: at least :data:`SDPA_CHUNK_TOKENS` queries and
+    :data:`SDPA_CHUNK_WORK` query-key pairs."""
     return (dtype == torch.bfloat16 and tokens >= SDPA_CHUNK_TOKENS and tokens * keys >= SDPA_CHUNK_WORK
             and not params.window and not params.position_mod and _amx_tiles())
 

@@ -35,6 +35,10 @@ LENGTH_SCALED = _program([
     ["int", 1 << 62], ["mul", 2, 9], ["int", 3], ["mod", 10, 11], ["to_real", 12], ["add", 6, 13]],
     allowed=8, bias=14)
 
+# a position's difference with itself (a form with no position in it, built from positions) read beside the distance
+SELF_DIFFERENCE = _program([["q"], ["k"], ["sub", 0, 0], ["sub", 1, 0], ["add", 3, 2], ["int", 0], ["le", 4, 5],
+                            ["to_real", 2]], allowed=6, bias=7)
+
 NOT_RELATIVE = {
     "a sink key": SINKS_WINDOW_MOD,  # reads k alone
     "a sum of positions": _program([["q"], ["k"], ["add", 0, 1], ["int", 40], ["lt", 2, 3]], allowed=4),
@@ -48,7 +52,8 @@ NOT_RELATIVE = {
 }
 
 
-@pytest.mark.parametrize("text", [BUCKET_BIAS_MOD, T5_LIKE, LENGTH_SCALED], ids=["bucket", "t5", "length"])
+@pytest.mark.parametrize("text", [BUCKET_BIAS_MOD, T5_LIKE, LENGTH_SCALED, SELF_DIFFERENCE],
+                         ids=["bucket", "t5", "length", "self"])
 def test_programs_that_read_positions_through_their_distance_are_found(text):
     assert position_mod.by_distance(text)
 
@@ -78,6 +83,7 @@ def _same(got, want):
 
 
 PROGRAMS = {"t5": (T5_LIKE, T5_TABLE), "bucket": (BUCKET_BIAS_MOD, BUCKET_TABLE), "length": (LENGTH_SCALED, None),
+            "self": (SELF_DIFFERENCE, None),
             "sinks": (SINKS_WINDOW_MOD, None), "sum": (NOT_RELATIVE["a sum of positions"], None)}
 
 
