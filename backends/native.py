@@ -131,7 +131,7 @@ class _PrefillArgs(ctypes.Structure):
         ("scale", ctypes.c_float), ("scratch", ctypes.c_void_p), ("num_threads", ctypes.c_int32),
         ("num_q_rows", ctypes.c_int64), ("num_k_rows", ctypes.c_int64),
         ("rel", ctypes.c_void_p), ("rel_item", ctypes.c_int64), ("rel_head", ctypes.c_int64),
-        ("rel_numel", ctypes.c_int64),
+        ("rel_numel", ctypes.c_int64), ("bounds", ctypes.c_void_p), ("num_bounds", ctypes.c_int64),
     ]
 
 
@@ -147,6 +147,7 @@ _ERRORS = {
 # pagedattn_prefill's
 _PREFILL_ERRORS = {1: "head size or head counts outside its bounds", 2: "an item's rows outside the tensors",
                    3: "the term by distance does not cover an item's queries and keys for every head",
+                   4: "the rows' runs of keys do not cover an item's queries",
                    5: "out of memory for its per-thread state"}
 # what each (item, head) row of a prefill's term by distance holds past its queries + keys - 1 distances: a tile's
 # keys past an item's last one read it (csrc/pagedattn_abi.h's prefill_args)
@@ -612,7 +613,8 @@ def prefill_usable(query: Tensor, key: Tensor, value: Tensor, num_kv_heads: int)
 
 
 def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Tensor, items: Tensor, *,
-            scale: float, causal: bool, window: int, num_threads: int, rel: Optional[Tensor] = None) -> None:
+            scale: float, causal: bool, window: int, num_threads: int, rel: Optional[Tensor] = None,
+            bounds: Optional[Tensor] = None) -> None:
     """Attend ``query [Tq, Hq, D]`` rows over ``key``/``value [Tk, Hkv, D]`` rows into ``out [Tq, Hq, D]``, one
     item at a time: ``items [n, 6]`` int64 rows of (first query row, queries, position of the first query, first
     key row, keys, position of the first key). A causal query at position p sees its item's keys at positions
@@ -621,7 +623,11 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
 
     ``rel [n, Hq or 1, W]`` float32, contiguous: a term added to each score by distance, item ``i``'s query ``r``
     over its key ``j`` taking ``rel[i, h, j - r + queries - 1]`` (``-inf``: the query does not see the key; one that
-    sees none gets zeros); ``W`` at least the items' ``queries + keys - 1 + REL_PAD``."""
+    sees none gets zeros); ``W`` at least the items' ``queries + keys - 1 + REL_PAD``.
+
+    ``bounds [Tq, 2]`` int64, contiguous: query row ``t`` sees its item's keys ``[bounds[t, 0], bounds[t, 1])``
+    (indices into the item's keys) instead of what ``causal`` and ``window`` give; a row that sees none is left as
+    it is."""
     if not prefill_usable(query, key, value, key.shape[1] if key.dim() == 3 else 0) or out.dtype != query.dtype \
             or out.dim() != 3 or out.shape[1:] != query.shape[1:] or out.stride(-1) != 1 or out.device != query.device:
         raise ValueError("paged_attention: the native prefill takes query/out [T, Hq, D] and key/value [T, Hkv, D] "
@@ -647,6 +653,12 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
                              f"{tuple(rel.shape)} for {items.shape[0]} items needing {need}")
         a.rel, a.rel_item, a.rel_numel = rel.data_ptr(), rel.stride(0), rel.numel()
         a.rel_head = rel.stride(1) if rel.shape[1] > 1 else 0
+    if bounds is not None:
+        if bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.dim() != 2 or bounds.shape[1] != 2 \
+                or bounds.device != query.device:
+            raise ValueError("paged_attention: the native prefill's runs of keys are a contiguous int64 [rows, 2], got "
+                             f"{bounds.dtype} {tuple(bounds.shape)}")
+        a.bounds, a.num_bounds = bounds.data_ptr(), bounds.shape[0]
     bad = lib.pagedattn_prefill(ctypes.byref(a))
     if bad:
         raise ValueError(f"paged_attention: the native prefill refused the call ({_PREFILL_ERRORS.get(bad, bad)})")

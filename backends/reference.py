@@ -162,8 +162,8 @@ def apply_softcap(scores: Tensor, softcap: float) -> Tensor:
     return scores
 
 
-def _plain(params: AttentionParams) -> bool:
-    """Nothing but a mask: SDPA computes it with the same semantics."""
+def mask_only(params: AttentionParams) -> bool:
+    """Nothing but a mask: SDPA computes it with the same semantics (:func:`masked_sdpa`)."""
     return (params.softcap <= 0 and params.alibi_slopes is None and params.sinks is None
             and not (params.position_mod and position_mod.has_bias(params.position_mod)))
 
@@ -204,8 +204,8 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         allowed = present if allowed is None else allowed & present
     if allowed is not None:
         allowed = allowed.expand(-1, Q, L)
-    if _plain(params) and not exact:
-        return _sdpa(query, key, value, allowed, params.scale, group)
+    if mask_only(params) and not exact:
+        return masked_sdpa(query, key, value, allowed, params.scale, group)
     acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 reference
     # in place (bounded memory) unless autograd records the computation
     inplace = not (torch.is_grad_enabled() and any(
@@ -247,9 +247,10 @@ def _softmax(s: Tensor, sink: Optional[Tensor], inplace: bool) -> Tensor:
     return _apply(e, "div", inplace, torch.where(denom > 0, denom, torch.ones_like(denom)))
 
 
-def _sdpa(query: Tensor, key: Tensor, value: Tensor, allowed: Optional[Tensor], scale: float,
-          group: int) -> Tensor:
-    """The plain case through SDPA; rows that see no key give zeros (SDPA would give NaN)."""
+def masked_sdpa(query: Tensor, key: Tensor, value: Tensor, allowed: Optional[Tensor], scale: float,
+                group: int) -> Tensor:
+    """The plain case through SDPA: ``query [B, Hq, Q, D]`` over ``key``/``value [B, Hkv, L, D]`` where ``allowed
+    [B, Q, L]`` (None: everywhere); rows that see no key give zeros (SDPA would give NaN)."""
     empty = None
     if allowed is not None:
         empty = ~allowed.any(-1, keepdim=True)  # [B, Q, 1]

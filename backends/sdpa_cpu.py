@@ -308,6 +308,14 @@ class SdpaCpuBackend(SplitKVBackend):
         if plain and (not params.causal or top_left_causal):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=params.causal, scale=params.scale,
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
+        elif params.position_mod and reference.mask_only(params):
+            # a program's mask alone: the native kernel where each query sees one run of keys, else SDPA's with it
+            allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, values=values)
+            if _runs_by_native(out, query, rows, q_pos, k_pos, k[0], v[0], params, allowed):
+                return
+            if allowed is not None:
+                allowed = allowed.expand(-1, q.shape[2], k.shape[2])
+            o = reference.masked_sdpa(q, k, v, allowed, params.scale, group)
         elif params.softcap > 0 or params.position_mod:  # no SDPA kernel caps scores: the reference's exact math
             o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None], values=values)
         else:
@@ -863,6 +871,38 @@ def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams
 def _by_distance(text: str) -> bool:
     """Whether the native prefill takes the program as a term by distance (a pure function of the text)."""
     return position_mod.by_distance(text) and position_mod.value_spec(text) is None
+
+
+def _runs_by_native(out: Tensor, query: Tensor, rows: slice, q_pos: Tensor, k_pos: Tensor, k: Tensor, v: Tensor,
+                    params: AttentionParams, allowed: Optional[Tensor]) -> bool:
+    """A site's queries ``rows`` (positions ``q_pos``) over keys ``[Hkv, L, D]`` (positions ``k_pos``) where
+    ``allowed [1, Q|1, L]`` (None: everywhere; nothing but a mask: ``reference.mask_only``) through the native
+    prefill kernel, each query over its one run of keys: where, checked on this mask itself, every query sees one
+    run (a prefix-LM's: its causal keys and its own span's; a row that sees none is left at zero). False, with
+    nothing written, elsewhere."""
+    lib = native.library()
+    keys, vals = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
+    if lib is None or params.head_size_v != query.shape[-1] or query.device.type != "cpu" \
+            or not native.prefill_usable(query, keys, vals, params.num_kv_heads):
+        return False
+    n = k_pos.shape[0]
+    if allowed is None:  # every key seen by every query
+        lo, hi = torch.zeros_like(q_pos), torch.full_like(q_pos, n)
+    else:
+        a = allowed[0].expand(q_pos.shape[0], n).contiguous()  # [Q, L]
+        # a row's runs: where a seen key follows an unseen one (or starts the row)
+        runs = a[:, 0].long() + (a[:, 1:] & ~a[:, :-1]).sum(-1)
+        if not bool((runs <= 1).all()):  # some query sees more than one run
+            return False
+        seen = a.sum(-1)
+        lo = a.view(torch.uint8).argmax(-1)  # the first seen key (0 for a row that sees none)
+        hi = lo + seen
+    bounds = torch.zeros((query.shape[0], 2), dtype=torch.int64, device=query.device)
+    bounds[rows, 0], bounds[rows, 1] = lo, hi
+    item = torch.tensor([(rows.start, q_pos.shape[0], int(q_pos[0]), 0, n, int(k_pos[0]))], dtype=torch.int64)
+    native.prefill(lib, out, query, keys, vals, item, scale=params.scale, causal=params.causal, window=params.window,
+                   num_threads=torch.get_num_threads(), bounds=bounds)
+    return True
 
 
 def _prefill(lib, out: Tensor, query: Tensor, key: Tensor, value: Tensor, items: Tensor,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedattn  # noqa: F401  (registers torch.ops.pagedattn)
-from pagedattn.backends import build_metadata, get_backend
+from pagedattn.backends import AttentionParams, build_metadata, get_backend
 
 
 def decode_case(batch, ctx_lo, ctx_hi, hq, hkv, d, dtype, block_size, device="cpu", seed=0,
@@ -81,11 +81,12 @@ def prefill_case(num_seqs, seq_len, hq, hkv, d, dtype, block_size, device="cpu")
     k = torch.randn(T, hkv, d, device=device, dtype=dtype)
     v = torch.randn(T, hkv, d, device=device, dtype=dtype)
 
-    def step():
+    def step(causal: bool = True, **fields):
+        """The step; ``fields``: more of the site's ``AttentionParams`` (a position program, its values)."""
         torch.ops.pagedattn.write_kv_cache(k, v, cache, meta.slot_mapping)
+        params = AttentionParams(1 / math.sqrt(d), causal, 0, 0.0, None, hkv, d, **fields)
         return torch.ops.pagedattn.paged_attention(
-            q, k, v, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            1 / math.sqrt(d), True, 0, 0.0, None, hkv, d)
+            q, k, v, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, *params.args())
 
     def contiguous():
         qb = q.view(num_seqs, seq_len, hq, d).transpose(1, 2)  # [B, Hq, S, D]

@@ -21,10 +21,12 @@ Face's T5 passes layer 0's ``position_bias`` on: one distinct mask program, one 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
 
+import paged_cases  # benchmarks/paged_cases.py, beside this script
 import torch
 from torch import nn
 
@@ -130,6 +132,36 @@ def prefill_ms(engines: list, tokens: int, rounds: int) -> list[float]:
     return [statistics.median(t) * 1e3 for t in times]
 
 
+# position programs written out for the op-level timings (backends/position_mod.py's format): a prefix-LM over one
+# span per sequence (a query sees its causal keys and its span's: one run of keys a query), and four sink keys beside
+# a causal window of 64 (two runs a query)
+PREFIX_LM = json.dumps({"version": 1, "float": "float32", "allowed": 12, "bias": None,
+                        "values": {"input": "token_type_ids", "kind": "runs", "inside": 1, "outside": 0, "runs": 1},
+                        "nodes": [["q"], ["k"], ["le", 1, 0], ["val", 0], ["val", 1], ["ge", 0, 3], ["lt", 0, 4],
+                                  ["ge", 1, 3], ["lt", 1, 4], ["and", 5, 6], ["and", 7, 8], ["and", 9, 10],
+                                  ["or", 2, 11]]})
+SINKS_WINDOW = json.dumps({"version": 1, "float": "float32", "allowed": 10, "bias": None, "nodes": [
+    ["q"], ["k"], ["sub", 0, 1], ["int", 64], ["lt", 2, 3], ["int", 4], ["lt", 1, 5], ["or", 4, 6], ["int", 0],
+    ["ge", 2, 8], ["and", 7, 9]]})
+
+
+def op_prefill_ms(tokens: int, rounds: int) -> dict[str, float]:
+    """Median milliseconds of one layer's prefill of a ``tokens``-token prompt through the paged op (bf16, 8 query
+    heads over 4 KV heads of 64), alternating: causal, the prefix-LM (a span over the prompt's second quarter) and
+    the sink keys beside a window."""
+    _, step, _ = paged_cases.prefill_case(1, tokens, 8, 4, 64, torch.bfloat16, 16)
+    cases = {"causal": {}, "prefix-LM (one run a query)": dict(causal=False, position_mod=PREFIX_LM,
+                                                                position_data=torch.tensor([[tokens // 4, tokens // 2]])),
+             "sink keys + window (two runs a query)": dict(causal=False, position_mod=SINKS_WINDOW)}
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, kw in cases.items():
+            t0 = time.perf_counter()
+            step(**kw)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def rewrite_s(model: nn.Module) -> float:
     t0 = time.perf_counter()
     pagedattn.rewrite(model.eval(), (torch.randint(0, VOCAB, (1, 8)),))
@@ -163,6 +195,11 @@ def main(argv=None) -> None:
                 print(f"prefill of {tokens} tokens: causal {causal:.1f} ms, T5 buckets {t5:.1f} ms, ratio "
                       f"{t5 / causal:.2f}x (median of {a.prefills})")
             del engines
+            for tokens in (a.context // 4, a.context):
+                ms = op_prefill_ms(tokens, a.prefills)
+                base = ms["causal"]
+                print(f"one layer's prefill of {tokens} tokens through the op: " + ", ".join(
+                    f"{name} {t:.1f} ms ({t / base:.2f}x)" for name, t in ms.items()))
     for n in (int(x) for x in a.sweep.split(",") if x):
         times = [rewrite_s(LM(n, t5=t5, shared=shared)) for t5, shared in ((False, False), (True, False), (True, True))]
         print(f"rewrite, {n} layers: causal {times[0]:.2f} s, T5 per-layer programs {times[1]:.2f} s, "

@@ -10,7 +10,8 @@
  * row sees every key: ~20 % of a prefill's time against a tile at a time), and, per 16-float chunk of the head, PM
  * weighted sums stay in registers over those tiles' value rows. Head sizes that are multiples of 16, up to 256.
  * A term by distance (prefill_args' rel) is added to the scores after the scale: keys it makes -inf weigh exactly 0,
- * and a query that sees no key at all gets zeros. */
+ * and a query that sees no key at all gets zeros. Rows may see runs of keys of their own (prefill_args' bounds: a
+ * position program's mask, each row's one run) in place of causality and the window. */
 #include "paged_common.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -24,10 +25,14 @@
                 * --kernel prefill: 0.94-0.96x the time of 64 in bf16, 0.97-0.98x in fp32; 256: slower than 128 on the mix) */
 
 
-/* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi) */
-static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, int64_t *klo, int64_t *khi) {
+/* keys (indices into the item's keys) its query i (at position it[2] + i) sees: [*klo, *khi) */
+static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t i, int64_t *klo, int64_t *khi) {
+    const int64_t qpos = it[2] + i;
     int64_t lo = 0, hi = it[4];
-    if (a->causal) {
+    if (a->bounds) {  /* the row's own run */
+        lo = a->bounds[2 * (it[0] + i)];
+        hi = a->bounds[2 * (it[0] + i) + 1];
+    } else if (a->causal) {
         hi = qpos - it[5] + 1;
         if (a->window > 0) lo = qpos - a->window + 1 - it[5];
     }
@@ -110,7 +115,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             load_rows(q + r * D, qp, 1, D, DT);
             for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
         }
-        prefill_seen(a, it, it[2] + i, &klo[r], &khi[r]);
+        prefill_seen(a, it, i, &klo[r], &khi[r]);
         if (a->rel) {
             rel[r] = a->rel + item * a->rel_item + h * a->rel_head + nq - 1 - i;
             live = live < 0 ? r : live;
@@ -338,7 +343,8 @@ int pagedattn_prefill_pairs_pay(void) {
         }                                                                                                      \
     } while (0)
 
-/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows), 3 (the term's rows) */
+/* 0 when every row the call reads or writes is in bounds, else 1 (sizes), 2 (an item's rows), 3 (the term's rows),
+ * 4 (the rows' runs) */
 static int prefill_check(const prefill_args *a) {
     const int D = a->head_size;
     if (D <= 0 || D > 256 || D % VL || a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads) return 1;
@@ -347,6 +353,7 @@ static int prefill_check(const prefill_args *a) {
         const int64_t *it = a->items + 6 * i;
         if (it[0] < 0 || it[1] < 0 || it[0] + it[1] > a->num_q_rows) return 2;
         if (it[3] < 0 || it[4] < 0 || it[3] + it[4] > a->num_k_rows) return 2;
+        if (a->bounds && it[0] + it[1] > a->num_bounds) return 4;
         if (a->rel && it[1] > 0 && it[4] > 0 &&
             i * a->rel_item + (int64_t)(a->num_heads - 1) * a->rel_head + it[1] + it[4] + VL - 1 > a->rel_numel)
             return 3;

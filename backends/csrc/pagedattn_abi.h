@@ -96,6 +96,11 @@ typedef struct {
      * queries + keys + 15 floats (a tile's keys past the last read it); rel_numel bounds every read */
     const float *rel;
     int64_t rel_item, rel_head, rel_numel;
+    /* each query row's keys as one run, or NULL: query row t (of the query tensor) sees its item's keys
+     * [bounds[2t], bounds[2t + 1]) (indices into the item's keys), in place of causality and the window; a row
+     * that sees none is left as it is. num_bounds (rows) bounds every read */
+    const int64_t *bounds;
+    int64_t num_bounds;
 } prefill_args;
 
 /* small_linear.c: out = SiLU(gate) * up, row by row: [rows, cols] of float32 or bfloat16 */

@@ -720,6 +720,62 @@ def test_a_prefill_term_that_does_not_cover_the_items_is_refused():
     assert torch.all(out == 0)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 70)), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    head_size=st.sampled_from([16, 64]),
+    group=st.sampled_from([1, 3]),
+    causal=st.booleans(),  # the runs stand in for causality and the window either way
+    empty=st.sampled_from([0.0, 0.2, 1.0]),  # the share of rows that see no key
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_rows_over_runs_of_their_own_match_the_reference(runs, dtype, head_size, group, causal, empty, threads,
+                                                                 seed):
+    # a position program's mask with one run of keys a row (a prefix-LM's): any run, later keys included; rows that
+    # see none are left as they were
+    g = torch.Generator().manual_seed(seed)
+    hkv = 2
+    query, key, value, items = _prefill_runs(runs, group * hkv, hkv, head_size, dtype, g)
+    bounds = torch.zeros(query.shape[0], 2, dtype=torch.int64)
+    for q0, q, _, _, n, _ in items:
+        a = torch.randint(0, n, (q,), generator=g)
+        b = torch.randint(0, n + 1, (q,), generator=g)
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+        hi = torch.where(torch.rand(q, generator=g) < empty, lo, hi)
+        bounds[q0:q0 + q, 0], bounds[q0:q0 + q, 1] = lo, hi
+    out = torch.full_like(query, float("nan"))
+    scale = head_size ** -0.5
+    native.prefill(native.load(), out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=3,
+                   num_threads=threads, bounds=bounds)
+    for q0, q, _, k0, n, _ in items:
+        lo, hi = bounds[q0:q0 + q, 0], bounds[q0:q0 + q, 1]
+        j = torch.arange(n)
+        seen = (j[None] >= lo[:, None]) & (j[None] < hi[:, None])  # [Q, L]
+        kk = key[k0:k0 + n].double().repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
+        vv = value[k0:k0 + n].double().repeat_interleave(group, 1).transpose(0, 1)
+        s = torch.einsum("qhd,hkd->hqk", query[q0:q0 + q].double(), kk) * scale
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+        ref = torch.einsum("hqk,hkd->qhd", p, vv)
+        live = hi > lo
+        torch.testing.assert_close(out[q0:q0 + q][live].double(), ref[live], atol=TOL[dtype], rtol=TOL[dtype])
+        assert out[q0:q0 + q][~live].isnan().all()
+
+
+def test_prefill_runs_that_do_not_cover_the_rows_are_refused():
+    q, k, v = torch.randn(4, 2, 32), torch.randn(4, 2, 32), torch.randn(4, 2, 32)
+    out = torch.zeros_like(q)
+    items = torch.tensor([(0, 4, 0, 0, 4, 0)])
+    with pytest.raises(ValueError, match="runs of keys do not cover"):
+        native.prefill(native.load(), out, q, k, v, items, scale=0.2, causal=True, window=0, num_threads=1,
+                       bounds=torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="runs of keys are a contiguous int64"):
+        native.prefill(native.load(), out, q, k, v, items, scale=0.2, causal=True, window=0, num_threads=1,
+                       bounds=torch.zeros(4, 2, dtype=torch.int32))
+    assert torch.all(out == 0)
+
+
 def test_a_prefill_item_with_keys_from_a_later_position_sees_only_them():
     # keys gathered from a window's first block on: positions start at k_pos0, not 0
     g = torch.Generator().manual_seed(0)

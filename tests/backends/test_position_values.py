@@ -116,6 +116,28 @@ def test_cpu_prefills_chunks_and_decodes_equal_the_reference(kind, shape, dtype)
     _check(b, dtype, _program(kind, SHAPES[shape]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mod", ["prefix_lm", "sinks_window"])
+def test_a_mask_of_one_run_a_query_prefills_in_the_native_kernel(monkeypatch, mod, dtype):
+    # a prefix-LM's query sees its causal keys and its own span's, one run of keys: the native prefill takes each
+    # row's run (checked on the step's mask); sink keys beside a window are two runs a query, left to SDPA's kernel
+    from pagedattn.backends import native
+
+    from ..support import SINKS_WINDOW_MOD, skip_unless_missing_prerequisite
+
+    if native.load() is None:
+        skip_unless_missing_prerequisite()
+    calls = []
+    real = native.prefill
+    monkeypatch.setattr(native, "prefill", lambda *a, **k: calls.append(k.get("bounds")) or real(*a, **k))
+    seqs = SHAPES["chunked"] + [(0, 40)]
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2, dtype=dtype)
+    program = _program("runs", seqs) if mod == "prefix_lm" else (SINKS_WINDOW_MOD, None)
+    _check(b, dtype, program)
+    with_runs = [c for c in calls if c is not None]
+    assert len(with_runs) == (4 if mod == "prefix_lm" else 0)  # one call a sequence's run of queries
+
+
 def test_the_values_change_the_result():
     # the checks above can fail: other spans (or none) give other outputs
     seqs = SHAPES["many_blocks"]
