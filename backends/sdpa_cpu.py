@@ -889,14 +889,14 @@ def _runs_by_native(out: Tensor, query: Tensor, rows: slice, q_pos: Tensor, k_po
     if allowed is None:  # every key seen by every query
         lo, hi = torch.zeros_like(q_pos), torch.full_like(q_pos, n)
     else:
-        a = allowed[0].expand(q_pos.shape[0], n).contiguous()  # [Q, L]
+        a = allowed[0]  # [Q|1, L]
         # a row's runs: where a seen key follows an unseen one (or starts the row)
-        runs = a[:, 0].long() + (a[:, 1:] & ~a[:, :-1]).sum(-1)
+        runs = a[:, 0].long() + torch.count_nonzero(a[:, 1:] > a[:, :-1], dim=-1)
         if not bool((runs <= 1).all()):  # some query sees more than one run
             return False
-        seen = a.sum(-1)
         lo = a.view(torch.uint8).argmax(-1)  # the first seen key (0 for a row that sees none)
-        hi = lo + seen
+        hi = lo + torch.count_nonzero(a, dim=-1)
+        lo, hi = lo.expand(q_pos.shape[0]), hi.expand(q_pos.shape[0])
     bounds = torch.zeros((query.shape[0], 2), dtype=torch.int64, device=query.device)
     bounds[rows, 0], bounds[rows, 1] = lo, hi
     item = torch.tensor([(rows.start, q_pos.shape[0], int(q_pos[0]), 0, n, int(k_pos[0]))], dtype=torch.int64)
