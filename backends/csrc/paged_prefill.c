@@ -25,13 +25,13 @@
                 * --kernel prefill: 0.94-0.96x the time of 64 in bf16, 0.97-0.98x in fp32; 256: slower than 128 on the mix) */
 
 
-/* keys (indices into the item's keys) its query i (at position it[2] + i) sees: [*klo, *khi) */
-static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t i, int64_t *klo, int64_t *khi) {
-    const int64_t qpos = it[2] + i;
+/* keys (indices into the item's keys) a query at position qpos sees: [*klo, *khi); bounds: the row's own run */
+static inline void prefill_seen(const prefill_args *a, const int64_t *it, int64_t qpos, const int64_t *bounds,
+                                int64_t *klo, int64_t *khi) {
     int64_t lo = 0, hi = it[4];
-    if (a->bounds) {  /* the row's own run */
-        lo = a->bounds[2 * (it[0] + i)];
-        hi = a->bounds[2 * (it[0] + i) + 1];
+    if (bounds) {
+        lo = bounds[0];
+        hi = bounds[1];
     } else if (a->causal) {
         hi = qpos - it[5] + 1;
         if (a->window > 0) lo = qpos - a->window + 1 - it[5];
@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
             load_rows(q + r * D, qp, 1, D, DT);
             for (int d = 0; d < D; d++) q[r * D + d] *= a->scale;
         }
-        prefill_seen(a, it, i, &klo[r], &khi[r]);
+        prefill_seen(a, it, it[2] + i, a->bounds ? a->bounds + 2 * (it[0] + i) : NULL, &klo[r], &khi[r]);
         if (a->rel) {
             rel[r] = a->rel + item * a->rel_item + h * a->rel_head + nq - 1 - i;
             live = live < 0 ? r : live;
