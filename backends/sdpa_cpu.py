@@ -626,9 +626,9 @@ class _NativeTerms:
     """What positions decide about a program's scores at a native call's items (the same for every layer): its
     position-only part pair by pair, or (a program read by distance) once over the distances the items span."""
 
-    terms: Optional[reference.PositionTerms]  # pair by pair: [I, 1, W]
-    present: Tensor  # [items, keys]: the item's keys from its first visible one that exist
-    by_distance: Optional[position_mod.Prepared] = None  # at k - q = -(W - 1) .. 0
+    terms: Optional[reference.PositionTerms] = None  # pair by pair: [I, 1, W]
+    present: Optional[Tensor] = None  # with terms, [items, keys]: the item's keys from its first visible one that exist
+    by_distance: Optional[position_mod.Prepared] = None  # at k - q = -(G - 1) .. 0
     index: Optional[Tensor] = None  # [I, W]: where each item's key t lies among those distances
 
 
@@ -641,18 +641,16 @@ def _native_terms(rows: list, params: AttentionParams, num_heads: int, dev) -> _
     width = max(1, max(r[3] - r[2] for r in rows))
     steps = torch.arange(width, device=dev)
     k_pos = first[:, None] + steps  # [I, W] absolute
-    present = k_pos < keys[:, None]
     if _by_distance(params.position_mod) and not position_mod.reads_length(params.position_mod) \
             and params.alibi_slopes is None and dev.type == "cpu":
         # every key lies at or before its query, the sequence's last: entry t of a grid of G distances is
         # k - q = t - (G - 1); the grid's width rounded up, so that a run of steps shares one
         grid = -(-width // _DISTANCE_GRID) * _DISTANCE_GRID
-        prepared = _distance_grid(params.position_mod, grid, num_heads)
         index = (k_pos - keys[:, None] + grid).clamp_(0, grid - 1)  # keys past an item's: never read by the kernel
-        return _NativeTerms(None, present, prepared, index)
+        return _NativeTerms(by_distance=_distance_grid(params.position_mod, grid, num_heads), index=index)
     q_pos = (keys - 1)[:, None]  # [I, 1]: the query is the sequence's last key
     terms = reference.position_terms(q_pos, k_pos, params, num_heads, keys, _seq_values(params, [r[1] for r in rows]))
-    return _NativeTerms(terms, present)
+    return _NativeTerms(terms, k_pos < keys[:, None])
 
 
 _DISTANCE_GRID = 256  # the distance grids' widths are multiples of this
