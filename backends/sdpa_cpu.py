@@ -236,6 +236,8 @@ class SdpaCpuBackend(SplitKVBackend):
         if split.single:
             self._decode(out, query, kv_cache, metadata.block_tables, split, params, fixed=key is None)
         fresh, rest = split.fresh, split.rest
+        # a mask-only program's masks, the same at every layer of the step (_mask_runs)
+        masks = _step_plans(metadata.block_tables) if params.position_mod and (fresh or rest) else None
         lib = _native_prefill_lib(query, kv_cache, params) if fresh or rest else None
         if lib is not None and fresh and native.prefill_usable(query, key, value, params.num_kv_heads):
             by_sdpa = tuple(s for s in fresh if sdpa_prefill_pays(query.dtype, s.q_len, params))
@@ -249,7 +251,7 @@ class SdpaCpuBackend(SplitKVBackend):
         for s in fresh:
             k = key[s.start:s.start + s.q_len].transpose(0, 1)  # [Hkv, L, D]
             v = value[s.start:s.start + s.q_len].transpose(0, 1)
-            self._one(out, query, s, k, v, 0, params)
+            self._one(out, query, s, k, v, 0, params, masks)
         if rest and lib is not None:
             rest = _rest_native(lib, out, query, kv_cache, metadata.block_tables, rest, params)
         for s in rest:
@@ -263,7 +265,7 @@ class SdpaCpuBackend(SplitKVBackend):
                 _prefill(lib, out, query, k, v, torch.tensor([(s.start, s.q_len, s.context_len, 0, len(k), k0)]),
                          params)
             else:
-                self._one(out, query, s, k.transpose(0, 1), v.transpose(0, 1), k0, params)
+                self._one(out, query, s, k.transpose(0, 1), v.transpose(0, 1), k0, params, masks)
         return out
 
     @staticmethod
@@ -279,21 +281,23 @@ class SdpaCpuBackend(SplitKVBackend):
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:s.kv_len - k0]
         return k0, k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
 
-    def _one(self, out, query, s: _Seq, k, v, k0: int, params: AttentionParams):
+    def _one(self, out, query, s: _Seq, k, v, k0: int, params: AttentionParams, masks: Optional[dict] = None):
         """One sequence's queries over its keys ``[Hkv, L, D]`` (positions ``k0`` on), one run of queries
         within a chunk at a time (the whole sequence without chunks): each run reads only the keys from
-        the first one its first query can see (``reference.chunk_runs``, ``earliest_visible_key``)."""
+        the first one its first query can see (``reference.chunk_runs``, ``earliest_visible_key``).
+        ``masks``: the step's memo of mask-only programs' masks (``_mask_runs``)."""
         for a, b in reference.chunk_runs(s.context_len, s.kv_len, params):
             lo = reference.earliest_visible_key(a, params)  # >= k0: the gather started at or before it
             rows = slice(s.start + a - s.context_len, s.start + b - s.context_len)
             self._run(out, query, rows, a, k[:, lo - k0:b - k0], v[:, lo - k0:b - k0], lo, params,
-                      _seq_values(params, [s.index]))
+                      _seq_values(params, [s.index]), masks)
 
     @staticmethod
     def _run(out, query, rows: slice, q0: int, k, v, k_first: int, params: AttentionParams,
-             values: Optional[Tensor] = None):
+             values: Optional[Tensor] = None, masks: Optional[dict] = None):
         """Queries ``rows`` (positions ``q0`` on) over keys ``[Hkv, L, D]`` (positions ``k_first`` on);
-        ``values [1, count]``: the sequence's per-request values, for a program that reads some."""
+        ``values [1, count]``: the sequence's per-request values, for a program that reads some; ``masks``: the
+        step's memo of a mask-only program's masks and their runs of keys, which every layer shares."""
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]  # [1, Hkv, L, D]
         num_heads = q.shape[1]
@@ -310,8 +314,8 @@ class SdpaCpuBackend(SplitKVBackend):
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
         elif params.position_mod and reference.mask_only(params):
             # a program's mask alone: the native kernel where each query sees one run of keys, else SDPA's with it
-            allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, values=values)
-            if _runs_by_native(out, query, rows, q_pos, k_pos, k[0], v[0], params, allowed):
+            allowed, runs = _mask_runs(q_pos, k_pos, params, num_heads, values, rows.start, masks)
+            if runs is not None and _runs_by_native(out, query, rows, q_pos, k_pos, k[0], v[0], params, *runs):
                 return
             if allowed is not None:
                 allowed = allowed.expand(-1, q.shape[2], k.shape[2])
@@ -663,6 +667,13 @@ def _distance_grid(text: str, width: int, num_heads: int) -> position_mod.Prepar
     return position_mod.prepare_by_distance(text, torch.arange(1 - width, 1)[None], 1, num_heads)
 
 
+def _additive(allowed: Optional[Tensor], bias: Optional[Tensor], rows: int, width: int) -> Tensor:
+    """A kernel's additive term ``[rows, Hq or 1, width]`` float32: ``bias`` (zeros where None), ``-inf`` where
+    ``allowed [rows, width]`` (None: everywhere) hides a key."""
+    bias = torch.zeros((rows, 1, width)) if bias is None else bias.float()
+    return bias if allowed is None else bias.masked_fill(~allowed[:, None], float("-inf"))
+
+
 def _native_bias(found: _NativeTerms, params: AttentionParams) -> Tensor:
     """A site's additive term ``[items, Hq or 1, keys]`` float32 from the step's :class:`_NativeTerms`: the program's
     bias (and ALiBi's), ``-inf`` where the program, causality or the sequence's end hides a key."""
@@ -670,15 +681,11 @@ def _native_bias(found: _NativeTerms, params: AttentionParams) -> Tensor:
         # a decode's keys are all visible but for a window's or chunk's, which its items' first keys leave out
         # already; the kernel reads no key past an item's last
         allowed, bias = position_mod.finish_by_distance(found.by_distance, params.position_tables)  # [1, G], [1, H|1, G]
-        bias = torch.zeros((1, 1, found.by_distance.shape[3])) if bias is None else bias.float()
-        if allowed is not None:
-            bias = bias.masked_fill(~allowed[:, None], float("-inf"))
-        return bias[0][:, found.index].transpose(0, 1).contiguous()  # [I, Hq|1, W]
+        grid = _additive(allowed, bias, 1, found.by_distance.shape[3])
+        return grid[0][:, found.index].transpose(0, 1).contiguous()  # [I, Hq|1, W]
     vis, bias = reference.finish_terms(found.terms, params)  # [I, 1, W] or None; [I, Hq|1, 1, W] or None
     ok = found.present if vis is None else found.present & vis[:, 0]
-    bias = None if bias is None else bias[:, :, 0]
-    bias = torch.zeros((*ok.shape[:1], 1, ok.shape[1]), device=ok.device) if bias is None else bias.float()
-    return bias.masked_fill(~ok[:, None], float("-inf")).contiguous()
+    return _additive(ok, None if bias is None else bias[:, :, 0], *ok.shape).contiguous()
 
 
 def _native_call(query: Tensor, kv_cache: Tensor, block_tables: Tensor, split: _Split,
@@ -871,30 +878,50 @@ def _by_distance(text: str) -> bool:
     return position_mod.by_distance(text) and position_mod.value_spec(text) is None
 
 
+def _mask_runs(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int, values: Optional[Tensor],
+               first_row: int, masks: Optional[dict]) -> tuple[Optional[Tensor], Optional[tuple[Tensor, Tensor]]]:
+    """A mask-only program's mask for queries ``q_pos`` over keys ``k_pos`` (``[1, Q|1, L]``, None: every key) and,
+    where every query sees one run of keys (checked on this mask itself), each query's run ``(lo, hi)`` (``[Q]``
+    each, indices into the keys; ``lo == hi`` for a query that sees none), else None. Memoised in ``masks`` (the
+    step's, for its layers) where the site holds no tensor parameters: it depends then on positions and the step's
+    per-request values alone."""
+    memo = key = None
+    if masks is not None and not _tensor_fields(params):
+        memo = masks.setdefault(("mask runs", _params_key(params)), {})
+        key = (first_row, int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0])
+        if key in memo:
+            return memo[key]
+    allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, values=values)
+    n = k_pos.shape[0]
+    if allowed is None:  # every key seen by every query
+        found = None, (torch.zeros_like(q_pos), torch.full_like(q_pos, n))
+    else:
+        a = allowed[0]  # [Q|1, L]
+        # a row's runs: where a seen key follows an unseen one (or starts the row)
+        runs = a[:, 0].long() + torch.count_nonzero(a[:, 1:] > a[:, :-1], dim=-1)
+        if bool((runs <= 1).all()):
+            lo = a.view(torch.uint8).argmax(-1)  # the first seen key (0 for a row that sees none)
+            hi = lo + torch.count_nonzero(a, dim=-1)
+            found = allowed, (lo.expand(q_pos.shape[0]), hi.expand(q_pos.shape[0]))
+        else:  # some query sees more than one run
+            found = allowed, None
+    if memo is not None:
+        memo[key] = found
+    return found
+
+
 def _runs_by_native(out: Tensor, query: Tensor, rows: slice, q_pos: Tensor, k_pos: Tensor, k: Tensor, v: Tensor,
-                    params: AttentionParams, allowed: Optional[Tensor]) -> bool:
-    """A site's queries ``rows`` (positions ``q_pos``) over keys ``[Hkv, L, D]`` (positions ``k_pos``) where
-    ``allowed [1, Q|1, L]`` (None: everywhere; nothing but a mask: ``reference.mask_only``) through the native
-    prefill kernel, each query over its one run of keys: where, checked on this mask itself, every query sees one
-    run (a prefix-LM's: its causal keys and its own span's; a row that sees none is left at zero). False, with
-    nothing written, elsewhere."""
+                    params: AttentionParams, lo: Tensor, hi: Tensor) -> bool:
+    """A site's queries ``rows`` (positions ``q_pos``) over keys ``[Hkv, L, D]`` (positions ``k_pos``) through the
+    native prefill kernel, query ``i`` over keys ``[lo[i], hi[i])`` (a mask-only program's one run of keys a query,
+    :func:`_mask_runs`; a row that sees none is left at zero). False, with nothing written, where the kernel does not
+    take the call."""
     lib = native.library()
     keys, vals = k.transpose(0, 1), v.transpose(0, 1)  # [L, Hkv, D]
     if lib is None or params.head_size_v != query.shape[-1] or query.device.type != "cpu" \
             or not native.prefill_usable(query, keys, vals, params.num_kv_heads):
         return False
     n = k_pos.shape[0]
-    if allowed is None:  # every key seen by every query
-        lo, hi = torch.zeros_like(q_pos), torch.full_like(q_pos, n)
-    else:
-        a = allowed[0]  # [Q|1, L]
-        # a row's runs: where a seen key follows an unseen one (or starts the row)
-        runs = a[:, 0].long() + torch.count_nonzero(a[:, 1:] > a[:, :-1], dim=-1)
-        if not bool((runs <= 1).all()):  # some query sees more than one run
-            return False
-        lo = a.view(torch.uint8).argmax(-1)  # the first seen key (0 for a row that sees none)
-        hi = lo + torch.count_nonzero(a, dim=-1)
-        lo, hi = lo.expand(q_pos.shape[0]), hi.expand(q_pos.shape[0])
     bounds = torch.zeros((query.shape[0], 2), dtype=torch.int64, device=query.device)
     bounds[rows, 0], bounds[rows, 1] = lo, hi
     item = torch.tensor([(rows.start, q_pos.shape[0], int(q_pos[0]), 0, n, int(k_pos[0]))], dtype=torch.int64)
@@ -921,10 +948,7 @@ def _prefill_term(items: Tensor, params: AttentionParams, num_heads: int) -> Ten
     distances = (k0 - q0 - (queries - 1))[:, None] + torch.arange(width)  # [n, W]
     allowed, bias = position_mod.evaluate_by_distance(params.position_mod, params.position_tables, distances,
                                                       k0 + keys, num_heads)
-    bias = torch.zeros((len(items), 1, width)) if bias is None else bias.float()  # [n, Hq|1, W]
-    if allowed is not None:
-        bias = bias.masked_fill(~allowed[:, None], float("-inf"))
-    return bias.contiguous()
+    return _additive(allowed, bias, len(items), width).contiguous()  # [n, Hq|1, W]
 
 
 def _step_plans(block_tables: Tensor) -> dict:

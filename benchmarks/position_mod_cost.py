@@ -148,7 +148,8 @@ SINKS_WINDOW = json.dumps({"version": 1, "float": "float32", "allowed": 10, "bia
 def op_prefill_ms(tokens: int, rounds: int) -> dict[str, float]:
     """Median milliseconds of one layer's prefill of a ``tokens``-token prompt through the paged op (bf16, 8 query
     heads over 4 KV heads of 64), alternating: causal, the prefix-LM (a span over the prompt's second quarter) and
-    the sink keys beside a window."""
+    the sink keys beside a window. Every call repeats one step's metadata, as a step's layers do: after the first,
+    a mask-only program's mask comes from the step's memo, so the figures are a step's later layers'."""
     _, step, _ = paged_cases.prefill_case(1, tokens, 8, 4, 64, torch.bfloat16, 16)
     cases = {"causal": {}, "prefix-LM (one run a query)": dict(causal=False, position_mod=PREFIX_LM,
                                                                 position_data=torch.tensor([[tokens // 4, tokens // 2]])),

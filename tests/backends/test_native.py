@@ -723,7 +723,7 @@ def test_a_prefill_term_that_does_not_cover_the_items_is_refused():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     runs=st.lists(st.tuples(st.integers(1, 90), st.integers(0, 70)), min_size=1, max_size=3),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     head_size=st.sampled_from([16, 64]),
     group=st.sampled_from([1, 3]),
     causal=st.booleans(),  # the runs stand in for causality and the window either way

@@ -138,6 +138,26 @@ def test_a_mask_of_one_run_a_query_prefills_in_the_native_kernel(monkeypatch, mo
     assert len(with_runs) == (4 if mod == "prefix_lm" else 0)  # one call a sequence's run of queries
 
 
+def test_a_steps_layers_evaluate_a_mask_only_program_once(monkeypatch):
+    # the mask of each sequence's prefill is the same at every layer of a step: evaluated at the first, its runs of
+    # keys kept for the rest; other values for the same step's metadata are evaluated afresh (and served right)
+    calls = []
+    real = ref_mod.score_terms
+    monkeypatch.setattr(ref_mod, "score_terms", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seqs = SHAPES["chunked"] + [(0, 40)]  # four sequences, each one run of queries
+    b = make_batch(seqs, num_heads=4, num_kv_heads=2)
+    first = _program("runs", seqs)
+    scale = 1 / math.sqrt(b.query.shape[-1])
+    outs = [run_step(b, scale, causal=False, mod=first) for _ in range(3)]  # three layers of one step
+    assert len(calls) == len(seqs)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    other = (first[0], None, span_values(RUNS, [[(0, 3)]] * len(seqs)))
+    run_step(b, scale, causal=False, mod=other)
+    assert len(calls) == 2 * len(seqs)
+    _check(b, torch.float32, other)
+    _check(b, torch.float32, first)
+
+
 def test_the_values_change_the_result():
     # the checks above can fail: other spans (or none) give other outputs
     seqs = SHAPES["many_blocks"]

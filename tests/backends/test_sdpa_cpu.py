@@ -424,9 +424,9 @@ def _spy_prefill_paths(monkeypatch):
     seen = {"sdpa": [], "chunk": [], "native": []}
     one, chunk, prefill = sdpa_cpu.SdpaCpuBackend._one, sdpa_cpu._chunk_by_sdpa, native.prefill
 
-    def spy_one(self, out, query, s, k, v, k0, params):
+    def spy_one(self, out, query, s, k, v, k0, params, *rest):
         seen["sdpa"].append(s.q_len)
-        return one(self, out, query, s, k, v, k0, params)
+        return one(self, out, query, s, k, v, k0, params, *rest)
 
     def spy_chunk(out, query, s, k, v, scale):
         seen["chunk"].append(s.q_len)
