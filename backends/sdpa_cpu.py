@@ -314,7 +314,7 @@ class SdpaCpuBackend(SplitKVBackend):
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
         elif params.position_mod and reference.mask_only(params):
             # a program's mask alone: the native kernel where each query sees one run of keys, else SDPA's with it
-            allowed, runs = _mask_runs(q_pos, k_pos, params, num_heads, values, rows.start, masks)
+            allowed, runs = _mask_runs(q_pos, k_pos, params, num_heads, values, masks)
             if runs is not None and _runs_by_native(out, query, rows, q_pos, k_pos, k[0], v[0], params, *runs):
                 return
             if allowed is not None:
@@ -879,16 +879,19 @@ def _by_distance(text: str) -> bool:
 
 
 def _mask_runs(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int, values: Optional[Tensor],
-               first_row: int, masks: Optional[dict]) -> tuple[Optional[Tensor], Optional[tuple[Tensor, Tensor]]]:
+               masks: Optional[dict]) -> tuple[Optional[Tensor], Optional[tuple[Tensor, Tensor]]]:
     """A mask-only program's mask for queries ``q_pos`` over keys ``k_pos`` (``[1, Q|1, L]``, None: every key) and,
     where every query sees one run of keys (checked on this mask itself), each query's run ``(lo, hi)`` (``[Q]``
     each, indices into the keys; ``lo == hi`` for a query that sees none), else None. Memoised in ``masks`` (the
-    step's, for its layers) where the site holds no tensor parameters: it depends then on positions and the step's
-    per-request values alone."""
+    step's, for its layers) where the site holds no tensor parameters: it is then a function of the positions (two
+    runs of consecutive ones), the site's other parameters and the sequence's values, and the key holds all of them,
+    so that no other sequence's mask is served whatever the step's layout (the memo's block table may be updated in
+    place from one step to the next)."""
     memo = key = None
     if masks is not None and not _tensor_fields(params):
         memo = masks.setdefault(("mask runs", _params_key(params)), {})
-        key = (first_row, int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0])
+        key = (int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0],
+               None if values is None else tuple(values.reshape(-1).tolist()))
         if key in memo:
             return memo[key]
     allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, values=values)

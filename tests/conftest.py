@@ -1,9 +1,15 @@
 import os
 
-import pytest
-import torch
+# Inductor compiles its kernels in-process here (read when Inductor's config is first imported, so before torch): its
+# default on 2 cores, a pool of compile workers, starts Python processes that import torch in each of the suite's
+# processes (the two xdist workers, every test that starts a fresh process), on cores that the other worker already
+# keeps busy. Cold runs of the suite (empty Inductor cache) took ~30 s less this way (benchmarks/RESULTS.md).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-from pagedattn.backends import set_validation
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pagedattn.backends import set_validation  # noqa: E402
 
 # One intra-op thread (``PAGEDATTN_TEST_THREADS`` to change it), here and in the processes tests start.
 # The tests' models are tiny: a second thread only adds a synchronisation per op, and while other

@@ -158,6 +158,22 @@ def test_a_steps_layers_evaluate_a_mask_only_program_once(monkeypatch):
     _check(b, torch.float32, first)
 
 
+def test_a_block_table_updated_in_place_for_another_steps_layout_gets_each_sequences_own_mask():
+    # the step's memo lives with its block table tensor: a table updated in place for the next step, whose sequences
+    # sit at other rows, must not be served a mask kept for the sequence that sat there before (same positions and
+    # step values, another sequence's spans); a memo keyed by the row alone gave 4.5 off here
+    import dataclasses
+
+    first = make_batch([(0, 10), (0, 5), (0, 5)], num_heads=4, num_kv_heads=2)
+    second = make_batch([(0, 5), (0, 5), (0, 5)], num_heads=4, num_kv_heads=2,
+                        generator=torch.Generator().manual_seed(7))
+    mod = (prefix_lm_mod(RUNS), None, span_values(RUNS, [[(0, 4)], [(1, 2)], [(0, 4)]]))
+    _check(first, torch.float32, mod)  # rows 10-14: the second sequence, spans (1, 2)
+    first.meta.block_tables.copy_(second.meta.block_tables)
+    reused = dataclasses.replace(second, meta=dataclasses.replace(second.meta, block_tables=first.meta.block_tables))
+    _check(reused, torch.float32, mod)  # rows 10-14: the third sequence, spans (0, 4)
+
+
 def test_the_values_change_the_result():
     # the checks above can fail: other spans (or none) give other outputs
     seqs = SHAPES["many_blocks"]
