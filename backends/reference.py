@@ -171,7 +171,7 @@ def mask_only(params: AttentionParams) -> bool:
 def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: AttentionParams,
                     q_pos: Optional[Tensor] = None, k_pos: Optional[Tensor] = None,
                     key_present: Optional[Tensor] = None, exact: bool = False,
-                    values: Optional[Tensor] = None) -> Tensor:
+                    values: Optional[Tensor] = None, seq_len: Optional[Tensor | int] = None) -> Tensor:
     """Attention as the module doc defines it, over dense operands.
 
     ``query [B, Hq, Q, D]``, ``key [B, Hkv, L, D]``, ``value [B, Hkv, L, Dv]`` with ``Hq`` a multiple
@@ -179,7 +179,10 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
     ``k_pos`` (``[B or 1, Q]`` / ``[B or 1, L]``, default: the queries are the last ``Q`` of ``L``
     positions) place them in their sequence; ``key_present [B or 1, L]`` (or ``[B or 1, Q, L]``)
     marks the keys that exist; ``values [B or 1, count]`` are the rows' per-request values, for a
-    position program that reads some. Returns ``[B, Hq, Q, Dv]`` in the query's dtype, contiguous.
+    position program that reads some; ``seq_len`` (an int or ``[B|1]``) what such a program reads as the
+    sequence's length (default: up to the last key present, else the last key given: a caller that hands in
+    only the keys up to a run of queries passes the sequence's own). Returns ``[B, Hq, Q, Dv]`` in the query's
+    dtype, contiguous.
 
     Without soft-cap, ALiBi or sinks this runs SDPA in the operands' dtype (unless ``exact``);
     otherwise float32 math (float64 for float64 operands), updated in place to bound memory unless
@@ -193,12 +196,14 @@ def dense_attention(query: Tensor, key: Tensor, value: Tensor, params: Attention
         q_pos = query_positions(L, Q, dev)[None]
     if k_pos is None:
         k_pos = torch.arange(L, device=dev)[None]
-    seq_len = None
-    if params.position_mod and key_present is not None and key_present.dim() == 2:
+    if seq_len is None and params.position_mod and key_present is not None and key_present.dim() == 2:
         # static paths hand in padded keys with the real ones marked: the sequence ends after its last real key
         seq_len = torch.where(key_present, k_pos, -1).amax(-1) + 1  # [B|1]
-    allowed, bias = score_terms(q_pos if q_pos.dim() == 2 else q_pos[None], k_pos if k_pos.dim() == 2 else k_pos[None],
-                                params, hq, seq_len, values)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L] or None
+    q_pos, k_pos = (q_pos if q_pos.dim() == 2 else q_pos[None]), (k_pos if k_pos.dim() == 2 else k_pos[None])
+    if isinstance(seq_len, Tensor) and seq_len.dim() and seq_len.shape[0] > max(q_pos.shape[0], k_pos.shape[0]):
+        # lengths per row (its keys present) over positions shared by the rows: the positions for each row
+        q_pos, k_pos = q_pos.expand(seq_len.shape[0], -1), k_pos.expand(seq_len.shape[0], -1)
+    allowed, bias = score_terms(q_pos, k_pos, params, hq, seq_len, values)  # [B|1, Q, L] or None; [B|1, Hq|1, Q, L]
     if key_present is not None:
         present = key_present if key_present.dim() == 3 else key_present[:, None, :]
         allowed = present if allowed is None else allowed & present

@@ -290,14 +290,16 @@ class SdpaCpuBackend(SplitKVBackend):
             lo = reference.earliest_visible_key(a, params)  # >= k0: the gather started at or before it
             rows = slice(s.start + a - s.context_len, s.start + b - s.context_len)
             self._run(out, query, rows, a, k[:, lo - k0:b - k0], v[:, lo - k0:b - k0], lo, params,
-                      _seq_values(params, [s.index]), masks)
+                      _seq_values(params, [s.index]), masks, s.kv_len)
 
     @staticmethod
     def _run(out, query, rows: slice, q0: int, k, v, k_first: int, params: AttentionParams,
-             values: Optional[Tensor] = None, masks: Optional[dict] = None):
+             values: Optional[Tensor] = None, masks: Optional[dict] = None, seq_len: Optional[int] = None):
         """Queries ``rows`` (positions ``q0`` on) over keys ``[Hkv, L, D]`` (positions ``k_first`` on);
         ``values [1, count]``: the sequence's per-request values, for a program that reads some; ``masks``: the
-        step's memo of a mask-only program's masks and their runs of keys, which every layer shares."""
+        step's memo of a mask-only program's masks and their runs of keys, which every layer shares; ``seq_len``:
+        the sequence's length, what a program reads as such (None: the keys end with it; a run of queries within a
+        chunk reads keys up to its own end only)."""
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, Q, D]
         k, v = k[None], v[None]  # [1, Hkv, L, D]
         num_heads = q.shape[1]
@@ -314,14 +316,14 @@ class SdpaCpuBackend(SplitKVBackend):
                                                enable_gqa=group > 1)  # [1, Hq, Q, Dv]
         elif params.position_mod and reference.mask_only(params):
             # a program's mask alone: the native kernel where each query sees one run of keys, else SDPA's with it
-            allowed, runs = _mask_runs(q_pos, k_pos, params, num_heads, values, masks)
+            allowed, runs = _mask_runs(q_pos, k_pos, params, num_heads, values, masks, seq_len)
             if runs is not None and _runs_by_native(out, query, rows, q_pos, k_pos, k[0], v[0], params, *runs):
                 return
             if allowed is not None:
                 allowed = allowed.expand(-1, q.shape[2], k.shape[2])
             o = reference.masked_sdpa(q, k, v, allowed, params.scale, group)
         elif params.softcap > 0 or params.position_mod:  # no SDPA kernel caps scores: the reference's exact math
-            o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None], values=values)
+            o = reference.dense_attention(q, k, v, params, q_pos[None], k_pos[None], values=values, seq_len=seq_len)
         else:
             mask = _folded_mask(q_pos, k_pos, params, group)
             qf = _fold_gqa(q, params.num_kv_heads)
@@ -879,22 +881,25 @@ def _by_distance(text: str) -> bool:
 
 
 def _mask_runs(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads: int, values: Optional[Tensor],
-               masks: Optional[dict]) -> tuple[Optional[Tensor], Optional[tuple[Tensor, Tensor]]]:
+               masks: Optional[dict], seq_len: Optional[int] = None) -> tuple[Optional[Tensor],
+                                                                             Optional[tuple[Tensor, Tensor]]]:
     """A mask-only program's mask for queries ``q_pos`` over keys ``k_pos`` (``[1, Q|1, L]``, None: every key) and,
     where every query sees one run of keys (checked on this mask itself), each query's run ``(lo, hi)`` (``[Q]``
     each, indices into the keys; ``lo == hi`` for a query that sees none), else None. Memoised in ``masks`` (the
     step's, for its layers) where the site holds no tensor parameters: it is then a function of the positions (two
-    runs of consecutive ones), the site's other parameters and the sequence's values, and the key holds all of them,
+    runs of consecutive ones), the sequence's length ``seq_len`` (None: the keys end with it), the site's other
+    parameters and the sequence's values, and the key holds all of them,
     so that no other sequence's mask is served whatever the step's layout (the memo's block table may be updated in
     place from one step to the next)."""
     memo = key = None
     if masks is not None and not _tensor_fields(params):
         memo = masks.setdefault(("mask runs", _params_key(params)), {})
-        key = (int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0],
+        n = int(k_pos[-1]) + 1 if seq_len is None else seq_len
+        key = (int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0], n,
                None if values is None else tuple(values.reshape(-1).tolist()))
         if key in memo:
             return memo[key]
-    allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, values=values)
+    allowed, _ = reference.score_terms(q_pos[None], k_pos[None], params, num_heads, seq_len, values)
     n = k_pos.shape[0]
     if allowed is None:  # every key seen by every query
         found = None, (torch.zeros_like(q_pos), torch.full_like(q_pos, n))

@@ -10,6 +10,7 @@ drop-in op with its gradients. ONNX: tests/rewriter/test_onnx_chunked.py; XLA: t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -233,6 +234,28 @@ def test_cpu_features(feature, dtype):
     _check(b, _params(b, 12, **feature_kwargs(feature)), dtype)
 
 
+# programs that read the sequence's length n: keys among its last 40 positions (a mask), and the same mask with a
+# bias by distance (the exact math's path)
+LAST_KEYS_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["n"], ["int", 40], ["sub", 2, 3], ["ge", 1, 4]], "allowed": 5, "bias": None})
+LAST_KEYS_BIAS_MOD = json.dumps({"version": 1, "float": "float32", "nodes": [
+    ["q"], ["k"], ["n"], ["int", 40], ["sub", 2, 3], ["ge", 1, 4], ["sub", 1, 0], ["to_real", 6], ["real", 0.1],
+    ["mul", 7, 8]], "allowed": 5, "bias": 9})
+
+
+@pytest.mark.usefixtures("decode_path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("program", [LAST_KEYS_MOD, LAST_KEYS_BIAS_MOD], ids=["mask", "mask_and_bias"])
+def test_cpu_programs_read_the_sequences_length_in_every_chunk(program, dtype):
+    # a run of queries within a chunk reads keys up to its own end, but the program reads the sequence's length: a
+    # chunk that is not the sequence's last gave 3.8 off when the length was taken from the keys handed in
+    b = make_batch([(0, 50), (20, 30), (70, 1), (0, 9)], num_heads=4, num_kv_heads=2, dtype=dtype, pad_tokens=2)
+    p = dataclasses.replace(_params(b, 16), position_mod=program)
+    _check(b, p, dtype)
+    assert not torch.allclose(_run(b, p)[:50].double(), _expected(b, dataclasses.replace(p, position_mod=""))[:50],
+                              atol=1e-3)  # the program hides keys the chunks alone would show
+
+
 @pytest.mark.usefixtures("decode_path")
 def test_cpu_cross_steps_without_new_keys():
     # key=None: the per-sequence path gathers every sequence from the cache, chunk by chunk
@@ -445,6 +468,13 @@ def test_xformers_features(monkeypatch, xformers_backend, feature, dtype):
     _emulate(monkeypatch)
     b = make_batch(MIXED, num_heads=8, num_kv_heads=2, dtype=dtype, pad_tokens=2)
     _xf_check(xformers_backend, b, _params(b, 12, **feature_kwargs(feature)), dtype)
+
+
+@pytest.mark.parametrize("program", [LAST_KEYS_MOD, LAST_KEYS_BIAS_MOD], ids=["mask", "mask_and_bias"])
+def test_xformers_programs_read_the_sequences_length_in_every_chunk(monkeypatch, xformers_backend, program):
+    _emulate(monkeypatch)
+    b = make_batch([(0, 50), (20, 30), (70, 1), (0, 9)], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    _xf_check(xformers_backend, b, dataclasses.replace(_params(b, 16), position_mod=program))
 
 
 @pytest.mark.parametrize("feature", [{"alibi": True}, {"sinks": True}, {"softcap": 4.0}], ids=feature_id)

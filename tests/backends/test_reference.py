@@ -137,6 +137,27 @@ def test_a_query_before_every_key_sees_nothing(exact):
     assert torch.all(got == 0) and not torch.isnan(got).any()
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["sdpa_path", "math_path"])
+def test_a_program_reads_each_rows_length_from_its_keys_present(exact):
+    # positions shared by the rows, keys present per row: a program that reads the sequence's length n (keys among
+    # the last 3 positions) reads each row's own (it raised on the rows' shapes); the same as one row at a time
+    import json
+
+    last = json.dumps({"version": 1, "float": "float32", "nodes": [
+        ["q"], ["k"], ["n"], ["int", 3], ["sub", 2, 3], ["ge", 1, 4]], "allowed": 5, "bias": None})
+    p = AttentionParams(0.5, False, 0, 0.0, None, HKV, DV, position_mod=last)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(B, HQ, Q, D, generator=g, dtype=torch.float64), torch.randn(B, HKV, L, D, generator=g,
+                                                                                  dtype=torch.float64)
+    v = torch.randn(B, HKV, L, DV, generator=g, dtype=torch.float64)
+    present = torch.ones(B, L, dtype=torch.bool)
+    present[1, 6:] = False  # row 1 ends after position 5
+    both = dense_attention(q, k, v, p, key_present=present, exact=exact)
+    rows = [dense_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], p, key_present=present[i:i + 1], exact=exact)
+            for i in range(B)]
+    torch.testing.assert_close(both, torch.cat(rows))
+
+
 def test_causal_aligns_bottom_right():
     # Q < L: the queries are the last Q positions, so the first query already sees L - Q + 1 keys
     p = _params()
