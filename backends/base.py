@@ -343,15 +343,21 @@ def use_backend(backend: Optional[AttentionBackend]) -> Iterator[None]:
     if backend is not None and _ACTIVE.get() is backend:
         yield
         return
+    outer = _ACTIVE.get()
     token = _ACTIVE.set(backend)
     # the C++ stand-ins of the paged ops (native_ops) run a call themselves only under a backend they stand in for
-    was = native_ops.bind_backend(backend)
+    binding = native_ops.bind_backend(backend, outer)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
-        if was is not None:
-            native_ops.restore_backend(was)
+        if binding is not None:
+            native_ops.restore_backend(binding)
+
+
+def bound_backend() -> Optional[AttentionBackend]:
+    """The backend :func:`use_backend` bound in this context; None: the defaults."""
+    return _ACTIVE.get()
 
 
 def active_backend(device: torch.device) -> AttentionBackend:

@@ -65,6 +65,7 @@ MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
 # the C library's files (csrc/)
 SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+_INT32_MAX = 2**31 - 1  # a wider window than this sees every key a sequence can hold: the kernels' int32 takes it so
 _BUILD_WAIT_S = 600  # how long a process waits for another's build of the same object before building it itself
 
 
@@ -642,7 +643,8 @@ def prefill(lib: ctypes.CDLL, out: Tensor, query: Tensor, key: Tensor, value: Te
     a = _PrefillArgs(query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0),
                      key.stride(1), value.data_ptr(), value.stride(0), value.stride(1), out.data_ptr(),
                      out.stride(0), out.stride(1), items.data_ptr(), items.shape[0], query.shape[1], hkv, d,
-                     int(causal), int(window), DTYPE_CODES[query.dtype], scale, scratch.data_ptr(), num_threads,
+                     int(causal), min(int(window), _INT32_MAX), DTYPE_CODES[query.dtype], scale, scratch.data_ptr(),
+                     num_threads,
                      min(query.shape[0], out.shape[0]), min(key.shape[0], value.shape[0]))
     if rel is not None:
         need = int((items[:, 1] + items[:, 4]).max()) - 1 + REL_PAD if len(items) else 0

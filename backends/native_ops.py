@@ -10,9 +10,11 @@ against ~8 us for this one (``benchmarks/RESULTS.md``).
 ``pagedattn_native::write_kv_cache`` and ``pagedattn_native::paged_attention`` take the paged ops' arguments and give
 their results: a call runs ``csrc/paged_decode.c``'s write or decode kernel and ``csrc/paged_prefill.c``'s prefill
 kernel from C++ when it is one the Python path would send there with no further work (the bound backend is the plain
-:class:`SdpaCpuBackend`: :func:`use_backend` tells the C++ side per thread; every check passes; every sequence is a
-decode, a fresh prompt (with the step's keys given) or a chunk over cached keys; no tensor parameters or position
-program; for prompts and chunks no soft-cap or chunked attention, and none that SDPA's kernel takes on this machine),
+:class:`SdpaCpuBackend`: :func:`use_backend` tells the C++ side per thread, and where bindings of asyncio tasks on one
+thread interleave, every call goes to the Python op until the thread has none left; every check passes; every
+sequence is a decode, a fresh prompt (with the step's keys given) or a chunk over cached keys; no tensor parameters or
+position program; for prompts and chunks no soft-cap or chunked attention, and none that SDPA's kernel takes on this
+machine),
 and otherwise goes to the ``pagedattn::`` op unchanged, which then does what it always does.
 :class:`NativePagedOps` puts them in a compiled CPU step.
 
@@ -40,6 +42,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Optional
@@ -50,7 +53,8 @@ from pagedattn.backends import metadata, native
 
 log = logging.getLogger("pagedattn")
 
-__all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "bind_backend", "restore_backend",
+__all__ = ["load", "loaded", "cxx_compiler", "linear_op", "paged_ops", "Binding", "bind_backend", "restore_backend",
+           "ask_backend_again",
            "bind_kernels", "bind_paged_kernels", "StepMemory", "step_memory", "set_step_allocator",
            "release_step_memory", "NativePagedOps", "SiluMul", "silu_mul_op", "source_digest", "SOURCES",
            "onednn_from_buffer"]
@@ -202,18 +206,53 @@ def paged_ops() -> Optional[tuple]:
     return ops.write_kv_cache.default, ops.paged_attention.default
 
 
-def bind_backend(backend) -> Optional[bool]:
-    """Tell this thread's C++ paged ops whether they stand in for ``backend`` (``use_backend``'s; None: the
-    defaults, which they leave to the Python ops); the previous setting, for :func:`restore_backend`, or None where
-    the operators are not loaded (nothing to tell)."""
+@dataclasses.dataclass(eq=False)
+class Binding:
+    """One live ``use_backend`` binding on a thread, as :func:`bind_backend` told the C++ ops about it."""
+
+    backend: object
+    was: bool  # the C++ ops' setting before it
+
+
+# This thread's live bindings, innermost last, and whether they interleave. The C++ ops keep their setting per thread
+# and ``use_backend`` its binding per context: asyncio tasks on one thread may bind and unbind out of order, and then
+# no setting of the thread's fits each task's binding, so the C++ ops leave every call to the Python op (which reads
+# the task's own binding) until the thread has no binding left.
+_THREAD = threading.local()
+
+
+def bind_backend(backend, outer=None) -> Optional[Binding]:
+    """Tell this thread's C++ paged ops whether they stand in for ``backend`` (``use_backend``'s, bound inside
+    ``outer``, its context's binding before; None: the defaults, which they leave to the Python ops); the binding, for
+    :func:`restore_backend`, or None where the operators are not loaded (nothing to tell)."""
     if not loaded():
         return None
-    return torch.ops.pagedattn_native.set_plain_backend(backend is not None and backend.native_ops_stand_in())
+    live = _THREAD.__dict__.setdefault("live", [])
+    if (live[-1].backend if live else None) is not outer:  # another context's binding is live on this thread
+        _THREAD.interleaved = True
+    on = backend is not None and not getattr(_THREAD, "interleaved", False) and backend.native_ops_stand_in()
+    binding = Binding(backend, torch.ops.pagedattn_native.set_plain_backend(on))
+    live.append(binding)
+    return binding
 
 
-def restore_backend(was: bool) -> None:
-    """Give this thread's C++ paged ops back the setting :func:`bind_backend` returned."""
-    torch.ops.pagedattn_native.set_plain_backend(was)
+def restore_backend(binding: Binding) -> None:
+    """End a binding :func:`bind_backend` made: the C++ ops' setting before it (nested bindings), off where the
+    thread's bindings interleaved or none is left."""
+    live = _THREAD.live
+    live.remove(binding)
+    if not live:
+        _THREAD.interleaved = False
+    on = binding.was and bool(live) and not getattr(_THREAD, "interleaved", False)
+    torch.ops.pagedattn_native.set_plain_backend(on)
+
+
+def ask_backend_again(backend) -> None:
+    """Tell this thread's C++ ops again whether they stand in for ``backend``, the innermost binding's (its methods may
+    have been wrapped since, ``ops.forget_prepared_calls``)."""
+    live = getattr(_THREAD, "live", None)
+    if loaded() and live and live[-1].backend is backend and not getattr(_THREAD, "interleaved", False):
+        torch.ops.pagedattn_native.set_plain_backend(backend.native_ops_stand_in())
 
 
 @dataclasses.dataclass(frozen=True)

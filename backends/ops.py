@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from pagedattn.backends import cpu_linear, position_mod, reference
-from pagedattn.backends.base import active_backend
+from pagedattn.backends import cpu_linear, native_ops, position_mod, reference
+from pagedattn.backends.base import active_backend, bound_backend
 from pagedattn.backends.metadata import AttentionMetadata, too_long, validation_enabled
 from pagedattn.backends.params import AttentionParams, params_schema
 
@@ -75,8 +75,10 @@ def _keep_prepared(kind: str, tensors: tuple, signature: tuple, run) -> None:
 
 def forget_prepared_calls() -> None:
     """Drop this thread's prepared calls: later calls ask their backend again (for instrumentation that wraps a
-    backend's methods mid-run; serving never needs it)."""
+    backend's methods mid-run; serving never needs it). The C++ stand-ins of the ops ask the bound backend again too
+    (a method wrapped on it is no longer its own: they leave its calls to it)."""
     _PREPARED.__dict__.clear()
+    native_ops.ask_backend_again(bound_backend())
 
 
 def _write_signature(backend, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> tuple:
@@ -137,6 +139,9 @@ def paged_attention(query: Tensor, key: Optional[Tensor], value: Optional[Tensor
     the fields of ``AttentionParams``. Returns ``[T, Hq, head_size_v]``; rows past
     ``query_start_loc[-1]`` (padding) are zero.
     """
+    if (key is None) != (value is None):
+        raise ValueError("paged_attention: key and value are the step's new K/V, both given or both None (a step "
+                         "without new keys); got only one of them")
     backend = active_backend(kv_cache.device)
     full = validation_enabled()
     prepare = backend.prepares_calls and not full

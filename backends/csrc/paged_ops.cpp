@@ -21,6 +21,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -178,6 +179,7 @@ bool make_plan(Plan &p) {
     for (int64_t i = 0; i < n; i++) {
         const int64_t ql = q[i + 1] - q[i];
         if (l[i] < 1 || l[i] > covered || (p.max_seq_len > 0 && l[i] > p.max_seq_len)) return false;
+        if (p.causal && ql > l[i]) return false; /* fewer keys than new tokens: the Python op refuses it */
         if (ql == 1) {
             const int64_t first = (p.window > 0 || p.chunk > 0) ? first_visible(l[i] - 1, p.window, p.chunk) : 0;
             items.insert(items.end(), {q[i], i, first, l[i]});
@@ -275,7 +277,7 @@ bool sdpa_takes_some(const Plan &p, bool causal, int64_t window, int code) {
 }
 
 /* items' queries over key/value rows [T, Hkv, D] through the prefill kernel into out, as native.prefill calls it
-   (scale, causality, the site's raw window, the thread count); false where the tensors do not suit it
+   (scale, causality, the site's window, the thread count); false where the tensors do not suit it
    (native.prefill_usable) or the kernel refuses, nothing written. */
 bool run_prefill(prefill_fn fn, const at::Tensor &out, const at::Tensor &query, const at::Tensor &key,
                  const at::Tensor &value, const at::Tensor &items, int64_t tiles, int64_t hkv, double scale, bool causal,
@@ -304,7 +306,7 @@ bool run_prefill(prefill_fn fn, const at::Tensor &out, const at::Tensor &query, 
                          static_cast<int32_t>(hkv),
                          static_cast<int32_t>(d),
                          causal ? 1 : 0,
-                         static_cast<int32_t>(window),
+                         static_cast<int32_t>(std::min<int64_t>(window, INT32_MAX)), /* wider: every key */
                          code,
                          static_cast<float>(scale),
                          scratch.data_ptr<float>(),
@@ -363,6 +365,7 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
     if (hkv != cache.size(3) || hkv <= 0 || hq % hkv || hq / hkv > PAGEDATTN_MAX_GROUP || query.size(2) != d ||
         d > PAGEDATTN_MAX_HEAD || head_v != d)
         return {};
+    if (arg(1).isTensor() != arg(2).isTensor()) return {}; /* a key without its value: the Python op says so */
     const bool has_key = arg(1).isTensor() && arg(2).isTensor();
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
@@ -372,7 +375,7 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
     at::Tensor out = p->every_row ? at::empty({query.size(0), hq, d}, query.options())
                                   : at::zeros({query.size(0), hq, d}, query.options());
     if ((p->fresh_items.defined() || !p->rest.empty()) &&
-        !prefills(out, query, arg(1), arg(2), cache, *p, scale, causal, arg(9).toInt(), arg(15).toInt(), softcap, code))
+        !prefills(out, query, arg(1), arg(2), cache, *p, scale, causal, window, chunk, softcap, code))
         return {};
     if (p->items.size(0) == 0) return out;
     at::Tensor scratch = at::empty({p->num_parts * hq * (d + 2)}, query.options().dtype(at::kFloat));
@@ -459,6 +462,11 @@ TORCH_LIBRARY_FRAGMENT(pagedattn_native, m) {
 TORCH_LIBRARY_IMPL(pagedattn_native, CPU, m) {
     m.impl("write_kv_cache", torch::CppFunction::makeFromBoxedFunction<&write_kv_cache>());
     m.impl("paged_attention", torch::CppFunction::makeFromBoxedFunction<&paged_attention>());
+}
+
+/* inference only, as the pagedattn:: op: a backward through it raises rather than leaving the inputs without grads */
+TORCH_LIBRARY_IMPL(pagedattn_native, Autograd, m) {
+    m.impl("paged_attention", torch::autograd::autogradNotImplementedFallback());
 }
 
 TORCH_LIBRARY_IMPL(pagedattn_native, CompositeExplicitAutograd, m) {

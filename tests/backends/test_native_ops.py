@@ -251,7 +251,7 @@ def test_a_binding_inside_one_of_the_same_backend_binds_nothing(python_calls, mo
 
     binds = []
     real = native_ops.bind_backend
-    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or real(backend))
+    monkeypatch.setattr(native_ops, "bind_backend", lambda backend, outer=None: binds.append(backend) or real(backend, outer))
     backend = SdpaCpuBackend()
     b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     params = batch_params(b, 0.125)
@@ -282,9 +282,7 @@ def _case(kind):
             if kind.startswith("prompt") else [(20, 1), (33, 1)])
     b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=72 if kind == "prompt_head_72" else 64, block_size=16,
                    dtype=torch.bfloat16 if kind.endswith("sdpa") else torch.float32)
-    params = batch_params(b, 0.125, softcap=20.0 if kind == "prompt_softcap" else 0.0,
-                          window=7 if kind == "prompt_bidirectional_window" else 0,
-                          causal=kind != "prompt_bidirectional_window")
+    params = batch_params(b, 0.125, softcap=20.0 if kind == "prompt_softcap" else 0.0)
     backend = SdpaCpuBackend()
     if kind in ("prompt_chunked", "chunk_of_a_chunked_site"):
         params = dataclasses.replace(params, chunk_size=16)
@@ -301,12 +299,12 @@ def _case(kind):
     return b, params, backend
 
 
-@pytest.mark.parametrize("kind", ["prompt_softcap", "prompt_chunked", "prompt_head_72", "prompt_bidirectional_window",
-                                  "prompt_sdpa", "chunk_of_a_chunked_site", "chunk_sdpa", "alibi", "sinks",
-                                  "int64_tables", "subclass", "instance_override", "validation", "no_backend_bound"])
+@pytest.mark.parametrize("kind", ["prompt_softcap", "prompt_chunked", "prompt_head_72", "prompt_sdpa",
+                                  "chunk_of_a_chunked_site", "chunk_sdpa", "alibi", "sinks", "int64_tables", "subclass",
+                                  "instance_override", "validation", "no_backend_bound"])
 def test_what_the_stand_ins_do_not_run_goes_to_the_python_op(kind, python_calls, monkeypatch):
     # prompts and chunks over cached keys the native prefill does not take (soft-cap, chunked attention, a head size
-    # it lacks, a window without causality) or that SDPA's kernel takes on this machine go to the Python op
+    # it lacks) or that SDPA's kernel takes on this machine go to the Python op
     from pagedattn.backends import native_ops, sdpa_cpu
 
     if kind.endswith("sdpa"):  # as on a CPU with AMX tiles, with bounds the step's 40-token prompt or chunk reaches
@@ -339,8 +337,9 @@ def _python_op_takes(kind, python_calls):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("site", ["plain", "window", "bidirectional", "padded", "prompts_only", "long_prompt",
-                                  "chunks", "chunks_window", "chunks_without_keys", "chunks_a_batch_each", "long_chunk"])
+@pytest.mark.parametrize("site", ["plain", "window", "bidirectional", "bidirectional_window", "padded", "prompts_only",
+                                  "long_prompt", "chunks", "chunks_window", "chunks_without_keys", "chunks_a_batch_each",
+                                  "long_chunk"])
 def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype, site, python_calls):
     # a step of fresh prompts, chunks over cached keys and decodes under the plain CPU backend: its prompts and chunks
     # through the native prefill (the chunks' blocks gathered) and its decodes through the decode kernel from C++, bit
@@ -358,7 +357,8 @@ def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype,
               pad_tokens=3 if site == "padded" else 0)
     if site.startswith("chunks_"):
         seqs = [(37, 1), (16, 9), (0, 12), (100, 40), (5, 2)]
-    args = dict(scale=0.125, causal=site != "bidirectional", window=5 if site.endswith("window") else 0)
+    # a window applies to causal attention only: a bidirectional site's is none, on both paths
+    args = dict(scale=0.125, causal=not site.startswith("bidirectional"), window=5 if site.endswith("window") else 0)
     native_ops.bind_paged_kernels(0, (0, 0), 1 if site == "chunks_a_batch_each" else None)
     try:
         outs, caches = [], []
@@ -390,13 +390,14 @@ def test_the_stand_ins_run_prompts_beside_decodes_as_the_python_path_does(dtype,
     ("seq_len", "longer than its block table"),
     ("max_seq_len", "longer than"),
     ("chunk_block", "not a block of the cache"),
+    ("short_prompt", "shorter than its new tokens"),
 ])
 def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
     from pagedattn.backends import use_backend
     from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-    b = make_batch([(20, 1), (33, 1)] + ([(40, 30)] if bad == "chunk_block" else []), num_heads=4, num_kv_heads=2,
-                   head_size=64, block_size=16)
+    extra = {"chunk_block": [(40, 30)], "short_prompt": [(0, 8)]}.get(bad, [])
+    b = make_batch([(20, 1), (33, 1)] + extra, num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     params = batch_params(b, 0.125)
     m = b.meta
     with use_backend(SdpaCpuBackend()):
@@ -413,12 +414,124 @@ def test_the_stand_ins_refuse_bad_metadata_as_the_python_op_does(bad, match):
             lens[1] = m.block_tables.shape[1] * 16 + 1
         elif bad == "chunk_block":
             tables[2, 1] = b.kv_cache.shape[1]  # one past the cache's last block
+        elif bad == "short_prompt":  # 8 new tokens of a causal sequence of 5 (the C++ op gave rows of stale memory)
+            lens[2] = 5
         else:
             params = dataclasses.replace(params, max_seq_len=30)
         for op in (torch.ops.pagedattn_native, torch.ops.pagedattn):
             with pytest.raises(ValueError, match=match):
                 op.paged_attention(b.query, b.key, b.value, b.kv_cache, tables, lens, m.query_start_loc,
                                    *params.args())
+
+
+@pytest.mark.parametrize("window", [-1, 2**32 + 3], ids=["negative", "past_int32"])
+def test_the_stand_ins_read_a_sites_window_as_the_python_op_does(window, python_calls, monkeypatch):
+    # a window that is none (negative) or wider than int32 (every key): prompts, chunks and decodes as the Python op
+    # gives them, equal to the reference; on a machine with AMX tiles a bf16 prompt past SDPA's bound goes to SDPA's
+    # kernel on both paths (the C++ op read the raw window there); the wide window was cut to int32 (3) on both
+    from pagedattn.backends import native_ops, sdpa_cpu, use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    from ..support import TOL, reference_step
+
+    monkeypatch.setattr(sdpa_cpu, "_amx_tiles", lambda: True)
+    native_ops.bind_paged_kernels()  # SDPA's bounds as on a machine with AMX tiles
+    seqs = [(0, sdpa_cpu.SDPA_PREFILL_TOKENS + 3), (40, 9), (12, 1)]
+    try:
+        outs = []
+        for run in (_native_paged, _python_paged):
+            b = make_batch(seqs, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
+            with use_backend(SdpaCpuBackend()):
+                outs.append(run(b, dataclasses.replace(batch_params(b, 0.125), sliding_window=window)))
+    finally:
+        monkeypatch.undo()
+        native_ops.bind_paged_kernels()
+    assert torch.equal(outs[0], outs[1])
+    ref = reference_step(b, 0.125)
+    torch.testing.assert_close(outs[0][:ref.shape[0]].double(), ref, atol=TOL[torch.bfloat16],
+                               rtol=TOL[torch.bfloat16])
+
+
+def test_a_backward_through_the_stand_in_raises():
+    # inference only, as the pagedattn:: op (which says so at backward): without its autograd kernel a backward left
+    # the query without a gradient, with a warning
+    b = make_batch([(20, 1), (0, 9)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    q = b.query.clone().requires_grad_()
+    m = b.meta
+    out = torch.ops.pagedattn_native.paged_attention(q, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens,
+                                                     m.query_start_loc, *batch_params(b, 0.125).args())
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.sum().backward()
+    with torch.inference_mode():  # serving: no autograd in the way
+        torch.ops.pagedattn_native.paged_attention(b.query, b.key, b.value, b.kv_cache, m.block_tables, m.seq_lens,
+                                                   m.query_start_loc, *batch_params(b, 0.125).args())
+
+
+def test_a_method_wrapped_on_the_bound_backend_takes_its_calls_from_the_stand_ins(python_calls):
+    # ops.forget_prepared_calls, for instrumentation that wraps a bound backend's method mid-run: the C++ stand-ins
+    # then leave that backend's calls to it (they ran the plain kernels regardless)
+    from pagedattn.backends import ops, use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params, backend, seen = batch_params(b, 0.125), SdpaCpuBackend(), []
+    with use_backend(backend):
+        plain = _native_paged(b, params)
+        real = backend.attend
+        backend.attend = lambda *a, **k: seen.append(1) or real(*a, **k) * 0
+        ops.forget_prepared_calls()
+        wrapped = _native_paged(b, params)
+    assert seen and torch.all(wrapped == 0) and plain.abs().sum() > 0
+
+
+class _Marked:
+    """A backend other than the plain CPU one, whose output says it ran (7 everywhere)."""
+
+    @staticmethod
+    def make():
+        from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+        class Marked(SdpaCpuBackend):
+            def attend(self, *a, **k):
+                return super().attend(*a, **k) * 0 + 7.0
+
+        return Marked()
+
+
+def test_asyncio_tasks_binding_backends_on_one_thread_each_get_their_own():
+    # use_backend binds per task, the C++ stand-ins' setting is per thread: while another task on the thread binds the
+    # plain backend, a task bound to another backend must still get that backend's result (the stand-ins ran the
+    # plain kernels for it); once no task binds anything the stand-ins are off again
+    import asyncio
+
+    from pagedattn.backends import use_backend
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+
+    b = make_batch([(20, 1), (33, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    params, outs = batch_params(b, 0.125), {}
+
+    async def marked(bound, plain, done):
+        with use_backend(_Marked.make()):
+            bound.set()
+            await plain.wait()  # the other task has bound the plain backend meanwhile
+            outs["marked"] = _native_paged(b, params)
+        done.set()
+
+    async def plain(bound, plain_bound, done):
+        await bound.wait()
+        with use_backend(SdpaCpuBackend()):
+            plain_bound.set()
+            await done.wait()
+            outs["plain"] = _native_paged(b, params)
+
+    async def main():
+        events = [asyncio.Event() for _ in range(3)]
+        await asyncio.gather(marked(*events), plain(*events))
+
+    asyncio.run(main())
+    assert torch.all(outs["marked"] == 7.0)
+    torch.testing.assert_close(outs["plain"], _python_paged(b, params))
+    assert torch.ops.pagedattn_native.set_plain_backend(False) is False  # nothing left on
 
 
 def test_the_stand_ins_fakes_give_the_ops_shapes():

@@ -191,3 +191,14 @@ def test_a_backend_whose_attend_or_write_is_wrapped_is_never_bypassed(hot_path):
         run_step(b, 0.125)
         run_step(b, 0.125)
     assert calls.count("write") == 2
+
+
+@pytest.mark.parametrize("given", ["key", "value"])
+def test_a_key_without_its_value_is_one_clear_refusal(given):
+    # the step's new K/V come together or not at all (it gave an AttributeError deep in the CPU backend)
+    b = make_batch([(20, 1), (0, 9)], num_heads=4, num_kv_heads=2)
+    m = b.meta
+    key, value = (b.key, None) if given == "key" else (None, b.value)
+    with pytest.raises(ValueError, match="key and value .* both given or both None"):
+        torch.ops.pagedattn.paged_attention(b.query, key, value, b.kv_cache, m.block_tables, m.seq_lens,
+                                            m.query_start_loc, *batch_params(b, 0.125).args())

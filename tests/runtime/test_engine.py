@@ -215,7 +215,7 @@ def test_generate_runs_its_steps_in_one_frame_and_one_binding(models, monkeypatc
     spacers, binds = [], []
     spacer, bind = frames._spacer, native_ops.bind_backend
     monkeypatch.setattr(frames, "_spacer", lambda fn: spacers.append(fn) or spacer(fn))
-    monkeypatch.setattr(native_ops, "bind_backend", lambda backend: binds.append(backend) or bind(backend))
+    monkeypatch.setattr(native_ops, "bind_backend", lambda backend, outer=None: binds.append(backend) or bind(backend, outer))
     assert engine.generate(prompts(), max_new_tokens=NEW) == ref
     assert len(spacers) == 1 and binds == [engine.backend] and engine.stats["steps"] > 1
     engine.add_request(prompts()[0], max_new_tokens=2)
