@@ -561,6 +561,8 @@ class PagedEngine:
                 self.states.release(rid)
             self._generators.pop(rid, None)
             self._finished.append(RequestOutput(rid, req.prompt, list(req.output), "abort"))
+            if self._run is not None and any(r is req for r in self._run.requests):
+                self._end_run(self._run)  # its later steps would hold the request: dropped now, not at the next step
 
     def collect(self) -> list[RequestOutput]:
         """Requests finished since the last call."""

@@ -167,6 +167,32 @@ def test_steps_ahead_counts_the_steps_a_burst_computed_that_step_has_not_given(m
     assert sampled.stats["planned_steps"] > 0
 
 
+def test_a_run_whose_requests_are_all_aborted_ends_with_them(mistral):
+    # aborting every request of a run that computed steps ahead leaves nothing ahead and no run (the run, its
+    # requests and its computed steps stayed until the next step() call, steps_ahead still counting them); aborting
+    # one of two ends the run as well, and the other request's tokens stay Hugging Face's
+    _, ref, rewritten = mistral
+    engine = _engine(rewritten, 16, burst_ms=1e9)
+    ids = [engine.add_request(p, max_new_tokens=24) for p in prompts()[:2]]
+    while engine.steps_ahead == 0:
+        engine.step()
+    ahead = engine.steps_ahead
+    for rid in ids:
+        engine.abort(rid)
+    assert not engine.has_unfinished() and engine.steps_ahead == 0 and engine.stats["dropped_steps"] == ahead
+    assert engine.blocks.num_free == 96
+    engine = _engine(rewritten, 16, burst_ms=1e9)
+    ids = [engine.add_request(p, max_new_tokens=NEW) for p in prompts()[:2]]
+    while engine.steps_ahead == 0:
+        engine.step()
+    engine.abort(ids[0])
+    assert engine.steps_ahead == 0
+    done = {}
+    while engine.has_unfinished():
+        done.update({r.request_id: r.tokens for r in engine.step()})
+    assert done[ids[1]] == ref[1]
+
+
 def test_a_run_with_a_sampled_request_computes_nothing_ahead(mistral):
     """A sampled token draws from its request's generator: drawing ahead for a step the run may drop would change the
     tokens sampled after it, so such runs compute each step as it is given."""
