@@ -365,6 +365,8 @@ def _sink_column(walk: _ScoreWalk, x: Node) -> Node:
     """``cat([s, sinks], -1)``: one attention-sink logit per head from model state."""
     if walk.site.sinks is not None:
         raise _no_match("attention sinks concatenated twice", "sinks")
+    if walk.softcap is not None or walk.scale != 1:  # the op adds its sinks as they are, past the scale and cap
+        raise _no_match("attention sinks concatenated before the scores are scaled or soft-capped", "sinks")
     scores, walk.site.sinks = _sink_concat(x, walk.constants)
     return scores
 
@@ -373,6 +375,8 @@ def _masked_fill(walk: _ScoreWalk, x: Node) -> Node:
     """``s.masked_fill(m, -inf)``: a boolean mask, keeping the scores where ``m`` is false."""
     if not _is_neg_fill(x.args[2]):
         raise _no_match(f"masked_fill with {x.args[2]} is not a mask")
+    if walk.softcap is not None:  # tanh(-inf) is finite: the keys it fills stay visible
+        raise _no_match("a mask applied before the soft-cap")
     walk.site.conds.append((x.args[1], False))
     return x.args[0]
 
@@ -380,6 +384,8 @@ def _masked_fill(walk: _ScoreWalk, x: Node) -> Node:
 def _where_mask(walk: _ScoreWalk, x: Node) -> Node:
     """``where(m, s, -inf)`` or ``where(m, -inf, s)``: a boolean mask."""
     cond, a, b = x.args[:3]
+    if walk.softcap is not None and (_is_neg_fill(a) or _is_neg_fill(b)):  # tanh(-inf) is finite: keys stay visible
+        raise _no_match("a mask applied before the soft-cap")
     if _is_neg_fill(b) and _leads_to_contraction(a):
         walk.site.conds.append((cond, True))
         return a

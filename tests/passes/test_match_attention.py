@@ -65,10 +65,60 @@ class SoftmaxOverQueries(zoo._Base):
         return self.merge(torch.softmax(q @ k.transpose(-1, -2), -2) @ v)
 
 
+def _causal_scores(q, k, x):
+    T = x.shape[1]
+    return q @ k.transpose(-1, -2), torch.ones(T, T, dtype=torch.bool).tril()
+
+
+class MaskThenSoftcap(zoo._Base):
+    """The mask inside the cap: tanh(-inf) is -1, so every masked key stays visible with a logit of -5."""
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        s, keep = _causal_scores(q, k, x)
+        s = s.masked_fill(~keep, float("-inf"))
+        return self.merge(torch.softmax(5.0 * torch.tanh(s * 0.25 / 5.0), -1) @ v)
+
+
+class WhereThenSoftcap(zoo._Base):
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        s, keep = _causal_scores(q, k, x)
+        s = torch.where(keep, s, torch.finfo(s.dtype).min)
+        return self.merge(torch.softmax(5.0 * torch.tanh(s * 0.25 / 5.0), -1) @ v)
+
+
+class SinksBeforeTheScale(zoo._Base):
+    """gpt-oss's sinks, concatenated before the scale (or the cap): the model scales its sink logits too."""
+
+    cap = False
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.linspace(-1.0, 3.0, zoo.H))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        s, keep = _causal_scores(q, k, x)
+        s = s.masked_fill(~keep, float("-inf"))
+        B, H, T, _ = s.shape
+        s = torch.cat([s, self.sinks.reshape(1, H, 1, 1).expand(B, H, T, 1)], -1)
+        s = 5.0 * torch.tanh(s / 5.0) if self.cap else s * 0.25
+        return self.merge(torch.softmax(s, -1)[..., :-1] @ v)
+
+
+class SinksBeforeTheCap(SinksBeforeTheScale):
+    cap = True
+
+
 @pytest.mark.parametrize("cls, reason", [
     (ReturnsWeights, "used elsewhere"),
     (TrainingDropout, "dropout"),
     (SoftmaxOverQueries, "last dimension"),
+    (MaskThenSoftcap, "a mask applied before the soft-cap"),
+    (WhereThenSoftcap, "a mask applied before the soft-cap"),
+    (SinksBeforeTheScale, "sinks concatenated before the scores are scaled"),
+    (SinksBeforeTheCap, "sinks concatenated before the scores are scaled or soft-capped"),
 ])
 def test_counter_examples(cls, reason):
     (site,), _, _ = matched(cls(), zoo.example_args("nanogpt"))
