@@ -138,7 +138,11 @@ def test_a_rewrite_gives_the_models_logits_or_refuses(model):
     ids = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = m(torch.tensor([ids]))[0]
-    torch.testing.assert_close(_paged_logits(rm, ids), want, atol=1e-3, rtol=1e-3)
+    try:
+        got = _paged_logits(rm, ids)
+    except ValueError:
+        return  # paged mode refused (the drop-in may serve such a mask: it sees the whole sequence): right
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
 def test_the_same_harness_passes_a_causal_model():
