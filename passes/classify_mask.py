@@ -46,7 +46,7 @@ from pagedattn.passes.mask_program import (
     reads_by_value,
     value_nodes,
 )
-from pagedattn.passes.position_program import position_program, program_padding, prove_spans
+from pagedattn.passes.position_program import position_program, program_padding, prove_spans, sees_later_keys
 from pagedattn.passes.site import AttentionSite, same_size, shape
 
 log = logging.getLogger("pagedattn.passes")
@@ -90,6 +90,7 @@ def classify_mask(gm: GraphModule, ctx: PassContext) -> PassReport:
         site.position_mod, site.position_tables = result.position_mod, result.position_tables
         site.position_inputs = result.positions
         site.position_data = placeholders[result.values_input] if result.values_input else None
+        site.later_keys = result.later_keys
     _one_value_reading(ctx.sites)
     n = sum(s.mask_kind is not None for s in ctx.sites)
     return PassReport("classify_mask", False, f"{n} masks established from {len(memo)} distinct mask programs")
@@ -142,6 +143,7 @@ def _apply_hint(site: AttentionSite, hints: list[dict], index: int, num_sites: i
         site.mask_kind, site.window, site.chunk = h["mask"], h.get("window"), h.get("chunk")
         how = h.get("mask_established") or "proof"
         site.mask_up_to, site.mask_how = h.get("mask_up_to"), f"hint from a multi-token trace: {how}"
+        site.later_keys = bool(h.get("later_keys"))
         if site.mask_up_to and FIXED_LENGTH in how:
             log.warning("%s: a single-token graph takes its %s mask from a multi-token trace of fixed sizes, where "
                         "it was established up to %d positions only; PagedEngine refuses longer requests",
@@ -235,7 +237,8 @@ def _positional(read, why: NotEstablished, padding: list[str], spans: bool = Fal
         up_to = None if longest is None or longest >= 2 ** 31 - 1 else longest
         return MaskKind("positional", up_to=up_to, positions=tuple(f.positions), how="proof (position program)",
                         position_mod=mod, position_tables=tables, key_padding=pad[0], padding_keeps_true=pad[1],
-                        padding_runs=pad[2], positions_from_first_key=pad[3])
+                        padding_runs=pad[2], positions_from_first_key=pad[3],
+                        later_keys=not spans and sees_later_keys(f))
     raise NotEstablished(f"{why}; nor is it a mask or bias over positions only: {errors[0]}")
 
 

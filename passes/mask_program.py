@@ -1571,6 +1571,7 @@ class MaskKind:
     position_mod: str = ""  # kind "positional": the program kernels evaluate (pagedattn.backends.position_mod)
     position_tables: Optional[torch.Tensor] = None
     values_input: Optional[str] = None  # the input the program reads per-request values from (token types)
+    later_keys: bool = False  # a position program that may let a query see a later key: paged mode refuses it
 
 
 def establish(read: Callable[[Any, str], MaskFormula], padding_inputs: Sequence[str]) -> MaskKind:

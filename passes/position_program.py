@@ -36,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - mask_program refuses first
     z3 = None
 
-__all__ = ["position_program", "program_padding", "prove_spans"]
+__all__ = ["position_program", "program_padding", "prove_spans", "sees_later_keys"]
 
 _MAX_TABLE = 1 << 22  # elements of constant tables a program may carry
 _MIN_CHAIN = 3  # if-then-else chains over one index at least this long become table lookups
@@ -155,6 +155,14 @@ def _prove_positions_only(f: MaskFormula, g: MaskFormula) -> None:
         f"the mask or bias depends on more than the query and key positions and {what}: at query position "
         f"{ev(f.q_pos)} and key position {ev(f.j)} it differs between {ev(f.L)} and {ev(t['L'])} keys (or between "
         "rows, or with the positions' offset)")
+
+
+def sees_later_keys(f: MaskFormula) -> bool:
+    """Whether some query may see a later key (True unless the solver proves that none does). A KV cache cannot
+    serve such a site: a key's K/V are cached before any later token exists (a prefix-LM's spans, computed in one
+    step, are proven apart by :func:`prove_spans`); the drop-in, which sees the whole sequence, can."""
+    ok, _ = f.holds(z3.Implies(f.allowed, f.j <= f.q_pos))
+    return not ok
 
 
 def prove_spans(f: MaskFormula) -> None:

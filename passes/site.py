@@ -73,6 +73,7 @@ class AttentionSite:
     key_padding_runs: bool = False  # established for padding whose present keys are one run per row
     positions_from_first_key: bool = False  # with padding, positions count from the row's first key
     mask_up_to: Optional[int] = None  # the longest key length the mask is established for (None: every length)
+    later_keys: bool = False  # its mask may let a query see a later key: served by the drop-in, refused paged
     mask_how: Optional[str] = None  # "proof", "the operator" (SDPA's own mask), a hint
     position_mod: str = ""  # mask kind "positional": its program (pagedattn.backends.position_mod)
     position_tables: Optional[torch.Tensor] = None
@@ -132,6 +133,7 @@ class AttentionSite:
             "positions_from_first_key": self.key_padding is not None and self.positions_from_first_key,
             "mask_established": self.mask_how,
             "mask_up_to": self.mask_up_to,
+            "later_keys": self.later_keys,
             "position_program": position_mod.describe(self.position_mod) if self.position_mod else None,
             "position_inputs": list(self.position_inputs),
             "position_values": self.position_data.name if self.position_data is not None else None,

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from pagedattn.backends import AttentionBackend, get_backend, use_backend
 from pagedattn.driver import RewriteResult, rewrite_graph
 from pagedattn.program import check_padding, check_positions
-from pagedattn.runtime.context import current_context, refuse_if_unpaged
+from pagedattn.runtime.context import current_context, refuse_if_unpaged, sites_seeing_later_keys
 from pagedattn.tracing import quiet_tracing
 
 log = logging.getLogger("pagedattn")
@@ -116,6 +116,7 @@ class CompiledGraph:
         self.report, self.cache_specs, self.skipped = result.report, result.cache_specs, result.skipped
         self.position_inputs = result.position_inputs
         self.padding_inputs = result.padding_inputs
+        self.sees_later_keys = sites_seeing_later_keys(result.report)
         self.backend, self.inner = backend, inner
         self._dropin_fn: Optional[Callable] = None
         self._paged_fn: Optional[Callable] = None
@@ -130,7 +131,7 @@ class CompiledGraph:
             seen.append(self)
         ctx = current_context()
         if ctx is not None:
-            refuse_if_unpaged(self.skipped)
+            refuse_if_unpaged(self.skipped, self.sees_later_keys)
         if ctx is None or self.num_sites == 0:
             if ctx is None:
                 check_positions(list(args), self.position_inputs)

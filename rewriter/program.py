@@ -29,7 +29,7 @@ from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.report import first_line
-from pagedattn.runtime.context import cache_block_size, current_context, refuse_if_unpaged
+from pagedattn.runtime.context import cache_block_size, current_context, refuse_if_unpaged, sites_seeing_later_keys
 from pagedattn.tracing import copy_graph_module, fits_static_sizes, quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
@@ -361,6 +361,8 @@ class RewrittenModel(nn.Module):
         self._freezing = False  # see compile_paged
         self._skipped = [f"{r['name']}: {r['reason']}" for r in report
                          if r["status"] != "rewritten" and r.get("attention", True)]
+        # rewritten for the drop-in, which sees the whole sequence, but a KV cache cannot serve them
+        self._sees_later_keys = sites_seeing_later_keys(report)
         # an encoder-decoder's decoder step: the last num_cross_sites of cache_specs are cross-attention
         # caches, filled once per request by cross_writer (see write_cross_kv)
         self.num_cross_sites = 0
@@ -475,7 +477,7 @@ class RewrittenModel(nn.Module):
             check_padding(flat, self.padding_inputs)
             check_values(flat, self.value_inputs)
             return self, self.dropin_module(*flat)
-        refuse_if_unpaged(self._skipped)
+        refuse_if_unpaged(self._skipped, self._sees_later_keys)
         with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self, self.graph_module(*flat)
@@ -494,7 +496,7 @@ class RewrittenModel(nn.Module):
         names = self._keyword_leaves()
         at = None if output is None else self.output_index(output)
         if names is None or self.static_sizes or self.num_cross_sites or self.value_inputs or self._skipped or \
-                not self.num_sites or (output is not None and at is None):
+                self._sees_later_keys or not self.num_sites or (output is not None and at is None):
             return None
         caches = tuple(kv_caches)
         if len(caches) != self.num_sites:

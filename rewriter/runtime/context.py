@@ -63,11 +63,24 @@ class PagedContext:
         return v
 
 
-def refuse_if_unpaged(skipped: Sequence[str]) -> None:
-    """Paged mode runs every sequence of a step in one row: attention left dense would mix them."""
+def sites_seeing_later_keys(report: Sequence[dict]) -> list[str]:
+    """The rewritten self-attention sites of a report whose mask may let a query see a later key: the drop-in serves
+    them over the whole sequence, paged mode refuses them (:func:`refuse_if_unpaged`)."""
+    return [r["name"] for r in report if r.get("status") == "rewritten" and r.get("later_keys")
+            and r.get("attention_type") != "cross"]
+
+
+def refuse_if_unpaged(skipped: Sequence[str], sees_later_keys: Sequence[str] = ()) -> None:
+    """Paged mode runs every sequence of a step in one row: attention left dense would mix them. Nor can a KV cache
+    serve a site whose mask lets a query see a later key (``sees_later_keys``: their names): its keys are cached
+    before the later tokens exist."""
     if skipped:
         raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
                            "sequences of a step: " + "; ".join(skipped))
+    if sees_later_keys:
+        raise RuntimeError("this graph cannot run in paged mode: the mask of " + ", ".join(sees_later_keys) +
+                           " may let a query see a later key, which a KV cache cannot serve (the drop-in, over the "
+                           "whole sequence, can)")
 
 
 def current_context() -> Optional[PagedContext]:
