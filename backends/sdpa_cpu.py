@@ -603,12 +603,12 @@ def _decode_plan(kv_cache: Tensor, block_tables: Tensor, split: _Split, params: 
     return plan
 
 
-def _params_key(params: AttentionParams) -> tuple:
+def _params_key(params: AttentionParams, values: bool = True) -> tuple:
     """What a step's memo keys on for a site's parameters: its fields in declaration order (a frozen dataclass's
     ``__dict__`` keeps it; ``dataclasses.fields()`` alone cost ~40 us a call), tensors only as set or not (they differ
-    per layer, applied per call), and the step's per-request values, which decide a program's mask."""
+    per layer, applied per call), and (``values``) the step's per-request values, which decide a program's mask."""
     fields = tuple(v is None if isinstance(v, Tensor) or v is None else v for v in vars(params).values())
-    if params.position_data is not None:
+    if values and params.position_data is not None:
         fields += (tuple(params.position_data.reshape(-1).tolist()),)
     return fields
 
@@ -868,7 +868,7 @@ def _native_prefill_lib(query: Tensor, kv_cache: Tensor, params: AttentionParams
     through their distance alone and no per-request values: its term by distance), else None."""
     plain = (params.alibi_slopes is None and params.softcap <= 0 and params.sinks is None
              and (not params.position_mod or _by_distance(params.position_mod))
-             and not params.chunk and (params.causal or not params.window))
+             and not params.chunk)
     if not plain or params.head_size_v != query.shape[-1] or kv_cache.device.type != "cpu":
         return None
     return native.library()
@@ -888,12 +888,11 @@ def _mask_runs(q_pos: Tensor, k_pos: Tensor, params: AttentionParams, num_heads:
     each, indices into the keys; ``lo == hi`` for a query that sees none), else None. Memoised in ``masks`` (the
     step's, for its layers) where the site holds no tensor parameters: it is then a function of the positions (two
     runs of consecutive ones), the sequence's length ``seq_len`` (None: the keys end with it), the site's other
-    parameters and the sequence's values, and the key holds all of them,
-    so that no other sequence's mask is served whatever the step's layout (the memo's block table may be updated in
-    place from one step to the next)."""
+    parameters and the sequence's values, and the key holds all of them, so that no other sequence's mask is served
+    whatever the step's layout (the memo's block table may be updated in place from one step to the next)."""
     memo = key = None
     if masks is not None and not _tensor_fields(params):
-        memo = masks.setdefault(("mask runs", _params_key(params)), {})
+        memo = masks.setdefault(("mask runs", _params_key(params, values=False)), {})  # the sequence's own: below
         n = int(k_pos[-1]) + 1 if seq_len is None else seq_len
         key = (int(q_pos[0]), q_pos.shape[0], int(k_pos[0]), k_pos.shape[0], n,
                None if values is None else tuple(values.reshape(-1).tolist()))

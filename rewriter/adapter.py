@@ -39,7 +39,7 @@ from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.classify_mask import FIXED_LENGTH
 from pagedattn.program import ModelInfo, PagedCall, RewrittenModel
-from pagedattn.runtime.context import paged_context, step_mode
+from pagedattn.runtime.context import later_keys_reason, paged_context, sites_seeing_later_keys, step_mode
 from pagedattn.runtime.shapes import first_rows, no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
@@ -337,6 +337,9 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
                          "do not cover; use the CPU or CUDA target")
     if servable.state is None and not servable.cache_specs:
         raise ValueError("the model has no rewritten attention sites: nothing to page (see its report)")
+    later = sites_seeing_later_keys(getattr(servable.step, "report", None) or ())
+    if later:
+        raise ValueError(f"PagedEngine cannot serve this model: {later_keys_reason(later)}")
     if compile is None:
         compile = servable.state is None and isinstance(servable.step, RewrittenModel) and \
             backend.step_padder(512, 256, 1) is None

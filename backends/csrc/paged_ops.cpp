@@ -257,10 +257,10 @@ const Plan *find_plan(const at::Tensor &tables, const at::Tensor &lens, const at
     return &plans.front();
 }
 
-/* Whether sdpa_cpu's attend sends its prompts and chunks to the native prefill kernel: no cap or chunked attention,
-   causal or no window (sdpa_cpu._native_prefill_lib), D a multiple of 16 up to the kernel's bound. */
-bool prefill_site(double softcap, bool causal, int64_t window, int64_t chunk, int64_t d) {
-    return softcap <= 0 && chunk == 0 && (causal || window == 0) && d % 16 == 0 && d <= PAGEDATTN_PREFILL_MAX_HEAD;
+/* Whether sdpa_cpu's attend sends its prompts and chunks to the native prefill kernel: no cap or chunked attention
+   (sdpa_cpu._native_prefill_lib), D a multiple of 16 up to the kernel's bound. */
+bool prefill_site(double softcap, int64_t chunk, int64_t d) {
+    return softcap <= 0 && chunk == 0 && d % 16 == 0 && d <= PAGEDATTN_PREFILL_MAX_HEAD;
 }
 
 /* Whether sdpa_cpu sends some of the plan's prompts or chunks to SDPA's kernel on this machine (sdpa_prefill_pays,
@@ -324,7 +324,7 @@ bool prefills(const at::Tensor &out, const at::Tensor &query, const c10::IValue 
               const at::Tensor &cache, const Plan &p, double scale, bool causal, int64_t window, int64_t chunk,
               double softcap, int code) {
     const prefill_fn fn = bound_prefill.load(std::memory_order_relaxed);
-    if (!fn || !prefill_site(softcap, causal, window, chunk, query.size(2)) || sdpa_takes_some(p, causal, window, code))
+    if (!fn || !prefill_site(softcap, chunk, query.size(2)) || sdpa_takes_some(p, causal, window, code))
         return false;
     if (p.fresh_items.defined() && !run_prefill(fn, out, query, key.toTensor(), value.toTensor(), p.fresh_items,
                                                 p.fresh_tiles, p.num_kv_heads, scale, causal, window, code, p.threads))
@@ -366,7 +366,7 @@ at::Tensor attend_fast(const torch::jit::Stack &stack, size_t base) {
         d > PAGEDATTN_MAX_HEAD || head_v != d)
         return {};
     if (arg(1).isTensor() != arg(2).isTensor()) return {}; /* a key without its value: the Python op says so */
-    const bool has_key = arg(1).isTensor() && arg(2).isTensor();
+    const bool has_key = arg(1).isTensor();
     Plan local;
     const Plan *p = find_plan(arg(4).toTensor(), arg(5).toTensor(), arg(6).toTensor(), query.size(0), window, chunk,
                               bs, causal, has_key, max_seq_len, hkv, cache.size(1), 2 * hkv * d * cache.element_size(),

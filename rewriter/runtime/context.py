@@ -78,9 +78,13 @@ def refuse_if_unpaged(skipped: Sequence[str], sees_later_keys: Sequence[str] = (
         raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
                            "sequences of a step: " + "; ".join(skipped))
     if sees_later_keys:
-        raise RuntimeError("this graph cannot run in paged mode: the mask of " + ", ".join(sees_later_keys) +
-                           " may let a query see a later key, which a KV cache cannot serve (the drop-in, over the "
-                           "whole sequence, can)")
+        raise RuntimeError(f"this graph cannot run in paged mode: {later_keys_reason(sees_later_keys)}")
+
+
+def later_keys_reason(sites: Sequence[str]) -> str:
+    """Why paged mode refuses ``sites`` (:func:`sites_seeing_later_keys`), in one sentence."""
+    return (f"the mask of {', '.join(sites)} may let a query see a later key, which a KV cache cannot serve (the "
+            "drop-in, over the whole sequence, can)")
 
 
 def current_context() -> Optional[PagedContext]:

@@ -484,18 +484,15 @@ def test_a_method_wrapped_on_the_bound_backend_takes_its_calls_from_the_stand_in
     assert seen and torch.all(wrapped == 0) and plain.abs().sum() > 0
 
 
-class _Marked:
+def _marked_backend():
     """A backend other than the plain CPU one, whose output says it ran (7 everywhere)."""
+    from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
 
-    @staticmethod
-    def make():
-        from pagedattn.backends.sdpa_cpu import SdpaCpuBackend
+    class Marked(SdpaCpuBackend):
+        def attend(self, *a, **k):
+            return super().attend(*a, **k) * 0 + 7.0
 
-        class Marked(SdpaCpuBackend):
-            def attend(self, *a, **k):
-                return super().attend(*a, **k) * 0 + 7.0
-
-        return Marked()
+    return Marked()
 
 
 def test_asyncio_tasks_binding_backends_on_one_thread_each_get_their_own():
@@ -511,7 +508,7 @@ def test_asyncio_tasks_binding_backends_on_one_thread_each_get_their_own():
     params, outs = batch_params(b, 0.125), {}
 
     async def marked(bound, plain, done):
-        with use_backend(_Marked.make()):
+        with use_backend(_marked_backend()):
             bound.set()
             await plain.wait()  # the other task has bound the plain backend meanwhile
             outs["marked"] = _native_paged(b, params)

@@ -130,7 +130,6 @@ def _paged_logits(rm, ids, block_size=16):
     ids=["finite_strict_mask", "query_temperature", "sliced_position_table"])
 def test_a_rewrite_gives_the_models_logits_or_refuses(model):
     m = model().eval()
-    torch.set_num_threads(1)
     rm = pagedattn.rewrite(m, (torch.randint(0, V, (2, 8)),))
     if not any(r.get("attention") and r["status"] == "rewritten" for r in rm.report):
         return  # refused: right
