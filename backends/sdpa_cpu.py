@@ -206,7 +206,9 @@ class SdpaCpuBackend(SplitKVBackend):
         2-vCPU Xeon with AMX: 32 sizes up to 1024 tokens in ~0.8-0.9 s; its prefill and mixed steps ~30 % faster)."""
         from pagedattn.backends import cpu_linear  # it imports the native ops, which import this module's package
 
-        if dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+        packs = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+        # Inductor packs such linears for oneDNN only where the CPU has its GEMMs (else they run as float32 matmuls)
+        if packs is None or not torch.backends.mkldnn.is_available() or not getattr(torch.ops.mkldnn, packs)():
             return ()
         return tuple(sorted({cpu_linear.onednn_rows(m) for m in range(65, max_num_tokens + 1)}))
 

@@ -6,7 +6,8 @@ and records what it learns in the typed :class:`PassContext`. A pipeline is a tu
 
     model graph --CANONICAL_PIPELINE--> canonical pagedattn::attention nodes (the drop-in graph)
                 --PAGED_PIPELINE-->     KV-cache writes + pagedattn::paged_attention,
-                                        caches and metadata as graph inputs (the paged graph)
+                                        caches and metadata as graph inputs (the paged graph), step
+                                        indices numbered by position; or a reason paged mode refuses it
 
 Passes that serve one runtime are applied where it needs them: ``FunctionalCacheWrites`` (XLA,
 ONNX), ``Fp32Matmuls`` (CPUs without native bf16/fp16 GEMMs) and ``ConcatLinears`` (CUDA steps
@@ -26,11 +27,13 @@ from pagedattn.passes.packed_positions import packed_positions
 from pagedattn.passes.pipeline import Pass, PassError, run_pipeline
 from pagedattn.passes.replace_attention import replace_attention
 from pagedattn.passes.site import AttentionSite
+from pagedattn.passes.token_locality import token_locality
 
 # model graph -> graph with canonical pagedattn::attention nodes (the drop-in form)
 CANONICAL_PIPELINE = (match_attention, classify_mask, mark_varying_masks, replace_attention, remove_dead_code)
-# canonical graph -> KV-cache writes + paged attention, caches and metadata as inputs
-PAGED_PIPELINE = (insert_paged, packed_positions, remove_dead_code)
+# canonical graph -> KV-cache writes + paged attention, caches and metadata as inputs (token_locality first proves
+# that outside attention each token is computed alone, and finds what numbers tokens, or says why paged mode cannot)
+PAGED_PIPELINE = (token_locality, insert_paged, packed_positions, remove_dead_code)
 # canonical graph of an encoder-decoder's decoder step -> the graph writing its cross-attention caches
 CROSS_WRITER_PIPELINE = (cross_kv_writes,)
 
@@ -57,4 +60,5 @@ __all__ = [
     "remove_dead_code",
     "replace_attention",
     "run_pipeline",
+    "token_locality",
 ]

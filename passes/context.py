@@ -7,7 +7,20 @@ from typing import Any, Optional
 
 from pagedattn.passes.site import AttentionSite
 
-__all__ = ["PassContext", "PassReport", "PagedSite"]
+__all__ = ["PassContext", "PassReport", "PagedSite", "StepIndex"]
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """A node whose values number the step's tokens (``token_locality``): in the model's forward each token's
+    position, in a paged step its index in the step, so the paged graph computes it from the positions.
+
+    ``kind`` "range": ``arange(start, start + T)`` (positions plus ``start``); "table": a constant cut to its first
+    ``T`` rows along ``dim`` (its rows at the positions)."""
+
+    kind: str
+    start: int = 0
+    dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -27,8 +40,8 @@ class PassContext:
     a multi-token rewrite of the same model, for graphs traced on one token (see ``classify_mask``).
     ``encoder_inputs`` names the placeholders that carry an encoder's output (an encoder-decoder's
     decoder step): attention whose keys and values are computed from them alone is cross-attention.
-    Passes fill ``sites`` (``match_attention`` onwards), ``paged_sites``, ``cross_sites`` and
-    ``token_count`` (``insert_paged``).
+    Passes fill ``sites`` (``match_attention`` onwards), ``step_indices`` and ``paged_refusal``
+    (``token_locality``), ``paged_sites``, ``cross_sites`` and ``token_count`` (``insert_paged``).
     """
 
     example_inputs: dict[str, Any] = field(default_factory=dict)
@@ -41,6 +54,11 @@ class PassContext:
     encoder_inputs: frozenset[str] = frozenset()
     cross_sites: list[PagedSite] = field(default_factory=list)  # cross_kv_cache_<j> inputs, in order
     token_count: Any = None  # the paged sites' query length S ([B, H, S, D]; a symbol), set by insert_paged
+    # token_locality: node name -> StepIndex (None: not read, a graph of fixed token count), and why paged mode
+    # cannot serve the graph (it combines tokens outside attention), or None
+    step_indices: Optional[dict[str, StepIndex]] = None
+    paged_refusal: Optional[str] = None
+    locality_unproven: Optional[str] = None  # an op or indexing token_locality cannot follow, where it met one
 
     def site(self, name: str) -> AttentionSite:
         return next(s for s in self.sites if s.name == name)

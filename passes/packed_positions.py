@@ -1,18 +1,23 @@
-"""Token-index ranges that number positions become each token's position in its own sequence.
+"""Step indices become each token's position in its own sequence.
 
 A model that takes no ``position_ids`` numbers its tokens with ``arange(S)`` over the token
-dimension (learned or rotary embeddings). A paged step packs several sequences into one row,
-each continuing its cache, so such a range (one that reaches a position embedding or rotary
-cos/sin) becomes ``seq_lens[i] - (query_start_loc[i+1] - t)`` for token ``t`` of sequence ``i``,
-computed from the step's metadata.
+dimension (learned or rotary embeddings, a query temperature), or cuts a table of positions to
+the token count (``pe[:, :S]``). A paged step packs several sequences into one row, each
+continuing its cache, so each such step index (``token_locality`` finds them) becomes
+``seq_lens[i] - (query_start_loc[i+1] - t)`` for token ``t`` of sequence ``i``, computed from the
+step's metadata: the range its positions (plus its start), the table its rows at the positions.
+A graph of fixed token count is not read by ``token_locality``: there ranges that reach a
+position embedding or rotary cos/sin are taken (with one token, every range).
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
-from pagedattn.passes.context import PassContext, PassReport
+from pagedattn.passes.context import PassContext, PassReport, StepIndex
 from pagedattn.passes.insert_paged import metadata_inputs
 from pagedattn.passes.site import aten, same_size
 
@@ -26,17 +31,36 @@ def packed_positions(gm: GraphModule, ctx: PassContext) -> PassReport:
     meta = metadata_inputs(gm)
     if not meta or ctx.token_count is None:
         return PassReport("packed_positions", False, "no paged sites")
-    ranges = [n for n in gm.graph.nodes if _token_range(n, ctx.token_count) and _feeds_position_encoding(n)]
-    if not ranges:
-        return PassReport("packed_positions", False, "no token-index ranges number positions")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    if ctx.step_indices is not None:  # token_locality read the graph: every step index it found
+        found = [(nodes[name], s) for name, s in ctx.step_indices.items() if name in nodes]
+    else:  # a graph of fixed token count: ranges that reach a position encoding (one token: any range)
+        found = [(n, StepIndex("range", 0, 0)) for n in gm.graph.nodes if _token_range(n, ctx.token_count) and
+                 (same_size(ctx.token_count, 1) or _feeds_position_encoding(n))]
+    if not found:
+        return PassReport("packed_positions", False, "no step indices")
     pos = _positions(gm.graph, meta)
-    for n in ranges:
+    for n, s in found:
         with gm.graph.inserting_before(n.next):
-            end = n.args[0] if n.target is aten.arange.default else n.args[1]
-            cut = gm.graph.call_function(aten.slice.Tensor, (pos, 0, 0, end))
-            new = gm.graph.call_function(aten._to_copy.default, (cut,), {"dtype": n.meta["val"].dtype})
+            f = gm.graph.call_function
+            if s.kind == "range":
+                end = n.args[0] if n.target is aten.arange.default else n.args[1]
+                cut = f(aten.slice.Tensor, (pos, 0, 0, end if s.start == 0 else f(operator.sub, (end, s.start))))
+                if s.start:
+                    cut = f(aten.add.Tensor, (cut, s.start))
+                new = f(aten._to_copy.default, (cut,), {"dtype": n.meta["val"].dtype})
+            else:  # a table cut to T rows from a fixed one: its rows at the positions (past that row)
+                table = n.args[0]
+                if n.target is aten.narrow.default:  # narrow(table, dim, start, length)
+                    length = n.args[3]
+                else:  # slice(table, dim, start, end)
+                    length = n.args[3] if s.start == 0 else f(operator.sub, (n.args[3], s.start))
+                rows = f(aten.slice.Tensor, (pos, 0, 0, length))
+                if s.start:
+                    rows = f(aten.add.Tensor, (rows, s.start))
+                new = f(aten.index_select.default, (table, s.dim, rows))
         n.replace_all_uses_with(new)
-    return PassReport("packed_positions", True, f"{len(ranges)} token-index ranges made positions")
+    return PassReport("packed_positions", True, f"{len(found)} step indices made positions")
 
 
 def _token_range(n: Node, tokens) -> bool:

@@ -17,6 +17,7 @@ When a site's mask or bias is none of the kinds with their own kernels (causal, 
    lookups.
 
 What is refused: a mask or bias that depends on anything else (shown by a counterexample), a mask that
+may hide every key of a query row (its own key, the first and the last are the witnesses sought), a mask that
 differs per head, programs read only at one query (single-token graphs), tables of unknown values
 larger than ``_MAX_TABLE`` elements.
 """
@@ -51,7 +52,49 @@ def position_program(read: Callable[[Any, str], MaskFormula], present: Any = Tru
     f, g = read(present, "ga"), read(present, "gb")
     _prove_positions_only(f, g)
     allowed, bias = _bound(f)
+    _prove_rows_keep_a_key(f, allowed)
     return (*_Compiler(f).build(allowed, bias), f, (allowed, bias))
+
+
+def _prove_rows_keep_a_key(f: MaskFormula, allowed) -> None:
+    """Every query row sees at least one key, for every length: a row that hides them all is no softmax over
+    its seen keys (the model spreads it over every key when the fill is finite, -1e4 or the dtype's minimum,
+    or gives NaN with -inf), which no kernel here reproduces. Shown by a witness per row: the query's own key,
+    the first or the last key (``allowed`` is ``_bound``'s, over the row, the key and the counts alone). A bias
+    hides a key only at -1e29 or below (a learned table's entries are clamped to their range where read; a
+    logarithm is bounded by :func:`_log_ranges`)."""
+    claim = z3.Or([z3.substitute(allowed, (f.j, w)) for w in (f.q_pos, z3.IntVal(0), f.L - 1)])
+    ok, model = f.holds(claim, *_log_ranges(claim))
+    if ok:
+        return
+    if ok is None:
+        raise NotEstablished(f"the solver could not establish that every query row sees a key ({model})")
+    ev = lambda x: model.eval(x, model_completion=True)  # noqa: E731
+    raise NotEstablished(
+        f"a query row may hide every key (query position {ev(f.q_pos)} of {ev(f.L)} keys hides its own, the first "
+        "and the last): the model's softmax there runs over every key with the fill value (or gives NaN), which no "
+        "cache can serve")
+
+
+# logarithms are at most their argument where they are not negative (log1p from 0, the others from 1)
+_LOG_FROM = {"op_log": 1, "op_log2": 1, "op_log10": 1, "op_log1p": 0}
+
+
+def _log_ranges(e) -> list:
+    """A true fact about each logarithm applied in ``e`` (which the mask reading keeps opaque): at or past its sign
+    split it is at most its argument. Stated per application (no quantifiers)."""
+    facts, seen, stack = [], set(), [e]
+    while stack:
+        x = stack.pop()
+        if x.get_id() in seen:
+            continue
+        seen.add(x.get_id())
+        if z3.is_app(x):
+            if x.decl().name() in _LOG_FROM and x.num_args() == 1:
+                a = x.arg(0)
+                facts.append(z3.Implies(a >= _LOG_FROM[x.decl().name()], z3.And(x <= a, -x <= a)))
+            stack.extend(x.children())
+    return facts
 
 
 def program_padding(read: Callable[[Any, str], MaskFormula], f: MaskFormula, terms: tuple, names: list[str]

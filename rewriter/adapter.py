@@ -39,7 +39,13 @@ from pagedattn.hf_state import StatefulStep, StateLayout, find_recurrent_state
 from pagedattn.passes import FunctionalCacheWrites, PassContext, run_pipeline
 from pagedattn.passes.classify_mask import FIXED_LENGTH
 from pagedattn.program import ModelInfo, PagedCall, RewrittenModel
-from pagedattn.runtime.context import later_keys_reason, paged_context, sites_seeing_later_keys, step_mode
+from pagedattn.runtime.context import (
+    later_keys_reason,
+    mixes_tokens_reason,
+    paged_context,
+    sites_seeing_later_keys,
+    step_mode,
+)
 from pagedattn.runtime.shapes import first_rows, no_duck_sizing, pad_cross, pad_packed_step
 from pagedattn.runtime.state import StatePool
 from pagedattn.seq2seq import Seq2SeqServing, is_seq2seq, prepare_seq2seq
@@ -340,6 +346,12 @@ def prepare_model(model: nn.Module, *, target: "str | AttentionBackend" = "auto"
     later = sites_seeing_later_keys(getattr(servable.step, "report", None) or ())
     if later:
         raise ValueError(f"PagedEngine cannot serve this model: {later_keys_reason(later)}")
+    mixes = getattr(servable.step, "paged_refusal", None)
+    if mixes:
+        raise ValueError(f"PagedEngine cannot serve this model: {mixes_tokens_reason(mixes)}")
+    unproven = getattr(servable.step, "locality_unproven", None)
+    if unproven:
+        log.info("tokens not shown to be computed apart outside attention (%s): the packing check decides", unproven)
     if compile is None:
         compile = servable.state is None and isinstance(servable.step, RewrittenModel) and \
             backend.step_padder(512, 256, 1) is None
@@ -798,6 +810,9 @@ def _rewrite_stateful(model: nn.Module, layout: StateLayout, names: set[str], ba
     rm = rewrite(StatefulStep(model, layout, "position_ids" in names, fresh).eval(), (), example,
                  target=backend, block_size=block_size, mask_hints=mask_hints)
     rm.retrace = None  # a step whose program fixed its sizes refuses others: the next mode is tried instead
+    # its steps run a sequence per row (the recurrence runs along a row, its state carried per sequence, and
+    # check_state compares the steps with the model's own forward): what combines a row's tokens is its to combine
+    rm.paged_refusal = rm.locality_unproven = None
     return rm
 
 

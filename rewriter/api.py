@@ -99,6 +99,7 @@ def rewrite_program(ep: torch.export.ExportedProgram, flat: list, backend: Atten
     rm.value_inputs = value_inputs(res.dropin, res.sites)
     rm.static_sizes = static_sizes(ep, flat)
     rm.cross_writer, rm.num_cross_sites = res.cross_writer, len(res.cross_sites)
+    rm.paged_refusal, rm.locality_unproven = res.paged_refusal, res.locality_unproven
     check_runs_on_example(res.dropin, flat)
     return rm
 

@@ -117,6 +117,7 @@ class CompiledGraph:
         self.position_inputs = result.position_inputs
         self.padding_inputs = result.padding_inputs
         self.sees_later_keys = sites_seeing_later_keys(result.report)
+        self.paged_refusal = result.paged_refusal
         self.backend, self.inner = backend, inner
         self._dropin_fn: Optional[Callable] = None
         self._paged_fn: Optional[Callable] = None
@@ -131,7 +132,7 @@ class CompiledGraph:
             seen.append(self)
         ctx = current_context()
         if ctx is not None:
-            refuse_if_unpaged(self.skipped, self.sees_later_keys)
+            refuse_if_unpaged(self.skipped, self.sees_later_keys, self.paged_refusal)
         if ctx is None or self.num_sites == 0:
             if ctx is None:
                 check_positions(list(args), self.position_inputs)

@@ -41,6 +41,11 @@ class RewriteResult:
     # kv_cache_<i>; their specs follow cache_specs' self-attention ones) and the graph that fills them
     cross_sites: tuple[PagedSite, ...] = ()
     cross_writer: Optional[GraphModule] = None
+    # why paged mode cannot run the paged graph (it combines tokens outside attention: ``token_locality``), or None
+    paged_refusal: Optional[str] = None
+    # where token_locality met an op or indexing it cannot follow (paged mode then rests on PagedEngine's packing
+    # check), or None
+    locality_unproven: Optional[str] = None
 
     @property
     def report(self) -> list[dict]:
@@ -108,8 +113,10 @@ def rewrite_graph(gm: GraphModule, example_inputs: Sequence, backend: AttentionB
     by_name = {s.name: s for s in ctx.sites}
     specs = [CacheSpec(p.site, by_name[p.site].num_kv_heads, by_name[p.site].head_dim,
                        by_name[p.site].key.meta["val"].dtype) for p in [*ctx.paged_sites, *ctx.cross_sites]]
+    if ctx.paged_refusal:
+        log.info("paged mode refused: %s", ctx.paged_refusal)
     return RewriteResult(gm, paged, ctx.sites, specs, ctx.paged_sites, reports, tuple(ctx.cross_sites),
-                         writer if ctx.cross_sites else None)
+                         writer if ctx.cross_sites else None, ctx.paged_refusal, ctx.locality_unproven)
 
 
 def site_config(s: AttentionSite) -> AttentionConfig:

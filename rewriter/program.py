@@ -29,7 +29,12 @@ from pagedattn.backends.shared_values import RealizeSharedValues
 from pagedattn.inductor_cache import frozen_steps_cacheable
 from pagedattn.passes import ConcatLinears, Fp32Matmuls, PassContext, run_pipeline
 from pagedattn.report import first_line
-from pagedattn.runtime.context import cache_block_size, current_context, refuse_if_unpaged, sites_seeing_later_keys
+from pagedattn.runtime.context import (
+    cache_block_size,
+    current_context,
+    refuse_if_unpaged,
+    sites_seeing_later_keys,
+)
 from pagedattn.tracing import copy_graph_module, fits_static_sizes, quiet_tracing, uncompiled
 
 log = logging.getLogger("pagedattn")
@@ -363,6 +368,10 @@ class RewrittenModel(nn.Module):
                          if r["status"] != "rewritten" and r.get("attention", True)]
         # rewritten for the drop-in, which sees the whole sequence, but a KV cache cannot serve them
         self._sees_later_keys = sites_seeing_later_keys(report)
+        # where the graph combines tokens outside attention (``token_locality``): paged mode refuses it
+        self.paged_refusal: Optional[str] = None
+        # where token_locality could not follow the graph (an op, an indexing it does not know): not shown either way
+        self.locality_unproven: Optional[str] = None
         # an encoder-decoder's decoder step: the last num_cross_sites of cache_specs are cross-attention
         # caches, filled once per request by cross_writer (see write_cross_kv)
         self.num_cross_sites = 0
@@ -477,7 +486,7 @@ class RewrittenModel(nn.Module):
             check_padding(flat, self.padding_inputs)
             check_values(flat, self.value_inputs)
             return self, self.dropin_module(*flat)
-        refuse_if_unpaged(self._skipped, self._sees_later_keys)
+        refuse_if_unpaged(self._skipped, self._sees_later_keys, self.paged_refusal)
         with use_backend(ctx.backend or self.backend), inductor_freezing(self._freezing):
             if not self.num_sites:  # nothing paged (a state-space model): the graph takes no caches or metadata
                 return self, self.graph_module(*flat)
@@ -496,7 +505,7 @@ class RewrittenModel(nn.Module):
         names = self._keyword_leaves()
         at = None if output is None else self.output_index(output)
         if names is None or self.static_sizes or self.num_cross_sites or self.value_inputs or self._skipped or \
-                self._sees_later_keys or not self.num_sites or (output is not None and at is None):
+                self._sees_later_keys or self.paged_refusal or not self.num_sites or (output is not None and at is None):
             return None
         caches = tuple(kv_caches)
         if len(caches) != self.num_sites:

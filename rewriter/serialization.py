@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from pagedattn.backends import AttentionBackend, CacheSpec, build_metadata, get_backend, position_mod
 from pagedattn.passes.canonical import is_paged_attention, read_paged
 from pagedattn.program import ModelInfo, RewrittenModel
+from pagedattn.runtime.context import mixes_tokens_reason
 from pagedattn.runtime.shapes import no_duck_sizing
 from pagedattn.safe_archive import UnsafeArchive, load_treespec, read_exported_program
 from pagedattn.tracing import fake_tensor_cache_for, quiet_tracing, uncompiled
@@ -39,6 +40,9 @@ def save(model: RewrittenModel, path: str) -> None:
         raise ValueError(f"cannot save an encoder-decoder's decoder step ({model.num_cross_sites} cross-attention "
                          "sites): the archive would lose the graph that fills their caches; serve the model itself "
                          "with PagedEngine(model)")
+    if model.paged_refusal:
+        raise ValueError(f"cannot save this program: its paged graph is all a file holds, and paged mode refuses it: "
+                         f"{mixes_tokens_reason(model.paged_refusal)}")
     extra = {
         _INFO_FILE: json.dumps({
             "report": model.report, "cache_specs": [s.to_json() for s in model.cache_specs], "target": model.target,

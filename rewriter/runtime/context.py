@@ -70,15 +70,26 @@ def sites_seeing_later_keys(report: Sequence[dict]) -> list[str]:
             and r.get("attention_type") != "cross"]
 
 
-def refuse_if_unpaged(skipped: Sequence[str], sees_later_keys: Sequence[str] = ()) -> None:
+def refuse_if_unpaged(skipped: Sequence[str], sees_later_keys: Sequence[str] = (),
+                      mixes_tokens: Optional[str] = None) -> None:
     """Paged mode runs every sequence of a step in one row: attention left dense would mix them. Nor can a KV cache
     serve a site whose mask lets a query see a later key (``sees_later_keys``: their names): its keys are cached
-    before the later tokens exist."""
+    before the later tokens exist. Nor a graph that combines tokens outside attention (``mixes_tokens``: the
+    rewrite's ``paged_refusal``)."""
     if skipped:
         raise RuntimeError("this graph cannot run in paged mode: attention left as it was would mix the "
                            "sequences of a step: " + "; ".join(skipped))
     if sees_later_keys:
         raise RuntimeError(f"this graph cannot run in paged mode: {later_keys_reason(sees_later_keys)}")
+    if mixes_tokens:
+        raise RuntimeError(f"this graph cannot run in paged mode: {mixes_tokens_reason(mixes_tokens)}")
+
+
+def mixes_tokens_reason(why: str) -> str:
+    """Why paged mode refuses a graph that combines tokens outside attention (``why``: where it does), in one
+    sentence."""
+    return (f"outside attention the model combines tokens ({why}), and a paged step packs several sequences, and "
+            "chunks of one, into a row (the drop-in, over the whole sequence, can run it)")
 
 
 def later_keys_reason(sites: Sequence[str]) -> str:

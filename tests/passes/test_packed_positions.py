@@ -68,7 +68,7 @@ def test_each_packed_sequence_counts_from_its_own_start(cls):
         want = m(a), m(b)
     gm, reports = _paged_graph(m, PAGED_PIPELINE)
     (report,) = [r for r in reports if r.name == "packed_positions"]
-    assert report.changed and "token-index ranges made positions" in report.detail
+    assert report.changed and "step indices made positions" in report.detail
     pa, pb = _packed(gm, [a, b])
     torch.testing.assert_close(pa, want[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(pb, want[1], atol=2e-5, rtol=1e-4)  # positions 0..4, not 7..11
@@ -81,7 +81,7 @@ def test_each_packed_sequence_counts_from_its_own_start(cls):
 def test_models_without_such_ranges_are_left_alone():
     gm, reports = _paged_graph(zoo.NanoGPT().eval(), PAGED_PIPELINE)
     (report,) = [r for r in reports if r.name == "packed_positions"]
-    assert not report.changed and report.detail == "no token-index ranges number positions"
+    assert not report.changed and report.detail == "no step indices"
     gm, ctx = aten_graph(zoo.CrossAttention().eval(), zoo.example_args("cross_attention"))
     run_pipeline(gm, ctx, CANONICAL_PIPELINE + (insert_paged,))
     assert packed_positions(gm, ctx).detail == "no paged sites"

@@ -133,12 +133,18 @@ def _onednn_weight(dtype, n=96, k=160):
     return torch.ops.mkldnn._reorder_linear_weight(w, 16), w
 
 
+def _reduced():
+    """bfloat16 where oneDNN packs it (AVX512-BF16, AVX-NE-CONVERT or AMX), else float32: the copies are bytes
+    either way."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def test_copies_on_huge_pages_are_the_tensors_bytes_side_by_side_in_one_buffer():
     if not (native_ops.load() and huge_pages.enabled()):
         pytest.skip("pagedattn's C++ operators or huge pages are off here")
     from pagedattn.backends import native
 
-    packed16, w16 = _onednn_weight(torch.bfloat16)
+    packed16, w16 = _onednn_weight(_reduced())
     packed32, w32 = _onednn_weight(torch.float32, 70, 33)
     tensors = {"a": packed16, "norm": torch.randn(7), "ids": torch.arange(5), "b": packed32, "scalar": torch.tensor(2.5)}
     buffer, copies = aot_step.copies_on_huge_pages(tensors)
@@ -151,7 +157,7 @@ def test_copies_on_huge_pages_are_the_tensors_bytes_side_by_side_in_one_buffer()
         c = copies[name]
         assert c.is_mkldnn == t.is_mkldnn and c.shape == t.shape and c.dtype == t.dtype
         assert torch.equal(native.onednn_bytes(c), native.onednn_bytes(t)) if t.is_mkldnn else torch.equal(c, t)
-    x = torch.randn(3, 160).bfloat16()  # oneDNN reads the copy in place, as the original
+    x = torch.randn(3, 160).to(packed16.dtype)  # oneDNN reads the copy in place, as the original
     linear = torch.ops.mkldnn._linear_pointwise
     assert torch.equal(linear(x, copies["a"], None, "none", [], ""), linear(x, packed16, None, "none", [], ""))
     buffer.zero_()
@@ -161,7 +167,7 @@ def test_copies_on_huge_pages_are_the_tensors_bytes_side_by_side_in_one_buffer()
 def test_copies_on_huge_pages_refuse_a_onednn_copy_that_reads_other_bytes(monkeypatch):
     if not (native_ops.load() and huge_pages.enabled()):
         pytest.skip("pagedattn's C++ operators or huge pages are off here")
-    packed, _ = _onednn_weight(torch.bfloat16)
+    packed, _ = _onednn_weight(_reduced())
     monkeypatch.setattr(native_ops, "onednn_from_buffer", lambda buffer, offset, like: like)  # the original's bytes
     assert aot_step.copies_on_huge_pages({"w": packed}) is None
 
