@@ -214,7 +214,7 @@ def _first_token_flag(x):
 
 
 @pytest.mark.parametrize("mix", sorted(_MIXERS))
-def test_a_model_that_combines_tokens_outside_attention_is_refused_paged_and_served_drop_in(mix):
+def test_a_model_that_combines_tokens_outside_attention_is_refused_paged_and_served_drop_in(mix, tmp_path):
     m = _LM(_Causal, mix=_MIXERS[mix]).eval()
     rm = pagedattn.rewrite(m, (torch.randint(0, V, (2, 8)),))
     assert all(r["status"] == "rewritten" for r in rm.report if r.get("attention"))
@@ -226,6 +226,9 @@ def test_a_model_that_combines_tokens_outside_attention_is_refused_paged_and_ser
         _paged_logits(rm, ids[0].tolist())
     with pytest.raises(ValueError, match="combines tokens"):
         pagedattn.PagedEngine(m, compile=False, progress=False)
+    with pytest.raises(ValueError, match="combines tokens"):  # a saved program runs in paged mode alone
+        rm.save(str(tmp_path / "m.pt2"))
+    assert not (tmp_path / "m.pt2").exists()
 
 
 class _PerSequence(nn.Module):
