@@ -167,6 +167,9 @@ class _Row:
 
 
 class _Interpreter:
+    """One reading of a graph: each node's abstract value (constant, per sequence, tokens along some dimensions, or
+    mixed), in graph order; the rules for ops are ``_HANDLERS``' (pointwise ops by their tag)."""
+
     def __init__(self, gm: GraphModule, ctx: PassContext, query_shape: tuple):
         self.gm, self.ctx = gm, ctx
         self.batch, self.tokens = query_shape[0], query_shape[2]  # [B, H, S, D]: B and S
