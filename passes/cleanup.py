@@ -6,6 +6,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from pagedattn.passes.context import PassContext, PassReport
+from pagedattn.passes.site import written_tensor
 
 _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 # functorch's vmap levels (Hugging Face builds some masks with vmap, and export keeps the calls): entering
@@ -13,11 +14,6 @@ _ASSERT = torch.ops.aten._assert_tensor_metadata.default
 _VMAP_STATE = {"_vmap_increment_nesting", "_vmap_decrement_nesting"}
 
 
-# ops whose result aliases their first argument: an in-place write through them lands in that argument
-_VIEWS = {torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.view.default,
-          torch.ops.aten.transpose.int, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
-          torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.alias.default,
-          torch.ops.aten.narrow.default, torch.ops.aten.as_strided.default}
 # ops that make a new tensor from nothing the graph holds (its contents are what the graph writes into it)
 _FRESH = {torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format, torch.ops.aten.ones.default,
           torch.ops.aten.full.default, torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default,
@@ -28,14 +24,8 @@ _FRESH = {torch.ops.aten.zeros.default, torch.ops.aten.empty.memory_format, torc
 def _scratch_base(n: Node):
     """For an in-place op writing (through views) into a tensor the graph created itself, that tensor's node;
     None for anything else (a write into an input, a buffer or a parameter is a side effect of its own)."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
-            or not schema.arguments[0].alias_info.is_write or not n.args or not isinstance(n.args[0], Node):
-        return None
-    base = n.args[0]
-    while base.op == "call_function" and base.target in _VIEWS:
-        base = base.args[0]
-    if base.op == "call_function" and base.target in _FRESH:
+    base = written_tensor(n)
+    if base is not None and base.op == "call_function" and base.target in _FRESH:
         return base
     return None
 

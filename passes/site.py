@@ -166,6 +166,25 @@ def same_size(a: Any, b: Any) -> bool:
         return False
 
 
+# ops whose result aliases their first argument: an in-place write through them lands in that argument
+ALIASING_VIEWS = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.transpose.int, aten.unsqueeze.default,
+                  aten.squeeze.dim, aten.expand.default, aten.permute.default, aten.alias.default, aten.narrow.default,
+                  aten.as_strided.default}
+
+
+def written_tensor(n: Node) -> Optional[Node]:
+    """The tensor an in-place op writes into, through views of it (``ALIASING_VIEWS``); None for an op that writes
+    into nothing."""
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+            or not schema.arguments[0].alias_info.is_write or not n.args or not isinstance(n.args[0], Node):
+        return None
+    base = n.args[0]
+    while base.op == "call_function" and base.target in ALIASING_VIEWS:
+        base = base.args[0]
+    return base
+
+
 def is_full_slice(node: Node) -> bool:
     if node.target is not aten.slice.Tensor:
         return False

@@ -42,7 +42,7 @@ from torch.fx import GraphModule, Node
 
 from pagedattn.passes.canonical import is_attention, read_attention
 from pagedattn.passes.context import PassContext, PassReport, StepIndex
-from pagedattn.passes.site import aten
+from pagedattn.passes.site import CAST_OPS, IDENTITY_OPS, aten, same_size, written_tensor
 
 __all__ = ["token_locality"]
 
@@ -107,10 +107,6 @@ def _expr(size) -> sympy.Expr:
     if isinstance(size, torch.SymInt):
         return size.node.expr
     return size if isinstance(size, sympy.Expr) else sympy.Integer(int(size))
-
-
-def _same(a, b) -> bool:
-    return sympy.expand(_expr(a) - _expr(b)) == 0
 
 
 def _shape(n) -> Optional[tuple]:
@@ -200,7 +196,7 @@ class _Interpreter:
                 # what this pass cannot follow: noted where it is met, and read on as if it kept tokens apart, so
                 # that what combines tokens after it is still seen
                 self.unproven.setdefault(v.at, v.why)
-                base = _written(n)
+                base = written_tensor(n)
                 if base is not None:  # what reads the target afterwards reads what could not be followed
                     self.unproven.setdefault(base.name, v.why)
                 v = self.guess(n)
@@ -246,7 +242,7 @@ class _Interpreter:
 
     def spoil_base(self, n: Node, v: "_Mixed") -> None:
         """An in-place op that combines tokens leaves its target (through views) combined as well."""
-        base = _written(n)
+        base = written_tensor(n)
         if base is not None:
             self.env[base] = v
 
@@ -317,7 +313,7 @@ class _Interpreter:
             out = _CONST
         elif not any(isinstance(v, _Tok) for v in values) and not self.step_scalar((n.args, n.kwargs)):
             out = next(v for v in values if isinstance(v, _Row))  # per-sequence data stays per sequence
-        elif torch.Tag.pointwise in getattr(n.target, "tags", ()) or n.target in _SAME:
+        elif torch.Tag.pointwise in getattr(n.target, "tags", ()) or n.target in (aten.copy.default, aten.to.other):
             out = self.pointwise(n)
         else:
             self.picking |= sources  # whatever it does with them, they stay indices in the step
@@ -344,7 +340,7 @@ class _Interpreter:
 
     def mutate(self, n: Node, out) -> None:
         """An in-place op writes its result into its first argument (through views)."""
-        base = _written(n)
+        base = written_tensor(n)
         if base is None:
             return
         before = self.env.get(base)
@@ -414,7 +410,7 @@ class _Interpreter:
 
     def count_of_tokens(self, size) -> bool:
         """A size that is the step's token count."""
-        return _same(size, self.tokens)
+        return same_size(size, self.tokens)
 
 
 class _Refuse(Exception):
@@ -440,18 +436,6 @@ def _ancestors(nodes: Sequence[Node]) -> set[Node]:
             seen.add(x)
             stack.extend(x.all_input_nodes)
     return seen
-
-
-def _written(n: Node) -> Optional[Node]:
-    """The tensor an in-place op writes into (through views of it), or None for an op that writes nothing."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None or \
-            not schema.arguments[0].alias_info.is_write or not n.args or not isinstance(n.args[0], Node):
-        return None
-    base = n.args[0]
-    while base.op == "call_function" and base.target in _VIEW_CHAIN:
-        base = base.args[0]
-    return base
 
 
 def _guessed(v):
@@ -559,14 +543,14 @@ def _squeeze(it: _Interpreter, n: Node):
         ds = range(len(a))
     else:
         ds = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
-    return it.keep(n, drop=[_dim(d, len(a)) for d in ds if _same(a[_dim(d, len(a))], 1)])
+    return it.keep(n, drop=[_dim(d, len(a)) for d in ds if same_size(a[_dim(d, len(a))], 1)])
 
 
 def _expand(it: _Interpreter, n: Node):
     v = it.value(n.args[0])
     a, b = _shape(n.args[0]), _shape(n)
     shift = len(b) - len(a)
-    grown = [d for d in range(len(b)) if (d < shift or not _same(a[d - shift], b[d])) and it.is_tokens(b[d])]
+    grown = [d for d in range(len(b)) if (d < shift or not same_size(a[d - shift], b[d])) and it.is_tokens(b[d])]
     if isinstance(v, _Row) and any(not it.is_batch(b[d]) for d in grown):
         raise _Combines(f"input {v.name} (one value per sequence) is spread over the tokens")
     if not isinstance(v, _Tok):
@@ -700,7 +684,7 @@ def _index(it: _Interpreter, n: Node):
 
 def _is_input_index(node, it: _Interpreter) -> bool:
     """An index that is a model input (the step's rows to keep), possibly cast."""
-    while isinstance(node, Node) and node.op == "call_function" and node.target in _SAME:
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _COPIES:
         node = node.args[0]
     return isinstance(node, Node) and node.op == "placeholder" and node.name not in it.ctx.constant_inputs
 
@@ -764,7 +748,7 @@ def _is_zero(x) -> bool:
 
 def _same_node(end, size) -> bool:
     v = end.meta.get("val") if isinstance(end, Node) else end
-    return isinstance(v, (int, torch.SymInt)) and _same(v, size)
+    return isinstance(v, (int, torch.SymInt)) and same_size(v, size)
 
 
 def _select(it: _Interpreter, n: Node):
@@ -926,7 +910,7 @@ def _repeat(it: _Interpreter, n: Node):
     shift = len(reps) - rank
     if not isinstance(v, _Tok):
         return v
-    if any(not _same(reps[d + shift], 1) for d in v.dims):
+    if any(not same_size(reps[d + shift], 1) for d in v.dims):
         raise _Combines(f"{_name(n)} repeats the tokens")
     return _Tok(frozenset(d + shift for d in v.dims))
 
@@ -950,7 +934,7 @@ def _pad(it: _Interpreter, n: Node):
     if isinstance(v, _Tok):
         for k in range(0, len(pad), 2):
             d = rank - 1 - k // 2
-            if d in v.dims and not (_same(pad[k], 0) and _same(pad[k + 1], 0)):
+            if d in v.dims and not (same_size(pad[k], 0) and same_size(pad[k + 1], 0)):
                 raise _Combines(f"{_name(n)} pads the tokens")
     if it.step_scalar(n.args[1]):
         raise _Combines(f"{_name(n)} pads by the token count")
@@ -963,16 +947,11 @@ def _gather(it: _Interpreter, n: Node):
     return it.agree(n, [t.dims for t in (x, idx) if isinstance(t, _Tok)])
 
 
-_VIEW_CHAIN = {aten.slice.Tensor, aten.select.int, aten.view.default, aten.transpose.int, aten.unsqueeze.default,
-               aten.squeeze.dim, aten.expand.default, aten.permute.default, aten.alias.default, aten.narrow.default}
-_SAME = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-         aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
-         aten.to.other, aten.type_as.default, aten.dropout.default, aten.copy.default, aten._assert_tensor_metadata.default}
+# copies and casts: the values they are given (site's; a dropout is the identity where it is traced for inference)
+_COPIES = IDENTITY_OPS | CAST_OPS | {aten.dropout.default}
 
 _HANDLERS = {
-    **{op: _same_value for op in (aten.clone.default, aten.contiguous.default, aten.alias.default,
-                                  aten.detach.default, aten.lift_fresh_copy.default, aten._to_copy.default,
-                                  aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.dropout.default)},
+    **{op: _same_value for op in _COPIES},
     **{op: _view for op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                             aten.flatten.using_ints, aten.unflatten.int)},
     **{op: _permute for op in (aten.transpose.int, aten.permute.default, aten.t.default)},

@@ -156,6 +156,34 @@ def test_step_indices_become_positions_and_give_the_models_logits(model):
     with torch.no_grad():
         want = m(torch.tensor([ids]))[0]
     torch.testing.assert_close(_paged_logits(rm, ids), want, atol=1e-3, rtol=1e-3)
+    # packed: two sequences in the same steps, each in two chunks, the second continuing its own cache
+    seqs = [ids, torch.randint(0, V, (170,), generator=torch.Generator().manual_seed(2)).tolist()]
+    for seq, got in zip(seqs, _packed_logits(rm, seqs)):
+        with torch.no_grad():
+            torch.testing.assert_close(got, m(torch.tensor([seq]))[0], atol=1e-3, rtol=1e-3)
+
+
+def _packed_logits(rm, seqs, block_size=16):
+    """Every sequence of ``seqs`` prefilled in the same two steps, packed in one row: its first 40 % in the first,
+    the rest (at its own offset) in the second. Each sequence's logits."""
+    tables, first = [], 0
+    for seq in seqs:
+        tables.append(list(range(first, first + -(-len(seq) // block_size))))
+        first += len(tables[-1])
+    caches = rm.allocate_kv_caches(first + 1)
+    outs = [[] for _ in seqs]
+    for part in (0, 1):
+        specs, ids = [], []
+        for seq, table in zip(seqs, tables):
+            cut = len(seq) * 2 // 5
+            lo, hi = (0, cut) if part == 0 else (cut, len(seq))
+            specs.append((lo, hi - lo, table[:-(-hi // block_size)]))
+            ids += seq[lo:hi]
+        with torch.no_grad(), pagedattn.paged_context(caches, build_metadata(specs, block_size)):
+            out = rm(torch.tensor([ids]))[0]
+        for o, chunk in zip(outs, out.split([n for _, n, _ in specs])):
+            o.append(chunk)
+    return [torch.cat(o) for o in outs]
 
 
 def test_a_mask_that_may_hide_every_key_of_a_row_is_refused():
