@@ -117,7 +117,7 @@ def onednn_rows(rows: int) -> int:
 def _pass_fingerprint() -> str:
     source = resources.files("pagedattn.backends")
     h = hashlib.sha256()
-    for name in ("cpu_linear.py", "native.py", "csrc/small_linear.c"):
+    for name in ("cpu_linear.py", "native.py", "csrc/small_linear.c", "csrc/small_linear_avx2.h"):
         h.update(source.joinpath(name).read_bytes())
     h.update(native_ops.source_digest())
     h.update(b"c++ operator" if native_ops.linear_op() is not None else b"python kernel")  # the op the graph calls

@@ -56,14 +56,15 @@ __all__ = ["load", "library", "missing_prerequisite", "enabled", "write", "write
            "DecodeCall", "prefill", "prefill_usable", "argmax_rows", "ArgmaxWriter", "DTYPE_CODES", "MAX_HEAD_SIZE",
            "MAX_GROUP", "PREFILL_MAX_HEAD_SIZE", "build_library", "features", "FEATURE_DPBF16", "FEATURE_LINEAR_F32",
            "FEATURE_LINEAR_BF16", "FEATURE_LINEAR_AMX", "FEATURE_PREFILL_DPBF16", "linear", "linear_dtypes",
-           "linear_layouts", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
+           "linear_layouts", "silu_mul", "LINEAR_PLAIN", "LINEAR_PANELS", "LINEAR_PANELS32", "PANEL_COLUMNS", "to_panels",
            "linear_panel_bytes", "onednn_bytes", "build_shared", "ObjectCache", "SOURCES", "CLOCK_KINDS", "kernel_clock"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEAD_SIZE = 512  # csrc/pagedattn_abi.h's PAGEDATTN_MAX_HEAD
 MAX_GROUP = 64  # and PAGEDATTN_MAX_GROUP
 # the C library's files (csrc/)
-SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c")
+SOURCES = ("pagedattn_abi.h", "paged_common.h", "paged_decode.c", "paged_prefill.c", "small_linear.c",
+           "small_linear_avx2.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _INT32_MAX = 2**31 - 1  # a wider window than this sees every key a sequence can hold: the kernels' int32 takes it so
 _BUILD_WAIT_S = 600  # how long a process waits for another's build of the same object before building it itself
@@ -115,6 +116,16 @@ class _LinearArgs(ctypes.Structure):
         ("M", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("layout", ctypes.c_int32),
         ("w_bytes", ctypes.c_int64),
+    ]
+
+
+class _SiluMulArgs(ctypes.Structure):
+    """``silu_mul_args`` of ``csrc/pagedattn_abi.h``, field for field."""
+
+    _fields_ = [
+        ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("gate_row", ctypes.c_int64), ("up_row", ctypes.c_int64), ("out_row", ctypes.c_int64),
+        ("rows", ctypes.c_int64), ("cols", ctypes.c_int64), ("dtype", ctypes.c_int32), ("num_threads", ctypes.c_int32),
     ]
 
 
@@ -418,6 +429,8 @@ def build_library(defines: tuple[str, ...] = (),
     lib.pagedattn_linear_features.restype = ctypes.c_int
     lib.pagedattn_linear.argtypes = [ctypes.POINTER(_LinearArgs)]
     lib.pagedattn_linear.restype = ctypes.c_int
+    lib.pagedattn_silu_mul.argtypes = [ctypes.POINTER(_SiluMulArgs)]
+    lib.pagedattn_silu_mul.restype = ctypes.c_int
     if hasattr(lib, "pagedattn_clock"):  # another commit's sources (benchmarks/kernel_ab.py) may predate the clock
         lib.pagedattn_clock.argtypes = [ctypes.c_int32]
         lib.pagedattn_clock.restype = None
@@ -451,7 +464,7 @@ def kernel_clock(lib: ctypes.CDLL) -> Iterator[dict[str, tuple[int, float]]]:
 
 
 FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products
-FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512)
+FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512, or AVX2 and FMA: small_linear_avx2.h)
 FEATURE_LINEAR_BF16 = 4  # and its bfloat16 one (AVX512-BF16)
 FEATURE_LINEAR_AMX = 8  # bfloat16 panels by AMX tiles, which the OS lets this process use (LINEAR_PANELS32)
 FEATURE_PREFILL_DPBF16 = 16  # bfloat16 prefill scores by pair dot products: on CPUs where they pay (AMD's)
@@ -820,6 +833,26 @@ def linear(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Optional[Tensor], 
             code, num_threads, layout, size))):
         return None  # a layout it does not know, or a buffer of another size: nothing written
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def silu_mul(lib: ctypes.CDLL, gate: Tensor, up: Tensor, num_threads: int) -> Optional[Tensor]:
+    """``SiLU(gate) * up`` in float32, rounded once to their dtype, by ``lib``'s kernel (``small_linear.c``'s
+    ``pagedattn_silu_mul``, which the C++ operator ``pagedattn_native::silu_mul`` calls in a step), or None (nothing
+    computed) where the tensors do not suit it: CPU tensors of one shape and of a dtype the library has a linear
+    kernel for, rows of contiguous elements. For tests and benchmarks of one build of the library."""
+    code = linear_dtypes(lib).get(gate.dtype)
+    if code is None or up.dtype != gate.dtype or up.shape != gate.shape or gate.dim() == 0 or not gate.is_cpu \
+            or not up.is_cpu:
+        return None
+    cols = gate.shape[-1]
+    g, u = (t.reshape(-1, cols) if t.dim() != 2 else t for t in (gate, up))  # [rows, cols]
+    g, u = (t if t.stride(-1) == 1 or cols <= 1 else t.contiguous() for t in (g, u))
+    out = torch.empty_like(g, memory_format=torch.contiguous_format)
+    if lib.pagedattn_silu_mul(ctypes.byref(_SiluMulArgs(
+            g.data_ptr(), u.data_ptr(), out.data_ptr(), g.stride(0), u.stride(0), out.stride(0) if cols else 0,
+            g.shape[0], cols, code, num_threads))):
+        return None
+    return out.view(gate.shape)
 
 
 def onednn_bytes(weight: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -16,21 +16,27 @@
  * - plain [N, K] rows (linear_plain): 4 x 4 blocks of (row, column) sums kept in registers along K, then one tree of
  *   shuffles from the block's 16 vectors of partial sums to one vector of 16 totals.
  * bfloat16 takes AVX512-BF16's pair dot products (exact bfloat16 products, float sums; subnormal bfloat16 inputs,
- * below 1.2e-38, count as zero), float32 AVX-512 FMAs. Without them the library reports no linear kernel
+ * below 1.2e-38, count as zero), float32 AVX-512 FMAs. Without AVX-512, float32 takes small_linear_avx2.h's
+ * kernels where the CPU has AVX2 and FMA; without either the library reports no linear kernel for the dtype
  * (pagedattn_linear_features) and callers keep oneDNN. */
 #include <stdint.h>
 #include <string.h>
 
 #include "pagedattn_abi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(PAGEDATTN_LINEAR_AVX2)
 #include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_LINEAR_F32 1
 #else
 #define HAVE_LINEAR_F32 0
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if !HAVE_LINEAR_F32 && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_LINEAR_AVX2 1 /* float32 by small_linear_avx2.h */
+#else
+#define HAVE_LINEAR_AVX2 0
+#endif
+#if HAVE_LINEAR_F32 && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_LINEAR_BF16 1
 #else
 #define HAVE_LINEAR_BF16 0
@@ -44,7 +50,7 @@
 static int linear_amx_ready(void);
 /* 1 float32, 2 bfloat16, 4 bfloat16 by AMX tiles (layout 2's panels of 32 columns) */
 int pagedattn_linear_features(void) {
-    return (HAVE_LINEAR_F32 ? 1 : 0) | (HAVE_LINEAR_BF16 ? 2 : 0) | (linear_amx_ready() ? 4 : 0);
+    return (HAVE_LINEAR_F32 || HAVE_LINEAR_AVX2 ? 1 : 0) | (HAVE_LINEAR_BF16 ? 2 : 0) | (linear_amx_ready() ? 4 : 0);
 }
 
 #if HAVE_LINEAR_F32
@@ -732,6 +738,8 @@ static int silu_mul_kernel(const silu_mul_args *a) {
     return 0;
 }
 
+#elif HAVE_LINEAR_AVX2
+#include "small_linear_avx2.h"
 #else
 static int linear_amx_ready(void) { return 0; }
 static int linear_kernel(const linear_args *a) {

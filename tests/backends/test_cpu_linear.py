@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch._inductor.freezing_utils import is_frozen_param
 
@@ -35,6 +35,19 @@ def _lib_for(dtype):
     if dtype not in native.linear_dtypes(lib):
         pytest.skip(f"no native {dtype} linear on this CPU")
     return lib
+
+
+def _kernel_dtypes() -> list:
+    """The dtypes the native linear kernel takes on this CPU (float32 by AVX-512 or AVX2, bfloat16 by AVX512-BF16)."""
+    dtypes = [d for d in (torch.float32, torch.bfloat16) if d in native.linear_dtypes(native.load())]
+    if not dtypes:
+        pytest.skip("no native linear kernel on this CPU (small_linear.c needs AVX-512, or AVX2 and FMA)")
+    return dtypes
+
+
+def _kernel_dtype() -> torch.dtype:
+    """The narrowest dtype the kernel takes here."""
+    return _kernel_dtypes()[-1]
 
 
 def _linear_target():
@@ -89,7 +102,7 @@ def _assert_close(out, x, w, b):
 def test_features_follow_the_cpus_instruction_sets():
     # the fast paths must not be lost silently to a macro the compiler stops defining
     f, flags = native.features(native.load()), _flags()
-    assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags)
+    assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
     assert bool(f & native.FEATURE_LINEAR_BF16) == ({"avx512_bf16", "avx512bw"} <= flags)
     assert bool(f & native.FEATURE_LINEAR_AMX) == ({"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= flags)
     amx = native.LINEAR_PANELS32 in native.linear_layouts(native.load(), torch.bfloat16)
@@ -109,7 +122,8 @@ def test_features_follow_the_cpus_instruction_sets():
     seed=st.integers(0, 2**16),
 )
 def test_both_layouts_match_float64(dtype, rows, k, n, bias, threads, seed):
-    lib = _lib_for(dtype)
+    assume(dtype in _kernel_dtypes())
+    lib = native.load()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -125,8 +139,8 @@ def test_a_decode_batch_takes_k_in_chunks_with_each_rows_sums_unchanged():
     # 7-24 rows (a decode step's batch) run K in chunks, each row group's sums kept between chunks (AVX-512), or in
     # tiles of 16 rows, the last one read from a padded copy (AMX): every row's result is the one it gets alone, bit
     # for bit, across chunk, step, tile and panel boundaries
-    for dtype in (torch.float32, torch.bfloat16):
-        lib = _lib_for(dtype)
+    for dtype in _kernel_dtypes():
+        lib = native.load()
         for layout in _panel_layouts(dtype):
             for rows, k, n in ((7, 1025, 130), (16, 384, 1000), (24, 200, 65), (13, 33, 64), (40, 64, 96)):
                 x = torch.randn(rows, k).to(dtype)
@@ -141,10 +155,60 @@ def test_a_decode_batch_takes_k_in_chunks_with_each_rows_sums_unchanged():
                     _assert_close(out, x, w, b)
 
 
+def _avx2_build():
+    """The library with small_linear_avx2.h's kernels: this CPU's own where it has no AVX-512, else one built so."""
+    flags = _flags()
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("no AVX2 and FMA on this CPU")
+    lib = native.load() if "avx512f" not in flags else native.build_library(("PAGEDATTN_LINEAR_AVX2",))
+    assert lib is not None
+    return lib
+
+
+def test_the_avx2_kernels_match_float64_and_give_the_avx512_kernels_bits():
+    # float32 only; every (rows, K, N) shape class of the blocking: one row (four lines a pass), two or three (two),
+    # groups of six and a remainder, several chunks of K and a partial last step, partial last panels, more rows than
+    # the sums' buffer holds. The panels' sums take each k in order as the AVX-512 kernel's do: the same bits, and
+    # each row's alone
+    lib = _avx2_build()
+    assert native.linear_dtypes(lib) == {torch.float32: 0}
+    assert native.linear_layouts(lib, torch.float32) == {native.LINEAR_PLAIN, native.LINEAR_PANELS}
+    wide = native.load() if "avx512f" in _flags() and lib is not native.load() else None
+    g = torch.Generator().manual_seed(3)
+    for rows, k, n in ((1, 384, 1000), (2, 33, 130), (3, 17, 65), (4, 200, 64), (7, 1025, 130), (16, 384, 1000),
+                       (24, 200, 65), (40, 64, 96), (130, 40, 70), (5, 1, 3)):
+        x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        _assert_close(native.linear(lib, x, w, b, 2, native.LINEAR_PLAIN), x, w, b)
+        packed = _packed_as(w, native.LINEAR_PANELS)
+        if packed is None:  # oneDNN may pack a small weight plainly
+            continue
+        for threads in (1, 2):
+            out = native.linear(lib, x, packed, b, threads, native.LINEAR_PANELS)
+            _assert_close(out, x, w, b)
+            alone = torch.cat([native.linear(lib, x[i:i + 1], packed, b, threads, native.LINEAR_PANELS)
+                               for i in range(rows)])
+            assert torch.equal(out, alone), (rows, k, n, threads)
+            if wide is not None:
+                assert torch.equal(out, native.linear(wide, x, packed, b, threads, native.LINEAR_PANELS))
+    # SiLU(gate) * up: the AVX-512 kernel's arithmetic on 8 lanes, its scaling by 2^n in two exact halves
+    gate = torch.cat([torch.tensor(_SILU_ARGUMENTS), torch.linspace(-110, 95, 997)]).view(1, -1).repeat(3, 1)
+    up = torch.rand(gate.shape, generator=g) * 4 - 2
+    out = native.silu_mul(lib, gate, up, 2)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-37, equal_nan=True)
+    if wide is not None:
+        assert torch.equal(out.view(torch.int32), native.silu_mul(wide, gate, up, 2).view(torch.int32))
+    assert native.silu_mul(lib, gate.bfloat16(), up.bfloat16(), 2) is None  # float32 only
+
+
+# arguments where e^-x leaves float's normal range, overflows or is not a number
+_SILU_ARGUMENTS = [0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 88.9, -88.9, 89.5, -95.0, -103.0, -104.5, 104.0, 150.0,
+                   float("inf"), float("-inf"), float("nan")]
+
+
 def test_panels_read_no_value_of_x_past_k():
     # the padding of K holds zero weights; x past K is never read (a NaN there would make 0 * NaN = NaN)
-    for dtype in (torch.float32, torch.bfloat16):
-        lib = _lib_for(dtype)
+    for dtype in _kernel_dtypes():
+        lib = native.load()
         for layout in _panel_layouts(dtype):
             for rows in (4, 16, 17):
                 wide = torch.full((rows, 48), float("nan"), dtype=dtype)
@@ -156,15 +220,16 @@ def test_panels_read_no_value_of_x_past_k():
 
 
 def test_rows_of_x_may_be_strided_and_batched():
-    lib = _lib_for(torch.bfloat16)
-    for layout in _panel_layouts(torch.bfloat16):
+    dtype = _kernel_dtype()
+    lib = native.load()
+    for layout in _panel_layouts(dtype):
         for k in (40, 64):  # a padded last step; whole steps, read in place
-            w = torch.randn(64, k).bfloat16()
+            w = torch.randn(64, k).to(dtype)
             packed = _packed_as(w, layout)
-            x = torch.randn(3, 6, 2 * k).bfloat16()[..., ::2]  # rows not contiguous
+            x = torch.randn(3, 6, 2 * k).to(dtype)[..., ::2]  # rows not contiguous
             out = native.linear(lib, x, packed, None, 2, layout)
             _assert_close(out.reshape(18, 64), x.reshape(18, k), w, None)
-            x = torch.randn(3, 6, 2 * k).bfloat16()[..., :k]  # contiguous elements, strided rows
+            x = torch.randn(3, 6, 2 * k).to(dtype)[..., :k]  # contiguous elements, strided rows
             out = native.linear(lib, x, packed, None, 2, layout)
             assert out.shape == (3, 6, 64)
             _assert_close(out.reshape(18, 64), x.reshape(18, k), w, None)
@@ -181,7 +246,7 @@ def _wrong_panels(weight, columns=64):
 
 
 def test_a_packed_weight_proves_its_layout_and_a_wrong_guess_does_not(monkeypatch):
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in _kernel_dtypes():
         w = torch.randn(130, 70).to(dtype)
         for layout in _panel_layouts(dtype):
             packed = _packed_as(w, layout)
@@ -211,20 +276,22 @@ def test_to_panels_places_each_weight_where_the_kernel_reads_it():
 
 def test_the_kernel_refuses_what_it_cannot_read():
     # None, nothing computed: the op then takes oneDNN
-    lib = _lib_for(torch.bfloat16)
-    w = torch.randn(64, 32).bfloat16()
-    x = torch.randn(4, 32).bfloat16()
+    dtype = _kernel_dtype()
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    lib = native.load()
+    w = torch.randn(64, 32).to(dtype)
+    x = torch.randn(4, 32).to(dtype)
     L = native.LINEAR_PLAIN
-    for P in _panel_layouts(torch.bfloat16):
+    for P in _panel_layouts(dtype):
         packed = _packed_as(w, P)
         assert native.linear(lib, x, packed, None, 2, P) is not None
-        assert native.linear(lib, x.float(), packed, None, 2, P) is None  # dtypes differ
+        assert native.linear(lib, x.to(other), packed, None, 2, P) is None  # dtypes differ
         assert native.linear(lib, x[:, :16], packed, None, 2, P) is None  # K differs
         assert native.linear(lib, x, w, None, 2, P) is None  # a plain tensor read as panels
-        odd = _packed_as(torch.randn(13, 32).bfloat16(), P)  # padded to whole panels: not 13 plain rows
+        odd = _packed_as(torch.randn(13, 32).to(dtype), P)  # padded to whole panels: not 13 plain rows
         assert native.linear(lib, x, odd, None, 2, P) is not None
         assert native.linear(lib, x, odd, None, 2, L) is None
-        assert native.linear(lib, x, packed, torch.zeros(63).bfloat16(), 2, P) is None  # bias of another length
+        assert native.linear(lib, x, packed, torch.zeros(63).to(dtype), 2, P) is None  # bias of another length
     packed = _packed_as(w, native.LINEAR_PANELS)
     if packed is not None and native.LINEAR_PANELS32 in native.linear_layouts(lib, torch.bfloat16):
         narrow = _packed_as(torch.randn(13, 32).bfloat16(), native.LINEAR_PANELS)
@@ -235,22 +302,22 @@ def test_the_kernel_refuses_what_it_cannot_read():
     assert native.linear(lib, x, w.t().contiguous().t(), None, 2, L) is None  # not contiguous
     assert native.linear(lib, x, _packed(w), None, 2, 7) is None  # no such layout
     assert native.linear(lib, x.half(), w.half(), None, 2, L) is None  # no float16 kernel
-    assert native.linear(lib, torch.tensor(1.0).bfloat16(), w, None, 2, L) is None  # x without a K dimension
+    assert native.linear(lib, torch.tensor(1.0).to(dtype), w, None, 2, L) is None  # x without a K dimension
 
 
 def test_the_op_takes_few_rows_natively_and_many_with_onednn(monkeypatch):
-    _lib_for(torch.bfloat16)
-    w = torch.randn(64, 32).bfloat16()
+    dtype = _kernel_dtype()
+    w = torch.randn(64, 32).to(dtype)
     packed = _packed(w)
     layout = cpu_linear.proven_layout(packed)
     calls = []
     real = native.linear
     monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    for rows in (1, cpu_linear.SMALL_ROWS[torch.bfloat16], cpu_linear.SMALL_ROWS[torch.bfloat16] + 1):
-        x = torch.randn(rows, 32).bfloat16()
+    for rows in (1, cpu_linear.SMALL_ROWS[dtype], cpu_linear.SMALL_ROWS[dtype] + 1):
+        x = torch.randn(rows, 32).to(dtype)
         out = torch.ops.pagedattn.linear(x, packed, None, layout)
         _assert_close(out, x, w, None)
-    assert calls == [1, cpu_linear.SMALL_ROWS[torch.bfloat16]]
+    assert calls == [1, cpu_linear.SMALL_ROWS[dtype]]
 
 
 def test_under_validation_the_op_rechecks_the_layout_it_is_told():
@@ -282,8 +349,7 @@ def _graph(weight: torch.Tensor, attr: str = "none"):
 
 
 def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
-    for dtype in (torch.float32, torch.bfloat16):
-        _lib_for(dtype)
+    for dtype in _kernel_dtypes():
         w = torch.randn(96, 64).to(dtype)
         gm = _graph(_packed(w))
         cpu_linear.SmallLinears()(gm.graph)
@@ -303,8 +369,9 @@ def test_the_pass_swaps_plain_linears_over_proven_weights_only(monkeypatch):
     assert [n.target for n in other.graph.nodes if n.op == "call_function"] == [
         torch.ops.mkldnn._linear_pointwise.default]
     # a proven layout this machine's kernel does not read (AMX's panels without AMX) keeps oneDNN
-    for layout in _panel_layouts(torch.bfloat16):
-        gm = _graph(_packed_as(torch.randn(96, 64).bfloat16(), layout))
+    dtype = _kernel_dtype()
+    for layout in _panel_layouts(dtype):
+        gm = _graph(_packed_as(torch.randn(96, 64).to(dtype), layout))
         monkeypatch.setattr(native, "linear_layouts", lambda lib, dtype, gone=layout: frozenset({0, 1, 2}) - {gone})
         cpu_linear.SmallLinears()(gm.graph)
         assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [
