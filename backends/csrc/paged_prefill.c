@@ -177,14 +177,14 @@ static inline __attribute__((always_inline)) void prefill_unit(const prefill_arg
                     sc[tt] = vload(pr + tt * VL);
                     if (masked) {
                         const vi key = lane + (int)(j0 + tt * VL);
-                        seen[tt] = (key >= (int)klo[r]) & (key < (int)khi[r]);
+                        seen[tt] = ~vilt(key, (vi){} + (int)klo[r]) & vilt(key, (vi){} + (int)khi[r]);
                         if (has_rel) {
                             sc[tt] += vload(rel[r] + j0 + tt * VL);
-                            seen[tt] &= sc[tt] != (vf){} - INFINITY;
+                            seen[tt] &= vne(sc[tt], (vf){} - INFINITY);
                         }
                         sc[tt] = vselect(seen[tt], sc[tt], (vf){} - INFINITY);
                     }
-                    top_v = vselect(sc[tt] > top_v, sc[tt], top_v);
+                    top_v = vselect(vgt(sc[tt], top_v), sc[tt], top_v);
                 }
             }
             const float top = hmax16(top_v);

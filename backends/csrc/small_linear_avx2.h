@@ -35,36 +35,48 @@ static inline float avx2_hsum(__m256 v) {
 
 /* ---- layout 0: [N, K] rows ---- */
 
+/* v<i> for a constant i: the kernels' registers are named values, not arrays (see AVX2_PSLOTS) */
+#define AVX2_PICK8(v, i) \
+    ((i) == 0 ? v##0 : (i) == 1 ? v##1 : (i) == 2 ? v##2 : (i) == 3 ? v##3 : (i) == 4 ? v##4 : (i) == 5 ? v##5 \
+     : (i) == 6 ? v##6 : v##7)
+
+/* the block's sums as named registers, p<s> for row s / C and weight row s % C (an array of them GCC kept in memory) */
+#define AVX2_PSLOTS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define AVX2_PDECLARE(s) __m256 p##s = _mm256_setzero_ps();
+#define AVX2_PICK4(v, i) ((i) == 0 ? v##0 : (i) == 1 ? v##1 : (i) == 2 ? v##2 : v##3)
+#define AVX2_PFMA(s, LOAD)                                                                                   \
+    if ((s) < R * C)                                                                                         \
+        p##s = _mm256_fmadd_ps(LOAD(AVX2_PICK8(w, (s) % C)), LOAD(AVX2_PICK4(x, (s) / C)), p##s);
+#define AVX2_PFMA_WHOLE(s) AVX2_PFMA(s, AVX2_PLOAD)
+#define AVX2_PFMA_TAIL(s) AVX2_PFMA(s, AVX2_PMASKLOAD)
+#define AVX2_PLOAD(p) _mm256_loadu_ps((p) + k)
+#define AVX2_PMASKLOAD(p) _mm256_maskload_ps((p) + k, mk)
+#define AVX2_PSTORE(s)                                                                                       \
+    if ((s) < R * C && (s) / C < rv && (s) % C < cv) {                                                       \
+        float v = avx2_hsum(p##s);                                                                           \
+        if (a->bias) v += ((const float *)a->bias)[n0 + (s) % C];                                            \
+        ((float *)a->out)[(m0 + (s) / C) * a->o_row + n0 + (s) % C] = v;                                     \
+    }
+#define AVX2_PROW(i) const float *x##i = (const float *)a->x + (m0 + ((i) < rv ? (i) : rv - 1)) * a->x_row;
+#define AVX2_PCOL(i) const float *w##i = (const float *)a->w + (n0 + ((i) < cv ? (i) : cv - 1)) * K;
+
 /* out[m0 + r, n0 + c] for r < R, c < C (rows of x and of w past rv / cv repeat the last valid one, whose sums are
  * dropped) */
 static inline __attribute__((always_inline)) void avx2_plain_block(const linear_args *a, int64_t m0, const int R,
                                                                    int rv, int64_t n0, const int C, int cv) {
     const int64_t K = a->K;
-    const float *x[4], *w[8];
-    for (int r = 0; r < R; r++) x[r] = (const float *)a->x + (m0 + (r < rv ? r : rv - 1)) * a->x_row;
-    for (int c = 0; c < C; c++) w[c] = (const float *)a->w + (n0 + (c < cv ? c : cv - 1)) * K;
-    __m256 acc[4][8];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    AVX2_PROW(0) AVX2_PROW(1) AVX2_PROW(2) AVX2_PROW(3)
+    AVX2_PCOL(0) AVX2_PCOL(1) AVX2_PCOL(2) AVX2_PCOL(3) AVX2_PCOL(4) AVX2_PCOL(5) AVX2_PCOL(6) AVX2_PCOL(7)
+    AVX2_PSLOTS(AVX2_PDECLARE)
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8)
-        for (int c = 0; c < C; c++) {
-            const __m256 wv = _mm256_loadu_ps(w[c] + k);
-            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r] + k), acc[r][c]);
-        }
+    for (; k + 8 <= K; k += 8) {
+        AVX2_PSLOTS(AVX2_PFMA_WHOLE)
+    }
     if (k < K) {
         const __m256i mk = avx2_lanes(K - k);
-        for (int c = 0; c < C; c++) {
-            const __m256 wv = _mm256_maskload_ps(w[c] + k, mk);
-            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x[r] + k, mk), acc[r][c]);
-        }
+        AVX2_PSLOTS(AVX2_PFMA_TAIL)
     }
-    for (int r = 0; r < rv; r++)
-        for (int c = 0; c < cv; c++) {
-            float v = avx2_hsum(acc[r][c]);
-            if (a->bias) v += ((const float *)a->bias)[n0 + c];
-            ((float *)a->out)[(m0 + r) * a->o_row + n0 + c] = v;
-        }
+    AVX2_PSLOTS(AVX2_PSTORE)
 }
 
 /* every group of R rows over weight rows [n0, n0 + C) */
@@ -115,31 +127,46 @@ static int linear_plain(const linear_args *a) {
 #define AVX2_CHUNK_STEPS 2 /* steps of K a chunk holds (8 KiB of a panel) */
 #endif
 
-/* rows xr[0..mr) over lines [q, q + L) (16 L columns) of a panel's steps [st0, st1): the sums from keep (zeros at K's
- * start) and back into it. Where pf is given (the first group's passes), each slice also requests L lines of the
- * next chunk, in the order they lie, from line pf_line on: the group's passes together request all of them */
-static inline __attribute__((always_inline)) void avx2_line_rows(const char *panel, const float *const *xr,
-                                                                 const int mr, const int L, const int q, int64_t st0,
-                                                                 int64_t st1, int64_t K, float *keep, const char *pf) {
-    __m256 acc[AVX2_MR][8];
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < 2 * L; j++)
-            acc[m][j] = st0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(keep + m * PANEL_COLS + 8 * j);
+/* the sums of a pass as twelve named registers, c<s> for row s / (2 L) and vector s % (2 L): GCC kept an array of
+ * them in memory between the slices (2.5x the time), names it keeps in registers */
+#define AVX2_SLOTS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define AVX2_USED(s) ((s) / (2 * L) < mr)
+#define AVX2_DECLARE(s) __m256 c##s = _mm256_setzero_ps();
+#define AVX2_LOAD(s) \
+    if (AVX2_USED(s) && st0 > 0) c##s = _mm256_loadu_ps(keep + (s) / (2 * L) * PANEL_COLS + (s) % (2 * L) * 8);
+#define AVX2_KEEP(s) \
+    if (AVX2_USED(s)) _mm256_storeu_ps(keep + (s) / (2 * L) * PANEL_COLS + (s) % (2 * L) * 8, c##s);
+#define AVX2_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define AVX2_WLOAD(j) const __m256 w##j = (j) < 2 * L ? _mm256_loadu_ps(w + 8 * (j)) : _mm256_setzero_ps();
+/* row by row, each row's broadcast beside its products (all six broadcasts first took registers the sums need) */
+#define AVX2_FMA(s)                                                                                   \
+    if (AVX2_USED(s))                                                                                 \
+        c##s = _mm256_fmadd_ps(AVX2_PICK8(w, (s) % (2 * L)), _mm256_broadcast_ss(AVX2_PICK6(xp, (s) / (2 * L)) + k0 + sl), c##s);
+#define AVX2_PICK6(v, i) ((i) == 0 ? v##0 : (i) == 1 ? v##1 : (i) == 2 ? v##2 : (i) == 3 ? v##3 : (i) == 4 ? v##4 : v##5)
+#define AVX2_XPTR(m) const float *xp##m = (const float *)a->x + (m0 + ((m) < mr ? (m) : 0)) * a->x_row;
+
+/* mr rows of x over lines [q, q + L) (16 L columns) of a panel's steps [st0, st1), x as the chunk's copy xt
+ * (avx2_pack_rows: k-major, so that every broadcast is at a constant offset from one pointer): the sums from keep
+ * (zeros at K's start) and back into it. Where pf is given (the first group's passes), each slice also requests L
+ * lines of the next chunk, in the order they lie: the group's passes together request all of them */
+static inline __attribute__((always_inline)) void avx2_line_rows(const char *panel, const linear_args *a, int64_t m0,
+                                                                 const int mr,
+                                                                 const int L, const int q, int64_t st0, int64_t st1,
+                                                                 int64_t K, float *keep, const char *pf) {
+    AVX2_XPTR(0) AVX2_XPTR(1) AVX2_XPTR(2) AVX2_XPTR(3) AVX2_XPTR(4) AVX2_XPTR(5)
+    AVX2_SLOTS(AVX2_DECLARE)
+    AVX2_SLOTS(AVX2_LOAD)
     const char *pl = pf ? pf + (size_t)q * (st1 - st0) * STEP_BYTES / 4 : NULL;
     for (int64_t st = st0; st < st1; st++) {
         const int64_t k0 = st * 16;
         const int slices = K - k0 >= 16 ? 16 : (int)(K - k0); /* x has no k past K (the panel's are zeros) */
         const char *wl = panel + (size_t)st * STEP_BYTES + q * 64;
-/* one slice's products: 2 L vectors of w by each row's x at k0 + sl */
+/* one slice's products: 2 L vectors of w by each row's x at k0 + sl (named values: see AVX2_SLOTS) */
 #define AVX2_SLICE(sl)                                                                                     \
     do {                                                                                                   \
         const float *w = (const float *)(wl + (size_t)(sl) * SLICE_BYTES);                                 \
-        __m256 wv[8];                                                                                      \
-        for (int j = 0; j < 2 * L; j++) wv[j] = _mm256_loadu_ps(w + 8 * j);                                \
-        for (int m = 0; m < mr; m++) {                                                                     \
-            const __m256 xb = _mm256_broadcast_ss(xr[m] + k0 + (sl));                                      \
-            for (int j = 0; j < 2 * L; j++) acc[m][j] = _mm256_fmadd_ps(wv[j], xb, acc[m][j]);             \
-        }                                                                                                  \
+        AVX2_ROWS8(AVX2_WLOAD)                                                                             \
+        AVX2_SLOTS(AVX2_FMA)                                                                               \
     } while (0)
         /* a whole step (nearly all) by loops of a constant count, with or without requests; K's last step slice by
          * slice */
@@ -160,30 +187,37 @@ static inline __attribute__((always_inline)) void avx2_line_rows(const char *pan
 #undef AVX2_SLICE
         if (pl) pl += (size_t)16 * L * 64;
     }
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < 2 * L; j++) _mm256_storeu_ps(keep + m * PANEL_COLS + 8 * j, acc[m][j]);
+    AVX2_SLOTS(AVX2_KEEP)
 }
 
 /* a pass of mr rows over L lines, mr and L constants of each inlined copy (L x mr <= 6: 2 L x mr sums) */
 #define AVX2_LINE_CASES                                                                                     \
     if (L == 4) {                                                                                           \
-        avx2_line_rows(panel, xr, 1, 4, q, st0, st1, a->K, kp, pf);                                         \
+        avx2_line_rows(panel, a, r0 + m0, 1, 4, q, st0, st1, a->K, kp, pf);                                         \
     } else if (L == 2) {                                                                                    \
         switch (mr) {                                                                                       \
-            case 1: avx2_line_rows(panel, xr, 1, 2, q, st0, st1, a->K, kp, pf); break;                      \
-            case 2: avx2_line_rows(panel, xr, 2, 2, q, st0, st1, a->K, kp, pf); break;                      \
-            default: avx2_line_rows(panel, xr, 3, 2, q, st0, st1, a->K, kp, pf); break;                     \
+            case 1: avx2_line_rows(panel, a, r0 + m0, 1, 2, q, st0, st1, a->K, kp, pf); break;                      \
+            case 2: avx2_line_rows(panel, a, r0 + m0, 2, 2, q, st0, st1, a->K, kp, pf); break;                      \
+            default: avx2_line_rows(panel, a, r0 + m0, 3, 2, q, st0, st1, a->K, kp, pf); break;                     \
         }                                                                                                   \
     } else {                                                                                                \
         switch (mr) {                                                                                       \
-            case 1: avx2_line_rows(panel, xr, 1, 1, q, st0, st1, a->K, kp, pf); break;                      \
-            case 2: avx2_line_rows(panel, xr, 2, 1, q, st0, st1, a->K, kp, pf); break;                      \
-            case 3: avx2_line_rows(panel, xr, 3, 1, q, st0, st1, a->K, kp, pf); break;                      \
-            case 4: avx2_line_rows(panel, xr, 4, 1, q, st0, st1, a->K, kp, pf); break;                      \
-            case 5: avx2_line_rows(panel, xr, 5, 1, q, st0, st1, a->K, kp, pf); break;                      \
-            default: avx2_line_rows(panel, xr, AVX2_MR, 1, q, st0, st1, a->K, kp, pf); break;               \
+            case 1: avx2_line_rows(panel, a, r0 + m0, 1, 1, q, st0, st1, a->K, kp, pf); break;                      \
+            case 2: avx2_line_rows(panel, a, r0 + m0, 2, 1, q, st0, st1, a->K, kp, pf); break;                      \
+            case 3: avx2_line_rows(panel, a, r0 + m0, 3, 1, q, st0, st1, a->K, kp, pf); break;                      \
+            case 4: avx2_line_rows(panel, a, r0 + m0, 4, 1, q, st0, st1, a->K, kp, pf); break;                      \
+            case 5: avx2_line_rows(panel, a, r0 + m0, 5, 1, q, st0, st1, a->K, kp, pf); break;                      \
+            default: avx2_line_rows(panel, a, r0 + m0, AVX2_MR, 1, q, st0, st1, a->K, kp, pf); break;               \
         }                                                                                                   \
     }
+
+/* rows [m0, m0 + mr) of x at k [k0, k1) into xt, k-major: xt[(k - k0) * mr + m] */
+static inline void avx2_pack_rows(const linear_args *a, int64_t m0, int mr, int64_t k0, int64_t k1, float *xt) {
+    for (int m = 0; m < mr; m++) {
+        const float *x = (const float *)a->x + (m0 + m) * a->x_row;
+        for (int64_t k = k0; k < k1; k++) xt[(k - k0) * mr + m] = x[k];
+    }
+}
 
 /* the kept sums of rows [m0, m0 + rows) and columns n0 + [0, 64) (+ bias) into out, up to N */
 static void avx2_store_panel(const linear_args *a, const float *keep, int64_t m0, int64_t rows, int64_t n0) {
@@ -208,7 +242,9 @@ static int linear_panels(const linear_args *a) {
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
+        const char *stop = (const char *)a->w + (size_t)p1 * panel_bytes; /* the end of the thread's panels */
         float keep[AVX2_ROW_BLOCK * PANEL_COLS]; /* each row's 64 sums between chunks */
+
         /* a pass takes L lines of a slice for up to group rows: one row all four, two or three rows two, more one */
 #ifndef AVX2_MANY_L
 #define AVX2_MANY_L 1
@@ -224,19 +260,21 @@ static int linear_panels(const linear_args *a) {
                     const int64_t st1 = st0 + AVX2_CHUNK_STEPS < steps ? st0 + AVX2_CHUNK_STEPS : steps;
                     /* the next chunk: this panel's, else the thread's next panel's first (a row block's last
                      * chunk asks for none) */
-                    const char *next = st1 < steps ? panel + (size_t)st1 * STEP_BYTES
-                                     : r0 + rows >= a->M && p + 1 < p1 ? panel + panel_bytes : NULL;
-                    for (int q = 0; q < lines; q += L)
-                        for (int64_t m0 = 0; m0 < rows; m0 += group) {
-                            const int mr = rows - m0 < group ? (int)(rows - m0) : group;
-                            const float *xr[AVX2_MR];
-                            for (int m = 0; m < mr; m++) xr[m] = (const float *)a->x + (r0 + m0 + m) * a->x_row;
+#ifndef AVX2_PF_AHEAD
+#define AVX2_PF_AHEAD 2
+#endif
+                    const char *next = panel + (size_t)(st0 + AVX2_PF_AHEAD * AVX2_CHUNK_STEPS) * STEP_BYTES;
+                    if (next + AVX2_CHUNK_STEPS * STEP_BYTES > stop) next = NULL;
+                    for (int64_t m0 = 0; m0 < rows; m0 += group) {
+                        const int mr = rows - m0 < group ? (int)(rows - m0) : group;
+                        /* the first group asks for the next chunk (a request past the buffer's end, where that
+                         * chunk is shorter, is dropped by the CPU) */
+                        const char *pf = m0 == 0 ? next : NULL;
+                        for (int q = 0; q < lines; q += L) {
                             float *kp = keep + m0 * PANEL_COLS + q * 16;
-                            /* the first group asks for the next chunk's line q (a request past the buffer's end,
-                             * where that chunk is shorter, is dropped by the CPU) */
-                            const char *pf = m0 == 0 ? next : NULL;
                             AVX2_LINE_CASES
                         }
+                    }
                 }
                 avx2_store_panel(a, keep, r0, rows, n0);
             }
