@@ -159,6 +159,32 @@ static inline vi vilt(vi a, vi b) { return a < b; }
  * folded away, as -0.0 and infinities behave differently) */
 static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* hsum16 by AVX2's 8-lane instructions (GCC's code for the 16-lane shuffles below ran to ~430 instructions there):
+ * each vector's halves added, then pairwise sums (vhaddps) of 8 keys at a time. Another order of the same sums than
+ * the AVX-512 build's */
+static inline __m256 hsum8_keys(const vf *x) {
+    __m256 s[8];
+    for (int t = 0; t < 8; t++) {
+        __m256 lo, hi;
+        memcpy(&lo, &x[t], 32);
+        memcpy(&hi, (const char *)&x[t] + 32, 32);
+        s[t] = _mm256_add_ps(lo, hi);
+    }
+    /* b0: keys 0-3's sums of lanes 0-3, then of lanes 4-7; b1: keys 4-7's */
+    const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+static inline vf hsum16(const vf *x) {
+    const __m256 lo = hsum8_keys(x), hi = hsum8_keys(x + 8);
+    vf r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+#else
 /* lane t of the result: the sum of x[t]'s lanes (16 dot products finished at once). Four rounds of pairings, each
  * halving the vectors: the first two within 128-bit quarters (unpacks, then 64-bit pairs), the last two across
  * quarters, so that lane t ends with key t's sum (in-lane shuffles for 24 of the 30 in place of two-source permutes:
@@ -182,6 +208,7 @@ static inline vf hsum16(const vf *x) {
         r2[i] = __builtin_shuffle(r4[2 * i], r4[2 * i + 1], even) + __builtin_shuffle(r4[2 * i], r4[2 * i + 1], odd);
     return __builtin_shuffle(r2[0], r2[1], even) + __builtin_shuffle(r2[0], r2[1], odd);
 }
+#endif
 
 /* exp_neg on 16 lanes (rounding by adding and removing 1.5 * 2^23: exact for |x * log2 e| < 2^22) */
 static inline vf vexp_neg(vf x) {
@@ -227,6 +254,32 @@ static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
                              {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
                              {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* the same halvings by AVX2's instructions (vmaxps takes its second operand where the first is not greater, NaN
+ * included, as vselect(x > y, x, y)): the same results */
+static inline __m256 halves8(vf x, const int add) {
+    __m256 lo, hi;
+    memcpy(&lo, &x, 32);
+    memcpy(&hi, (const char *)&x + 32, 32);
+    return add ? _mm256_add_ps(lo, hi) : _mm256_max_ps(lo, hi);
+}
+
+static inline float hmax16(vf x) {
+    __m256 v = halves8(x, 0);
+    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+    v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4e));
+    v = _mm256_max_ps(v, _mm256_permute_ps(v, 0xb1));
+    return _mm256_cvtss_f32(v);
+}
+
+static inline float hadd16(vf x) {
+    __m256 v = halves8(x, 1);
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0x4e));
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0xb1));
+    return _mm256_cvtss_f32(v);
+}
+#else
 static inline float hmax16(vf x) {
     for (int i = 0; i < 4; i++) {
         const vf y = __builtin_shuffle(x, HALVES[i]);
@@ -239,6 +292,7 @@ static inline float hadd16(vf x) {
     for (int i = 0; i < 4; i++) x += __builtin_shuffle(x, HALVES[i]);
     return x[0];
 }
+#endif
 
 /* element i of a row of dtype DT (0 float32, 1 bfloat16, 2 float16) set to x */
 static inline void store_dt(int DT, void *dst, int64_t i, float x) {
