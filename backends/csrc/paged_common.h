@@ -117,7 +117,7 @@ static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((v
 /* Lane masks (all ones where true) of comparisons. GCC compares 16-float vectors lane by lane in scalar code where the
  * target has no AVX-512 (a row's argmax took ~30x its time on a Zen 3 EPYC), so with AVX2 but not AVX-512 each
  * compares the two 8-lane halves by AVX2's own instructions; elsewhere the vector operators. */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if PAGEDATTN_AVX2_PATHS
 #include <immintrin.h>
 #define VCMP_HALVES(a, b, OP)                                                       \
     do {                                                                            \
@@ -159,7 +159,7 @@ static inline vi vilt(vi a, vi b) { return a < b; }
  * folded away, as -0.0 and infinities behave differently) */
 static inline vf vsplat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if PAGEDATTN_AVX2_PATHS
 /* hsum16 by AVX2's 8-lane instructions (GCC's code for the 16-lane shuffles below ran to ~430 instructions there):
  * each vector's halves added, then pairwise sums (vhaddps) of 8 keys at a time. Another order of the same sums than
  * the AVX-512 build's */
@@ -254,7 +254,7 @@ static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
                              {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
                              {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if PAGEDATTN_AVX2_PATHS
 /* the same halvings by AVX2's instructions (vmaxps takes its second operand where the first is not greater, NaN
  * included, as vselect(x > y, x, y)): the same results */
 static inline __m256 halves8(vf x, const int add) {

@@ -315,7 +315,7 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
         for (int c = 0; c < NV; c++) vstore(acc + (int64_t)b * D + c * VL, x[b][c]);
 }
 
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#if PAGEDATTN_AVX2_PATHS
 /* accumulate() by AVX2's 8-lane instructions, one head and 64 of its sums (8 registers) at a time, each product
  * reading its value row from memory: GCC kept accumulate()'s 16-lane sums (up to 24 of them, 48 registers of 8 lanes)
  * in memory, a third of a decode's time on a Zen 3 EPYC. The sums keep accumulate()'s order (bfloat16 widened: each 32
@@ -740,7 +740,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const char *x, i
     return arg;
 }
 
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#if PAGEDATTN_AVX2_PATHS
 /* argmax_row by AVX2's 8-lane instructions, the same lanes' bookkeeping: GCC's code for the 16-lane vectors above
  * spills them (12 vectors of 64 bytes in 16 registers of 32) and took ~10x this one's time on a Zen 3 EPYC */
 #define ARGMAX_ROW argmax_row_avx2

@@ -10,6 +10,15 @@
 #define PAGEDATTN_MAX_GROUP 64 /* and query heads per KV head */
 #define PAGEDATTN_PREFILL_MAX_HEAD 256 /* the prefill kernel's: head sizes that are multiples of 16 up to this */
 
+/* The kernels' AVX2 paths (8-lane intrinsics where GCC's code for the 16-lane vectors is slow: compares, shuffles,
+ * sums held across loops), taken on CPUs with AVX2, FMA and F16C but not AVX-512, or on any with them where
+ * PAGEDATTN_AVX2 asks (the tests of an AVX-512 machine build both) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && (!defined(__AVX512F__) || defined(PAGEDATTN_AVX2))
+#define PAGEDATTN_AVX2_PATHS 1
+#else
+#define PAGEDATTN_AVX2_PATHS 0
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif

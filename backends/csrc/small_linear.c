@@ -24,14 +24,14 @@
 
 #include "pagedattn_abi.h"
 
-#if defined(__AVX512F__) && !defined(PAGEDATTN_LINEAR_AVX2)
+#if defined(__AVX512F__) && !PAGEDATTN_AVX2_PATHS
 #include <cpuid.h>
 #include <immintrin.h>
 #define HAVE_LINEAR_F32 1
 #else
 #define HAVE_LINEAR_F32 0
 #endif
-#if !HAVE_LINEAR_F32 && defined(__AVX2__) && defined(__FMA__)
+#if !HAVE_LINEAR_F32 && PAGEDATTN_AVX2_PATHS
 #define HAVE_LINEAR_AVX2 1 /* float32 by small_linear_avx2.h */
 #else
 #define HAVE_LINEAR_AVX2 0

@@ -1,6 +1,6 @@
 /* small_linear.c's kernels for CPUs with AVX2 and FMA but no AVX-512 (AMD's Zen 2 and 3, Intel's client cores): the
  * float32 linears in both of its layouts and SiLU(gate) * up in float32. Included by small_linear.c in the place of
- * its AVX-512 kernels (PAGEDATTN_LINEAR_AVX2 takes it on an AVX-512 CPU too: tests). bfloat16 is left to the caller
+ * its AVX-512 kernels (pagedattn_abi.h's PAGEDATTN_AVX2_PATHS). bfloat16 is left to the caller
  * (no linear kernel reported): oneDNN packs no bfloat16 weights on these CPUs, and a step there runs its bfloat16
  * matmuls in float32 (rewriter/program.py's cpu_fp32_matmuls).
  *

@@ -102,7 +102,7 @@ def _assert_close(out, x, w, b):
 def test_features_follow_the_cpus_instruction_sets():
     # the fast paths must not be lost silently to a macro the compiler stops defining
     f, flags = native.features(native.load()), _flags()
-    assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    assert bool(f & native.FEATURE_LINEAR_F32) == ("avx512f" in flags or {"avx2", "fma", "f16c"} <= flags)
     assert bool(f & native.FEATURE_LINEAR_BF16) == ({"avx512_bf16", "avx512bw"} <= flags)
     assert bool(f & native.FEATURE_LINEAR_AMX) == ({"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"} <= flags)
     amx = native.LINEAR_PANELS32 in native.linear_layouts(native.load(), torch.bfloat16)
@@ -158,9 +158,9 @@ def test_a_decode_batch_takes_k_in_chunks_with_each_rows_sums_unchanged():
 def _avx2_build():
     """The library with small_linear_avx2.h's kernels: this CPU's own where it has no AVX-512, else one built so."""
     flags = _flags()
-    if not {"avx2", "fma"} <= flags:
-        pytest.skip("no AVX2 and FMA on this CPU")
-    lib = native.load() if "avx512f" not in flags else native.build_library(("PAGEDATTN_LINEAR_AVX2",))
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("no AVX2, FMA and F16C on this CPU")
+    lib = native.load() if "avx512f" not in flags else native.build_library(("PAGEDATTN_AVX2",))
     assert lib is not None
     return lib
 

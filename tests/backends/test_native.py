@@ -63,6 +63,27 @@ def _widening_build():
     return native.build_library(("PAGEDATTN_NO_DPBF16",))
 
 
+def _cpu_flags() -> set:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+@functools.lru_cache(maxsize=1)
+def _avx2_build():
+    """The library with its AVX2 paths (pagedattn_abi.h's PAGEDATTN_AVX2_PATHS): a CPU with AVX2 but not AVX-512 builds
+    them by default; one with both builds them for the tests too. The default build where the CPU has no AVX2."""
+    flags = _cpu_flags()
+    if "avx512f" in flags and {"avx2", "fma", "f16c"} <= flags:
+        return native.build_library(("PAGEDATTN_AVX2",))
+    return native.load()
+
+
+def _build(avx2: bool):
+    return _avx2_build() if avx2 else native.load()
+
+
 @functools.lru_cache(maxsize=1)
 def _pairs_build():
     """The library with bfloat16 prefill scores by pair dot products wherever the CPU has them (the default only
@@ -81,14 +102,17 @@ def _pairs_build():
     threads=st.integers(1, 3),
     feature=st.sampled_from([{}, {"window": 9}, {"softcap": 3.0}, {"alibi": True}, {"sinks": True},
                              {"causal": False}, {"softcap": 2.0, "alibi": True, "sinks": True, "window": 40}]),
+    avx2=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_decodes_match_the_reference(lens, dtype, head_size, group, block_size, part_keys, threads, feature, seed):
+def test_decodes_match_the_reference(lens, dtype, head_size, group, block_size, part_keys, threads, feature, avx2,
+                                     seed):
+    # through this CPU's build and the one with the AVX2 paths (the same where it has no AVX-512)
     b = make_batch([(n - 1, 1) for n in lens], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                    block_size=block_size, dtype=dtype, generator=torch.Generator().manual_seed(seed))
     kw = _feature_params(feature, 2 * group)
     scale = 1 / math.sqrt(head_size)
-    out = _call(b, part_keys, threads, batch_params(b, scale, **kw))
+    out = _call(b, part_keys, threads, batch_params(b, scale, **kw), lib=_build(avx2))
     ref = reference_step(b, scale, **kw)
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -610,20 +634,20 @@ def _prefill_runs(runs, hq, hkv, head_size, dtype, g):
     group=st.sampled_from([1, 2, 3, 5, 8, 30]),
     feature=st.sampled_from([{}, {"window": 7}, {"window": 40}, {"causal": False}]),
     threads=st.integers(1, 3),
-    widening=st.booleans(),
+    build=st.sampled_from(["widening", "pairs", "avx2"]),
     seed=st.integers(0, 2**16),
 )
-def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, threads, widening, seed):
+def test_prefills_match_the_reference(runs, dtype, head_size, group, feature, threads, build, seed):
     # items of (queries, cached keys before them): each item's queries are the last of its keys, as a fresh prefill
     # (no cached keys) or a chunk after cached ones; a group of 30 heads is more rows than a unit holds (24);
-    # bfloat16 through both builds (pair dot products where the CPU has them, widening)
+    # bfloat16 through both builds (pair dot products where the CPU has them, widening), and the AVX2 paths' build
     g = torch.Generator().manual_seed(seed)
     hkv, causal, window = 2, feature.get("causal", True), feature.get("window", 0)
     query, key, value, items = _prefill_runs(runs, group * hkv, hkv, head_size, dtype, g)
     out = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
     assert native.prefill_usable(query, key, value, hkv)
-    lib = _widening_build() if widening else _pairs_build()
+    lib = {"widening": _widening_build, "pairs": _pairs_build, "avx2": _avx2_build}[build]()
     native.prefill(lib, out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=window,
                    num_threads=threads)
     for q0, q, c, k0, n, _ in items:
@@ -662,11 +686,11 @@ def _prefill_with_term(q, k, v, q_pos0, scale, causal, window, rel):
     hidden=st.sampled_from([0.0, 0.3, 1.0]),  # the share of distances the term hides (1.0: every key)
     feature=st.sampled_from([{}, {"window": 7}, {"causal": False}]),
     threads=st.integers(1, 3),
-    widening=st.booleans(),
+    build=st.sampled_from(["widening", "pairs", "avx2"]),
     seed=st.integers(0, 2**16),
 )
 def test_prefills_with_a_term_by_distance_match_the_reference(runs, dtype, head_size, group, per_head, hidden,
-                                                              feature, threads, widening, seed):
+                                                              feature, threads, build, seed):
     # a position program read by distance: any bias per (head, distance), -inf at the distances it hides (runs of
     # them as long as whole chunks of keys; every distance, and queries that see nothing get zeros)
     g = torch.Generator().manual_seed(seed)
@@ -681,7 +705,7 @@ def test_prefills_with_a_term_by_distance_match_the_reference(runs, dtype, head_
     rel = rel.masked_fill(hide, float("-inf"))
     out = torch.full_like(query, float("nan"))
     scale = head_size ** -0.5
-    lib = _widening_build() if widening else _pairs_build()
+    lib = {"widening": _widening_build, "pairs": _pairs_build, "avx2": _avx2_build}[build]()
     native.prefill(lib, out, query, key, value, torch.tensor(items), scale=scale, causal=causal, window=window,
                    num_threads=threads, rel=rel)
     for i, (q0, q, c, k0, n, _) in enumerate(items):
@@ -873,8 +897,9 @@ _SPECIALS = st.sampled_from([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 
     pad=st.integers(0, 3),
     seed=st.integers(0, 2**16),
     into=st.booleans(),
+    avx2=st.booleans(),
 )
-def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed, into):
+def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed, into, avx2):
     # ties (few distinct values), NaNs, infinities and signed zeros anywhere, every width around the 16-lane body,
     # rows further apart than their width: the first maximum, or the first NaN, as torch.argmax
     g = torch.Generator().manual_seed(seed)
@@ -884,21 +909,22 @@ def test_argmax_rows_is_torchs_argmax(rows, cols, dtype, specials, pad, seed, in
         flat[at % flat.numel()] = value
     logits = wide[:, :cols]
     expected = logits.float().argmax(-1).tolist()
+    lib = _build(avx2)  # this CPU's build and the AVX2 paths' (the same where it has no AVX-512)
     if not into:
-        assert native.argmax_rows(native.load(), logits) == expected
+        assert native.argmax_rows(lib, logits) == expected
         return
     out = torch.full((rows,), -1, dtype=torch.long)  # the answer written here as well (a step's next input ids)
-    assert native.argmax_rows(native.load(), logits, out) == expected and out.tolist() == expected
+    assert native.argmax_rows(lib, logits, out) == expected and out.tolist() == expected
 
 
 def test_argmax_rows_on_a_long_row_finds_a_maximum_in_every_lane_and_the_tail():
-    lib = native.load()
-    for col in (0, 5, 15, 16, 31, 4095, 4096, 4100):
-        logits = torch.zeros(2, 4101)
-        logits[1, col] = logits[1, -1] = 1.0  # the tail's equal maximum comes later: the earlier one wins
-        logits[0, col] = float("-inf")
-        assert native.argmax_rows(lib, logits) == [0 if col else 1, col]
-    assert native.argmax_rows(lib, torch.full((1, 40), float("-inf"))) == [0]
+    for lib in (native.load(), _avx2_build()):  # the AVX2 paths' 8 lanes too
+        for col in (0, 5, 15, 16, 31, 4095, 4096, 4100):
+            logits = torch.zeros(2, 4101)
+            logits[1, col] = logits[1, -1] = 1.0  # the tail's equal maximum comes later: the earlier one wins
+            logits[0, col] = float("-inf")
+            assert native.argmax_rows(lib, logits) == [0 if col else 1, col]
+        assert native.argmax_rows(lib, torch.full((1, 40), float("-inf"))) == [0]
 
 
 def test_argmax_writer_binds_the_kernel_to_the_first_logits_and_checks_any_other_again():
