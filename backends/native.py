@@ -464,7 +464,7 @@ def kernel_clock(lib: ctypes.CDLL) -> Iterator[dict[str, tuple[int, float]]]:
 
 
 FEATURE_DPBF16 = 1  # bfloat16 decode scores by AVX512-BF16 pair dot products
-FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512, or AVX2 and FMA: small_linear_avx2.h)
+FEATURE_LINEAR_F32 = 2  # small_linear.c's float32 kernel (AVX-512, or AVX2, FMA and F16C: small_linear_avx2.h)
 FEATURE_LINEAR_BF16 = 4  # and its bfloat16 one (AVX512-BF16)
 FEATURE_LINEAR_AMX = 8  # bfloat16 panels by AMX tiles, which the OS lets this process use (LINEAR_PANELS32)
 FEATURE_PREFILL_DPBF16 = 16  # bfloat16 prefill scores by pair dot products: on CPUs where they pay (AMD's)
@@ -844,13 +844,15 @@ def silu_mul(lib: ctypes.CDLL, gate: Tensor, up: Tensor, num_threads: int) -> Op
     if code is None or up.dtype != gate.dtype or up.shape != gate.shape or gate.dim() == 0 or not gate.is_cpu \
             or not up.is_cpu:
         return None
+    if not gate.numel():
+        return torch.empty_like(gate)
     cols = gate.shape[-1]
     g, u = (t.reshape(-1, cols) if t.dim() != 2 else t for t in (gate, up))  # [rows, cols]
     g, u = (t if t.stride(-1) == 1 or cols <= 1 else t.contiguous() for t in (g, u))
     out = torch.empty_like(g, memory_format=torch.contiguous_format)
     if lib.pagedattn_silu_mul(ctypes.byref(_SiluMulArgs(
-            g.data_ptr(), u.data_ptr(), out.data_ptr(), g.stride(0), u.stride(0), out.stride(0) if cols else 0,
-            g.shape[0], cols, code, num_threads))):
+            g.data_ptr(), u.data_ptr(), out.data_ptr(), g.stride(0), u.stride(0), out.stride(0), g.shape[0], cols, code,
+            num_threads))):
         return None
     return out.view(gate.shape)
 
