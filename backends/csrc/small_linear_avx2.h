@@ -4,16 +4,18 @@
  * (no linear kernel reported): oneDNN packs no bfloat16 weights on these CPUs, and a step there runs its bfloat16
  * matmuls in float32 (rewriter/program.py's cpu_fp32_matmuls).
  *
- * Why: on a 2-vCPU EPYC (Zen 3), oneDNN's float32 linears at a decode step's 1-32 rows took most of llama16m's step
- * (set-up per call, and its AVX2 GEMM's blocking for many rows); see benchmarks/RESULTS.md.
+ * Why: on a 2-vCPU EPYC (Zen 3), oneDNN's float32 linears at a decode step's 1-16 rows took 1.1-1.4x these kernels'
+ * time (its set-up per call, and its AVX2 GEMM's blocking for many rows); from 24 rows on the two are within 5 %
+ * (benchmarks/RESULTS.md).
  *
  * Sixteen vector registers of 8 lanes (against AVX-512's 32 of 16) set the blocking:
  * - panels (layout 1, oneDNN's packing of 64 columns, the same bytes on these CPUs as on AVX-512 ones): a slice's
- *   64 columns are four cache lines; a pass takes one line (16 columns, two vectors) for up to AVX2_MR rows, 2 x 6
- *   sums in registers, each row adding one broadcast of x per k. K goes in chunks of AVX2_CHUNK_STEPS steps that
- *   the four lines' passes and every group of rows read from L1, the sums kept between chunks in a buffer, while the
- *   first group's passes request the next chunk's lines. Each sum takes its k in order by one FMA each, as the
- *   AVX-512 kernel's: the two give the same bits, and a row's sums never depend on the call's other rows;
+ *   64 columns are four cache lines; a pass takes L of them for up to 6 / L rows (one row all four, two or three rows
+ *   two, more rows one line for six at a time: 12 sums in registers), each row adding one broadcast of x per k. K
+ *   goes in chunks of AVX2_CHUNK_STEPS steps that every pass reads from L1, the sums kept between chunks in a
+ *   buffer, while the first group's passes request the chunk AVX2_PF_AHEAD chunks on. Each sum takes its k in order
+ *   by one FMA each, as the AVX-512 kernel's: the two give the same bits, and a row's sums never depend on the
+ *   call's other rows;
  * - plain [N, K] rows (layout 0, MKL's weights for a step of one row): R rows x C weight rows of dot products in
  *   registers along K (R * C <= 12), then each vector's lanes summed. */
 #include <immintrin.h>
@@ -126,6 +128,9 @@ static int linear_plain(const linear_args *a) {
 #ifndef AVX2_CHUNK_STEPS
 #define AVX2_CHUNK_STEPS 2 /* steps of K a chunk holds (8 KiB of a panel) */
 #endif
+#ifndef AVX2_PF_AHEAD
+#define AVX2_PF_AHEAD 2 /* chunks between the one read and the one requested (1, 4, 8: within the host's noise) */
+#endif
 
 /* the sums of a pass as twelve named registers, c<s> for row s / (2 L) and vector s % (2 L): GCC kept an array of
  * them in memory between the slices (2.5x the time), names it keeps in registers */
@@ -139,16 +144,16 @@ static int linear_plain(const linear_args *a) {
 #define AVX2_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define AVX2_WLOAD(j) const __m256 w##j = (j) < 2 * L ? _mm256_loadu_ps(w + 8 * (j)) : _mm256_setzero_ps();
 /* row by row, each row's broadcast beside its products (all six broadcasts first took registers the sums need) */
-#define AVX2_FMA(s)                                                                                   \
-    if (AVX2_USED(s))                                                                                 \
-        c##s = _mm256_fmadd_ps(AVX2_PICK8(w, (s) % (2 * L)), _mm256_broadcast_ss(AVX2_PICK6(xp, (s) / (2 * L)) + k0 + sl), c##s);
+#define AVX2_FMA(s)                                                                                          \
+    if (AVX2_USED(s))                                                                                        \
+        c##s = _mm256_fmadd_ps(AVX2_PICK8(w, (s) % (2 * L)),                                                 \
+                               _mm256_broadcast_ss(AVX2_PICK6(xp, (s) / (2 * L)) + k0 + sl), c##s);
 #define AVX2_PICK6(v, i) ((i) == 0 ? v##0 : (i) == 1 ? v##1 : (i) == 2 ? v##2 : (i) == 3 ? v##3 : (i) == 4 ? v##4 : v##5)
 #define AVX2_XPTR(m) const float *xp##m = (const float *)a->x + (m0 + ((m) < mr ? (m) : 0)) * a->x_row;
 
-/* mr rows of x over lines [q, q + L) (16 L columns) of a panel's steps [st0, st1), x as the chunk's copy xt
- * (avx2_pack_rows: k-major, so that every broadcast is at a constant offset from one pointer): the sums from keep
+/* rows [m0, m0 + mr) of x over lines [q, q + L) (16 L columns) of a panel's steps [st0, st1): the sums from keep
  * (zeros at K's start) and back into it. Where pf is given (the first group's passes), each slice also requests L
- * lines of the next chunk, in the order they lie: the group's passes together request all of them */
+ * lines of the chunk at pf, in the order they lie: the group's passes together request all of them */
 static inline __attribute__((always_inline)) void avx2_line_rows(const char *panel, const linear_args *a, int64_t m0,
                                                                  const int mr,
                                                                  const int L, const int q, int64_t st0, int64_t st1,
@@ -211,14 +216,6 @@ static inline __attribute__((always_inline)) void avx2_line_rows(const char *pan
         }                                                                                                   \
     }
 
-/* rows [m0, m0 + mr) of x at k [k0, k1) into xt, k-major: xt[(k - k0) * mr + m] */
-static inline void avx2_pack_rows(const linear_args *a, int64_t m0, int mr, int64_t k0, int64_t k1, float *xt) {
-    for (int m = 0; m < mr; m++) {
-        const float *x = (const float *)a->x + (m0 + m) * a->x_row;
-        for (int64_t k = k0; k < k1; k++) xt[(k - k0) * mr + m] = x[k];
-    }
-}
-
 /* the kept sums of rows [m0, m0 + rows) and columns n0 + [0, 64) (+ bias) into out, up to N */
 static void avx2_store_panel(const linear_args *a, const float *keep, int64_t m0, int64_t rows, int64_t n0) {
     for (int j = 0; j < PANEL_COLS / 8; j++) {
@@ -244,12 +241,9 @@ static int linear_panels(const linear_args *a) {
         const int64_t p0 = panels * t / T, p1 = panels * (t + 1) / T;
         const char *stop = (const char *)a->w + (size_t)p1 * panel_bytes; /* the end of the thread's panels */
         float keep[AVX2_ROW_BLOCK * PANEL_COLS]; /* each row's 64 sums between chunks */
-
-        /* a pass takes L lines of a slice for up to group rows: one row all four, two or three rows two, more one */
-#ifndef AVX2_MANY_L
-#define AVX2_MANY_L 1
-#endif
-        const int L = a->M == 1 ? 4 : a->M <= 3 ? 2 : AVX2_MANY_L, group = AVX2_MR / L;
+        /* a pass takes L lines of a slice for up to group rows: one row all four, two or three rows two, more one (two
+         * lines for three rows at a time took 1.1-1.2x the time) */
+        const int L = a->M == 1 ? 4 : a->M <= 3 ? 2 : 1, group = AVX2_MR / L;
         for (int64_t p = p0; p < p1; p++) {
             const char *panel = (const char *)a->w + (size_t)p * panel_bytes;
             const int64_t n0 = p * PANEL_COLS;
@@ -258,17 +252,12 @@ static int linear_panels(const linear_args *a) {
                 const int64_t rows = a->M - r0 < AVX2_ROW_BLOCK ? a->M - r0 : AVX2_ROW_BLOCK;
                 for (int64_t st0 = 0; st0 < steps; st0 += AVX2_CHUNK_STEPS) {
                     const int64_t st1 = st0 + AVX2_CHUNK_STEPS < steps ? st0 + AVX2_CHUNK_STEPS : steps;
-                    /* the next chunk: this panel's, else the thread's next panel's first (a row block's last
-                     * chunk asks for none) */
-#ifndef AVX2_PF_AHEAD
-#define AVX2_PF_AHEAD 2
-#endif
+                    /* the chunk to request: the thread's panels lie one after another, so it is AVX2_PF_AHEAD
+                     * chunks on in memory, this panel's or a later one's (none past the thread's last) */
                     const char *next = panel + (size_t)(st0 + AVX2_PF_AHEAD * AVX2_CHUNK_STEPS) * STEP_BYTES;
                     if (next + AVX2_CHUNK_STEPS * STEP_BYTES > stop) next = NULL;
                     for (int64_t m0 = 0; m0 < rows; m0 += group) {
                         const int mr = rows - m0 < group ? (int)(rows - m0) : group;
-                        /* the first group asks for the next chunk (a request past the buffer's end, where that
-                         * chunk is shorter, is dropped by the CPU) */
                         const char *pf = m0 == 0 ? next : NULL;
                         for (int q = 0; q < lines; q += L) {
                             float *kp = keep + m0 * PANEL_COLS + q * 16;
