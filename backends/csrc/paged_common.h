@@ -257,28 +257,23 @@ static const vi HALVES[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
 #if PAGEDATTN_AVX2_PATHS
 /* the same halvings by AVX2's instructions (vmaxps takes its second operand where the first is not greater, NaN
  * included, as vselect(x > y, x, y)): the same results */
-static inline __m256 halves8(vf x, const int add) {
+/* x's 16 lanes folded by halvings into one: summed (add) or their maximum */
+static inline float fold16(vf x, const int add) {
     __m256 lo, hi;
     memcpy(&lo, &x, 32);
     memcpy(&hi, (const char *)&x + 32, 32);
-    return add ? _mm256_add_ps(lo, hi) : _mm256_max_ps(lo, hi);
-}
-
-static inline float hmax16(vf x) {
-    __m256 v = halves8(x, 0);
-    v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
-    v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4e));
-    v = _mm256_max_ps(v, _mm256_permute_ps(v, 0xb1));
+    __m256 v = add ? _mm256_add_ps(lo, hi) : _mm256_max_ps(lo, hi);
+    for (int i = 0; i < 3; i++) {
+        const __m256 y = i == 0 ? _mm256_permute2f128_ps(v, v, 0x01) : i == 1 ? _mm256_permute_ps(v, 0x4e)
+                                                                              : _mm256_permute_ps(v, 0xb1);
+        v = add ? _mm256_add_ps(v, y) : _mm256_max_ps(v, y);
+    }
     return _mm256_cvtss_f32(v);
 }
 
-static inline float hadd16(vf x) {
-    __m256 v = halves8(x, 1);
-    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
-    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0x4e));
-    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0xb1));
-    return _mm256_cvtss_f32(v);
-}
+static inline float hmax16(vf x) { return fold16(x, 0); }
+
+static inline float hadd16(vf x) { return fold16(x, 1); }
 #else
 static inline float hmax16(vf x) {
     for (int i = 0; i < 4; i++) {

@@ -42,6 +42,21 @@
 #define HAVE_LINEAR_BF16 0
 #endif
 
+/* silu_exp's e^r (r = x - n ln 2, ln 2 in two parts) by its polynomial into p, in either vector width: PS the
+ * intrinsics' prefix (_mm512, or _mm256 in small_linear_avx2.h), V their vector type */
+#define SILU_EXP_POLY(PS, V, x, n, p)                                                       \
+    do {                                                                                  \
+        V r_ = PS##_fnmadd_ps(n, PS##_set1_ps(0.693359375f), x);                          \
+        r_ = PS##_fnmadd_ps(n, PS##_set1_ps(-2.12194440e-4f), r_);                        \
+        p = PS##_set1_ps(1.9875691500e-4f);                                               \
+        p = PS##_fmadd_ps(p, r_, PS##_set1_ps(1.3981999507e-3f));                         \
+        p = PS##_fmadd_ps(p, r_, PS##_set1_ps(8.3334519073e-3f));                         \
+        p = PS##_fmadd_ps(p, r_, PS##_set1_ps(4.1665795894e-2f));                         \
+        p = PS##_fmadd_ps(p, r_, PS##_set1_ps(1.6666665459e-1f));                         \
+        p = PS##_fmadd_ps(p, r_, PS##_set1_ps(5.0000001201e-1f));                         \
+        p = PS##_fmadd_ps(PS##_mul_ps(p, r_), r_, PS##_add_ps(r_, PS##_set1_ps(1.0f)));   \
+    } while (0)
+
 #ifndef LINEAR_PREFETCH_BYTES
 #define LINEAR_PREFETCH_BYTES 8192 /* weight bytes requested ahead of the block being read: on a 2-core EPYC, 4 KiB
                                     * and 16 KiB were 0-10 % slower from DRAM, the hardware's prefetch alone ~1.6x */
@@ -668,15 +683,8 @@ static int linear_kernel(const linear_args *a) {
 static inline __m512 silu_exp(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 p;
+    SILU_EXP_POLY(_mm512, __m512, x, n, p);
     return _mm512_scalef_ps(p, n);
 }
 

@@ -294,15 +294,8 @@ static int linear_kernel(const linear_args *a) {
 static inline __m256 avx2_silu_exp(__m256 x) {
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 p;
+    SILU_EXP_POLY(_mm256, __m256, x, n, p);
     const __m256i n1 = _mm256_cvttps_epi32(_mm256_mul_ps(n, _mm256_set1_ps(0.5f))); /* [-75, 64] */
     const __m256i n2 = _mm256_sub_epi32(_mm256_cvtps_epi32(n), n1);                 /* [-75, 65] */
     const __m256i bias = _mm256_set1_epi32(127);
