@@ -57,6 +57,11 @@
         p = PS##_fmadd_ps(PS##_mul_ps(p, r_), r_, PS##_add_ps(r_, PS##_set1_ps(1.0f)));   \
     } while (0)
 
+/* sizes no kernel takes (both widths' linear_kernel refuse them first) */
+static inline int linear_sizes_bad(const linear_args *a) {
+    return a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30);
+}
+
 #ifndef LINEAR_PREFETCH_BYTES
 #define LINEAR_PREFETCH_BYTES 8192 /* weight bytes requested ahead of the block being read: on a 2-core EPYC, 4 KiB
                                     * and 16 KiB were 0-10 % slower from DRAM, the hardware's prefetch alone ~1.6x */
@@ -655,7 +660,7 @@ static int linear_amx(const linear_args *a, const int cols) {
 /* 0 done; 1 a dtype, layout or size this build does not take, 2 a weight buffer of another size than the layout's
  * (nothing written) */
 static int linear_kernel(const linear_args *a) {
-    if (a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30)) return 1;
+    if (linear_sizes_bad(a)) return 1;
     if (a->dtype == 1 ? !HAVE_LINEAR_BF16 : a->dtype != 0) return 1;
     const int64_t esz = a->dtype == 1 ? 2 : 4, step_k = a->dtype == 1 ? 32 : 16;
     const int64_t steps = (a->K + step_k - 1) / step_k;

@@ -275,7 +275,7 @@ static int linear_panels(const linear_args *a) {
 /* 0 done; 1 a dtype, layout or size this build does not take, 2 a weight buffer of another size than the layout's
  * (nothing written) */
 static int linear_kernel(const linear_args *a) {
-    if (a->M < 0 || a->N < 0 || a->K <= 0 || a->K > (1 << 24) || a->N > (1 << 30)) return 1;
+    if (linear_sizes_bad(a)) return 1;
     if (a->dtype != 0) return 1;
     const int64_t steps = (a->K + 15) / 16;
     if (a->layout == 0) return a->N * a->K * 4 != a->w_bytes ? 2 : linear_plain(a);
